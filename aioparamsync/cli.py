@@ -1,0 +1,130 @@
+"""``aioparamsync-node``: run a node until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .node import Node
+from .server import DEFAULT_IDLE_TIMEOUT
+from .wire import DEFAULT_MAX_FRAME_BYTES
+
+__all__ = ["main"]
+
+log = logging.getLogger("aioparamsync")
+
+_UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3}
+
+
+def byte_size(text: str) -> int:
+    """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes."""
+    t = text.strip().lower().removesuffix("b") if text.strip().lower() != "b" else ""
+    number = t.rstrip("kmgi")
+    unit = t[len(number) :]
+    try:
+        value = int(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
+
+
+def seconds(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds cannot be negative")
+    return value or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aioparamsync-node",
+        description="Run an aioparamsync parameter-server node (in memory). "
+        "It speaks Thrift (framed or buffered, binary or compact) on one port.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=port_number, default=9090, help="port to listen on; 0 picks a free one (default: %(default)s)"
+    )
+    parser.add_argument("--node-id", help="a stable id for this node (default: host:port)")
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=byte_size,
+        default=DEFAULT_MAX_FRAME_BYTES,
+        metavar="SIZE",
+        help="largest message accepted, e.g. 256MiB (default: %(default)s bytes)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=seconds,
+        default=DEFAULT_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help="close connections silent this long; 0: never (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default: %(default)s)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    node = Node(
+        args.host,
+        args.port,
+        node_id=args.node_id,
+        max_frame_bytes=args.max_frame_bytes,
+        idle_timeout=args.idle_timeout,
+    )
+    try:
+        await node.start()
+    except OSError as exc:
+        print(f"aioparamsync-node: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = node.address
+    print(f"aioparamsync-node {node.node_id} listening on {host}:{port}", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await node.stop()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvloop
+
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

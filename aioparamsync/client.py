@@ -1,0 +1,424 @@
+"""The async client: a pool of pipelined connections to a node, and a numpy API.
+
+Theory of operation. A :class:`ParameterClient` keeps up to
+``max_connections`` connections to its node and sends each call on the one
+with the fewest calls in flight, opening another while every open one is
+busy. A connection carries many calls at once: each gets a seqid, and the
+reply with that seqid resolves it, so hundreds of coroutines can share one
+client. A call that times out or is cancelled forgets its seqid, and its late
+reply is dropped (a later call never reads an earlier call's reply).
+
+A connection that breaks fails its calls in flight with
+:class:`~aioparamsync.errors.ConnectionLostError` and leaves the pool; the
+next call opens a fresh one. Reads are retried once on a fresh connection;
+writes are not (their outcome is unknown: the error says so).
+
+Flow control: a connection sends a message only once the previous one has
+left its buffer, so eight concurrent 64 MiB updates queue no more than one
+message in user space per connection. Arrays are sent by reference, without a
+copy: do not change an array until the call sending it has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from types import EllipsisType
+from typing import Any
+
+import numpy as np
+from thriftpy2.thrift import TApplicationException
+
+from .arrays import from_parameter, to_parameters
+from .errors import (
+    CallTimeout,
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    ConnectTimeout,
+    RemoteProtocolError,
+    RequestError,
+    ServerError,
+)
+from .wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MessageType,
+    Method,
+    Receiver,
+    decode_header,
+    encode_message,
+    method,
+    thrift,
+)
+
+__all__ = ["ParameterClient", "parse_address"]
+
+log = logging.getLogger(__name__)
+
+# Default deadline of one call, connecting included (seconds).
+DEFAULT_TIMEOUT = 60.0
+# Default deadline of opening one connection (seconds).
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# Default number of connections a client keeps to its node.
+DEFAULT_MAX_CONNECTIONS = 4
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"`` or ``(host, port)`` -> ``(host, port)``.
+
+    Raises:
+        ValueError: not an address.
+    """
+    if isinstance(address, tuple):
+        host, port = address
+    else:
+        host, sep, port_text = str(address).rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"{address!r} is not host:port")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(f"{address!r}: port {port_text!r} is not a number") from None
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"port {port} is out of range")
+    return str(host), int(port)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One connection: pipelined calls matched to replies by seqid."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.receiver = Receiver(max_frame_bytes, framed=True)
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self._seqids = itertools.count(1)
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.lost: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "open"
+        return f"<Connection {state} [{len(self.pending)} calls in flight]>"
+
+    @property
+    def usable(self) -> bool:
+        return self.lost is None and self.transport is not None and not self.transport.is_closing()
+
+    # -- asyncio callbacks ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Pause as soon as anything is left unsent: a send waits for the one
+        # before it, and a oneway call can wait until its bytes are gone.
+        transport.set_write_buffer_limits(high=0)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.receiver.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            for frame in self.receiver.buffer_updated(nbytes):
+                name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
+                future = self.pending.pop(seqid, None)
+                if future is None or future.done():
+                    continue  # its caller gave up (timeout, cancellation)
+                m = method(name)
+                if mtype == MessageType.EXCEPTION:
+                    error = reader.read_body(TApplicationException)
+                    future.set_exception(ServerError(error.message or "", error.type or 0))
+                elif mtype == MessageType.REPLY and m is not None and m.result is not None:
+                    future.set_result(reader.read_body(m.result))
+                else:
+                    raise RemoteProtocolError(f"unexpected reply {name!r} of type {mtype}")
+        except RemoteProtocolError as exc:
+            self._break(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._break(ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}"))
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # -- calls --------------------------------------------------------------------
+
+    def _break(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+            if isinstance(exc, RemoteProtocolError):
+                log.warning("closing a connection: the node sent an invalid message: %s", exc)
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                error = ConnectionLostError(f"the connection broke during the call: {self.lost}")
+                error.__cause__ = self.lost
+                future.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+
+    async def call(self, m: Method, args: Any) -> Any:
+        """Send one call; answer its result struct (None for oneway calls)."""
+        await self._writable.wait()
+        if not self.usable:
+            raise ConnectionLostError(f"the connection is closed: {self.lost}")
+        assert self.transport is not None
+        seqid = next(self._seqids) & 0x7FFFFFFF
+        mtype = MessageType.ONEWAY if m.oneway else MessageType.CALL
+        parts, _ = encode_message(m.name, mtype, seqid, args)
+        if m.oneway:
+            self.transport.writelines(parts)
+            await self._writable.wait()  # our buffers are out of user space
+            if self.lost is not None:
+                raise ConnectionLostError(f"the connection broke during the call: {self.lost}")
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self.pending[seqid] = future
+        try:
+            self.transport.writelines(parts)
+            return await future
+        finally:
+            self.pending.pop(seqid, None)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class ParameterClient:
+    """An async client of one node.
+
+    Safe to share among many coroutines: calls are pipelined over a small pool
+    of connections. Use it as an async context manager, or call :meth:`close`::
+
+        async with ParameterClient("127.0.0.1:9090") as client:
+            versions = await client.update_arrays({"w": weights})
+            arrays = await client.get_arrays(["w"])
+
+    Args:
+        address: ``"host:port"`` or ``(host, port)``.
+        timeout: default deadline of each call in seconds (None: no deadline).
+        connect_timeout: deadline of opening a connection.
+        max_connections: connections to keep to the node.
+        max_frame_bytes: the largest reply accepted.
+    """
+
+    def __init__(
+        self,
+        address: str | tuple[str, int],
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        self.host, self.port = parse_address(address)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_connections = max_connections
+        self.max_frame_bytes = max_frame_bytes
+        self._connections: list[_Connection] = []
+        self._connecting: asyncio.Future[_Connection] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        active = sum(1 for c in self._connections if c.pending)
+        in_flight = sum(len(c.pending) for c in self._connections)
+        state = "closed" if self._closed else f"{self.host}:{self.port}"
+        return (
+            f"<ParameterClient {state} [Calls: {in_flight} in flight | Connections: "
+            f"{active} active, {len(self._connections) - active} idle]>"
+        )
+
+    async def __aenter__(self) -> ParameterClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every connection; calls in flight fail with ConnectionLostError."""
+        self._closed = True
+        for conn in self._connections:
+            conn.close()
+        self._connections.clear()
+        await asyncio.sleep(0)  # let the transports run their close callbacks
+
+    # -- the pool -------------------------------------------------------------------
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self.max_frame_bytes), self.host, self.port
+                )
+        except TimeoutError:
+            raise ConnectTimeout(
+                f"no connection to {self.host}:{self.port} within {self.connect_timeout} s"
+            ) from None
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        if self._closed:
+            conn.close()
+            raise ClientClosedError("the client was closed")
+        self._connections.append(conn)
+        return conn
+
+    async def _acquire(self) -> _Connection:
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        self._connections = [c for c in self._connections if c.usable]
+        best = min(self._connections, key=lambda c: len(c.pending), default=None)
+        if best is not None and (not best.pending or len(self._connections) >= self.max_connections):
+            return best
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting.add_done_callback(self._connected)
+        if best is not None:
+            return best  # pipeline on a busy connection while another opens
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, future: asyncio.Future) -> None:
+        self._connecting = None
+        if not future.cancelled():
+            future.exception()  # retrieved here; raised to the callers that await it
+
+    async def _call(self, name: str, timeout: float | None | EllipsisType, **args: Any) -> Any:
+        m = method(name)
+        assert m is not None
+        deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
+        message = m.args(**args)
+        retries = 0 if name in ("push_parameters", "broadcast_update") else 1
+        try:
+            async with asyncio.timeout(deadline):
+                while True:
+                    conn = await self._acquire()
+                    try:
+                        result = await conn.call(m, message)
+                        break
+                    except ConnectionLostError:
+                        if retries == 0 or self._closed:
+                            raise
+                        retries -= 1
+        except TimeoutError:
+            raise CallTimeout(f"{name} did not complete within {deadline} s") from None
+        if result is None:
+            return None
+        if getattr(result, "error", None) is not None:
+            raise RequestError(result.error.code, result.error.message)
+        if result.success is None and m.result is not None and 0 in m.result.thrift_spec:
+            raise ServerError(f"{name}: the node sent no result")
+        return result.success
+
+    # -- the API --------------------------------------------------------------------
+
+    async def get_parameters(
+        self, names: Iterable[str], min_version: int = 0, *, timeout: float | None | EllipsisType = ...
+    ) -> Any:
+        """Fetch parameters: those of ``names`` that exist with ``version >= min_version``.
+
+        The response is one consistent snapshot: an update is in it wholly or
+        not at all. Names that do not qualify are left out.
+
+        Args:
+            names: the parameters' names.
+            min_version: leave out parameters older than this.
+            timeout: this call's deadline (seconds; default: the client's).
+
+        Returns:
+            A ``ParameterResponse``: ``params`` (each ``data`` a read-only view
+            of the received bytes) and the node's ``timestamp``.
+
+        Raises:
+            RequestError: the node refused the request (e.g. too many names).
+            CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
+        """
+        if isinstance(names, (str, bytes)):
+            raise TypeError("names must be a list of names, not one string")
+        request = thrift.ParameterRequest(param_names=list(names), min_version=min_version)
+        return await self._call("pull_parameters", timeout, request=request)
+
+    async def update_parameters(
+        self,
+        params: Iterable[Any] | Mapping[str, Any],
+        *,
+        timestamp: int | None = None,
+        timeout: float | None | EllipsisType = ...,
+    ) -> dict[str, int]:
+        """Apply an update atomically: every parameter in it, or none.
+
+        Args:
+            params: ``Parameter`` objects, or a mapping of name -> array.
+            timestamp: the update's timestamp (default: now, in milliseconds).
+            timeout: this call's deadline (seconds; default: the client's).
+
+        Returns:
+            The version each parameter now has.
+
+        Raises:
+            RequestError: the node refused the update (nothing was applied).
+            ConnectionLostError: the connection broke; the update may or may
+                not have been applied.
+        """
+        update = self._update(params, timestamp)
+        result = await self._call("push_parameters", timeout, update=update)
+        return dict(result.versions)
+
+    async def broadcast_update(
+        self,
+        params: Iterable[Any] | Mapping[str, Any],
+        *,
+        timestamp: int | None = None,
+        timeout: float | None | EllipsisType = ...,
+    ) -> None:
+        """Send an update oneway: no reply, no error from the node.
+
+        Returns once the update's bytes have left this process; the node
+        applies it (to a reader on this client, before any later read).
+        """
+        await self._call("broadcast_update", timeout, update=self._update(params, timestamp))
+
+    async def get_arrays(
+        self, names: Iterable[str], min_version: int = 0, *, timeout: float | None | EllipsisType = ...
+    ) -> dict[str, np.ndarray]:
+        """Fetch parameters as numpy arrays (read-only views, no copy), by name."""
+        response = await self.get_parameters(names, min_version, timeout=timeout)
+        return {p.name: from_parameter(p) for p in response.params}
+
+    async def update_arrays(
+        self, arrays: Mapping[str, Any], *, timestamp: int | None = None, timeout: float | None | EllipsisType = ...
+    ) -> dict[str, int]:
+        """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions."""
+        if not isinstance(arrays, Mapping):
+            raise TypeError("arrays must be a mapping of name -> array")
+        return await self.update_parameters(arrays, timestamp=timestamp, timeout=timeout)
+
+    async def ping(self, *, timeout: float | None | EllipsisType = ...) -> str:
+        """Answer the node's id."""
+        return await self._call("ping", timeout)
+
+    async def info(self, *, timeout: float | None | EllipsisType = ...) -> Any:
+        """The node's ``NodeInfo``: id, version, parameters, counters."""
+        return await self._call("info", timeout)
+
+    @staticmethod
+    def _update(params: Iterable[Any] | Mapping[str, Any], timestamp: int | None) -> Any:
+        if timestamp is None:
+            timestamp = time.time_ns() // 1_000_000
+        return thrift.ParameterUpdate(params=to_parameters(params), timestamp=timestamp)

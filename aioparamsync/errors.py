@@ -1,0 +1,123 @@
+"""The errors aioparamsync raises, grouped by cause.
+
+Every error derives from :class:`ParamSyncError`. Where a standard exception
+fits, ours derives from it too, so ``except TimeoutError`` or
+``except ValueError`` work as a user expects.
+
+- :class:`ProtocolError`: bytes that are not a valid message.
+  :class:`RemoteProtocolError` means the other side sent them (close that
+  connection); :class:`LocalProtocolError` means we were asked to send
+  something the protocol cannot carry.
+- :class:`RequestError`: the node understood the request and refused it
+  (bad names, data that does not match its dtype and shape, limits); it
+  carries the wire's :class:`ErrorCode`.
+- :class:`ServerError`: the node failed or does not know the method (a
+  ``TApplicationException`` on the wire).
+- :class:`NetworkError`: :class:`ConnectError`, :class:`ConnectionLostError`.
+- :class:`CallTimeout`, :class:`ConnectTimeout`: deadlines.
+- :class:`ClientClosedError`: the client was closed by its owner.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "CallTimeout",
+    "ClientClosedError",
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionLostError",
+    "ErrorCode",
+    "LocalProtocolError",
+    "NetworkError",
+    "ParamSyncError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "RequestError",
+    "ServerError",
+]
+
+
+class ErrorCode(enum.IntEnum):
+    """The codes of the wire's ``ParameterError`` (see ``idl/aioparamsync.thrift``)."""
+
+    BAD_REQUEST = 1
+    UNKNOWN_PARAMETER = 2
+    SHAPE_MISMATCH = 3
+    LIMIT_EXCEEDED = 4
+    UNAVAILABLE = 5
+
+
+class ParamSyncError(Exception):
+    """Base of every error aioparamsync raises."""
+
+
+class ProtocolError(ParamSyncError):
+    """Bytes that are not a valid Thrift message."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The other side sent bytes that are not a valid message."""
+
+
+class LocalProtocolError(ProtocolError, ValueError):
+    """A value that the protocol cannot carry was given to be sent."""
+
+
+class RequestError(ParamSyncError, ValueError):
+    """The node refused a request (the wire's ``ParameterError``).
+
+    Attributes:
+        code: why, as an :class:`ErrorCode`.
+        message: the node's explanation.
+    """
+
+    def __init__(self, code: ErrorCode | int, message: str) -> None:
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass  # a newer node's code: keep the number
+        self.code = code
+        self.message = message
+        name = code.name if isinstance(code, ErrorCode) else str(code)
+        super().__init__(f"{name}: {message}")
+
+    def __reduce__(self):  # keeps pickling (multiprocessing) working
+        return (type(self), (self.code, self.message))
+
+
+class ServerError(ParamSyncError):
+    """The node answered with a ``TApplicationException``.
+
+    Attributes:
+        type: the ``TApplicationException`` type (e.g. 1 = unknown method).
+    """
+
+    def __init__(self, message: str, type: int = 0) -> None:
+        self.type = type
+        super().__init__(message)
+
+
+class NetworkError(ParamSyncError, ConnectionError):
+    """The connection to a node failed."""
+
+
+class ConnectError(NetworkError):
+    """No connection to the node could be made."""
+
+
+class ConnectionLostError(NetworkError):
+    """The connection broke while a call was in flight; the call's outcome is unknown."""
+
+
+class CallTimeout(ParamSyncError, TimeoutError):
+    """A call did not complete within its timeout."""
+
+
+class ConnectTimeout(CallTimeout):
+    """No connection could be made within the timeout."""
+
+
+class ClientClosedError(ParamSyncError, RuntimeError):
+    """The client was closed; no more calls can be made on it."""

@@ -1,0 +1,440 @@
+"""The asyncio server: connections -> wire -> handler, with limits and a clean shutdown.
+
+Theory of operation. Each connection is a :class:`ServerConnection`, an
+``asyncio.BufferedProtocol`` whose receiving side is a sans-IO
+:class:`~aioparamsync.wire.Receiver` (the socket writes straight into its
+buffers). Every complete message is decoded at once, in the event loop's
+callback, and handed to the handler, which answers either the reply or a
+future of it. A connection carries many calls at a time (pipelining), and
+its replies go out in the order of its requests, so clients that match
+replies by seqid and clients that do not both work. A read on a connection
+waits for the writes sent before it on that connection (read-your-writes);
+writes from one connection are applied in the order they were sent.
+
+A handler's :class:`~aioparamsync.errors.RequestError` becomes the method's
+declared ``ParameterError`` where it has one, else a
+``TApplicationException``; any other error becomes a
+``TApplicationException`` (INTERNAL_ERROR) and is logged. A connection is
+closed only for bytes that are not valid messages (after a protocol error
+reply), for idleness, or at shutdown; never because a handler failed.
+
+Backpressure: a connection stops reading while its transport's write buffer
+is over ``WRITE_HIGH_BYTES`` or while ``MAX_PIPELINE`` of its calls await
+their replies, so neither a slow reader nor a flood of calls queues
+unbounded memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol as TypingProtocol
+
+from thriftpy2.thrift import TApplicationException
+
+from .errors import LocalProtocolError, RemoteProtocolError, RequestError
+from .wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Frame,
+    MessageType,
+    Method,
+    Protocol,
+    Receiver,
+    decode_header,
+    encode_message,
+    method,
+    thrift,
+)
+
+__all__ = ["Handler", "Server", "ServerConfig", "ServerConnection"]
+
+log = logging.getLogger(__name__)
+
+# Calls one connection may have awaiting replies before it stops reading.
+MAX_PIPELINE = 256
+# Write buffer size above which a connection stops reading (bytes).
+WRITE_HIGH_BYTES = 8 * 1024 * 1024
+# A connection with nothing in flight and silent this long is closed (seconds).
+DEFAULT_IDLE_TIMEOUT = 600.0
+
+
+class Handler(TypingProtocol):
+    """What the server calls for each request."""
+
+    #: names of the methods that change state (reads wait for them)
+    writes: frozenset[str]
+
+    def handle(self, method: Method, args: Any) -> Any:
+        """Answer the result struct, or a future of it (None for oneway)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9090
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
+    max_connections: int = 10_000
+
+
+class _Call:
+    """A call awaiting its reply, in its connection's order."""
+
+    __slots__ = ("method", "seqid", "frame", "reply")
+
+    def __init__(self, method_: Method, seqid: int, frame: Frame) -> None:
+        self.method = method_
+        self.seqid = seqid
+        self.frame = frame
+        self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
+
+
+def _app_error(kind: int, message: str) -> TApplicationException:
+    return TApplicationException(type=kind, message=message)
+
+
+class ServerConnection(asyncio.BufferedProtocol):
+    """One client's connection (see the module's docstring)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.receiver = Receiver(server.config.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.peer: Any = None
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._last_write: asyncio.Future | None = None
+        self._write_paused = False
+        self._read_paused = False
+        self._closing = False
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._last_activity = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ServerConnection {self.peer} [{len(self._calls)} calls awaiting replies"
+            f"{', write paused' if self._write_paused else ''}"
+            f"{', closing' if self._closing else ''}]>"
+        )
+
+    # -- asyncio callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
+        if not self.server._register(self):
+            transport.close()
+            return
+        self._touch()
+        if self.server.config.idle_timeout:
+            self._schedule_idle_check(self.server.config.idle_timeout)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.receiver.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._touch()
+        self.server.counters["bytes_in"] += nbytes
+        try:
+            frames = self.receiver.buffer_updated(nbytes)
+        except RemoteProtocolError as exc:
+            self._protocol_failure(exc, None)
+            return
+        for frame in frames:
+            if self._closing:
+                return
+            self._dispatch(frame)
+
+    def eof_received(self) -> bool:
+        try:
+            self.receiver.check_eof()
+        except RemoteProtocolError as exc:
+            log.info("%s: %s", self.peer, exc)
+            self.server.counters["protocol_errors"] += 1
+        # Keep the socket open for the replies still owed; close after them.
+        self._closing = True
+        self._maybe_finish()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._calls.clear()
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        self.server._unregister(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    # -- requests -----------------------------------------------------------------
+
+    def _dispatch(self, frame: Frame) -> None:
+        counters = self.server.counters
+        counters["requests"] += 1
+        try:
+            name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
+        except RemoteProtocolError as exc:
+            self._protocol_failure(exc, frame)
+            return
+        m = method(name)
+        if m is None or mtype not in (MessageType.CALL, MessageType.ONEWAY):
+            counters["errors"] += 1
+            if mtype == MessageType.ONEWAY:
+                log.info("%s: oneway call of unknown method %r dropped", self.peer, name)
+                return
+            call = _Call(Method(name, type(None), None, False), seqid, frame)
+            if m is None:
+                error = _app_error(TApplicationException.UNKNOWN_METHOD, f"unknown method {name!r}")
+            else:
+                error = _app_error(
+                    TApplicationException.INVALID_MESSAGE_TYPE, f"message type {mtype} for {name!r}"
+                )
+            call.reply = (MessageType.EXCEPTION, error)
+            self._calls.append(call)
+            self._flush()
+            return
+        try:
+            args = reader.read_body(m.args)
+        except RemoteProtocolError as exc:
+            self._protocol_failure(exc, frame, name=name, seqid=seqid)
+            return
+        call = _Call(m, seqid, frame)
+        if not m.oneway:
+            self._calls.append(call)
+        handler = self.server.handler
+        if name in handler.writes:
+            outcome = self._call_handler(call, args)
+            if isinstance(outcome, asyncio.Future):
+                self._last_write = outcome
+        elif self._last_write is not None and not self._last_write.done():
+            # Read-your-writes: run the read once the writes before it are applied.
+            self._last_write.add_done_callback(lambda _: self._call_handler(call, args))
+        else:
+            self._call_handler(call, args)
+        self._update_reading()
+
+    def _call_handler(self, call: _Call, args: Any) -> Any:
+        try:
+            outcome = self.server.handler.handle(call.method, args)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+            self._settle(call, None, exc)
+            return None
+        if isinstance(outcome, asyncio.Future):
+            outcome.add_done_callback(lambda fut: self._settle_future(call, fut))
+        else:
+            self._settle(call, outcome, None)
+        return outcome
+
+    def _settle_future(self, call: _Call, future: asyncio.Future) -> None:
+        if future.cancelled():
+            self._settle(call, None, asyncio.CancelledError())
+        else:
+            exc = future.exception()
+            self._settle(call, None if exc else future.result(), exc)
+
+    def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
+        m = call.method
+        if exc is None:
+            if m.oneway:
+                return
+            call.reply = (MessageType.REPLY, result)
+        else:
+            self.server.counters["errors"] += 1
+            if m.oneway:
+                log.warning("%s: oneway %s failed: %s", self.peer, m.name, exc)
+                return
+            call.reply = self._error_reply(m, exc)
+        self._flush()
+
+    def _error_reply(self, m: Method, exc: BaseException) -> tuple[int, Any]:
+        if isinstance(exc, RequestError):
+            if m.typed_errors and m.result is not None:
+                error = thrift.ParameterError(code=int(exc.code), message=exc.message)
+                return MessageType.REPLY, m.result(error=error)
+            return MessageType.EXCEPTION, _app_error(TApplicationException.UNKNOWN, str(exc))
+        if isinstance(exc, asyncio.CancelledError):
+            return MessageType.EXCEPTION, _app_error(
+                TApplicationException.INTERNAL_ERROR, f"{m.name} was cancelled (shutting down)"
+            )
+        log.error("%s: %s failed", self.peer, m.name, exc_info=exc)
+        return MessageType.EXCEPTION, _app_error(
+            TApplicationException.INTERNAL_ERROR, f"{m.name} failed: {type(exc).__name__}: {exc}"
+        )
+
+    # -- replies ------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Send every reply that is ready and owed before any still pending."""
+        calls = self._calls
+        transport = self.transport
+        while calls and calls[0].reply is not None:
+            call = calls.popleft()
+            if transport is None or transport.is_closing():
+                continue
+            mtype, body = call.reply  # type: ignore[misc]
+            self._send(call.method.name, mtype, call.seqid, body, call.frame)
+        self._update_reading()
+        self._maybe_finish()
+
+    def _send(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> None:
+        assert self.transport is not None
+        try:
+            parts, size = encode_message(name, mtype, seqid, body, frame.protocol, framed=frame.framed)
+        except LocalProtocolError as exc:
+            log.error("%s: cannot encode the reply to %s: %s", self.peer, name, exc)
+            error = _app_error(TApplicationException.INTERNAL_ERROR, f"cannot encode the reply: {exc}")
+            parts, size = encode_message(
+                name, MessageType.EXCEPTION, seqid, error, frame.protocol, framed=frame.framed
+            )
+        self.server.counters["bytes_out"] += size
+        self.transport.writelines(parts)
+
+    def _protocol_failure(
+        self, exc: RemoteProtocolError, frame: Frame | None, *, name: str = "", seqid: int = 0
+    ) -> None:
+        """Bytes that are not a valid message: say so where we can, then close."""
+        self.server.counters["protocol_errors"] += 1
+        log.info("%s: closing the connection: %s", self.peer, exc)
+        self._closing = True
+        self._calls.clear()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        protocol = frame.protocol if frame is not None else (self.receiver.protocol or Protocol.BINARY)
+        framed = frame.framed if frame is not None else self.receiver.framed is not False
+        error = _app_error(TApplicationException.PROTOCOL_ERROR, str(exc))
+        parts, _ = encode_message(name, MessageType.EXCEPTION, seqid, error, protocol, framed=framed)
+        transport.writelines(parts)
+        transport.close()
+
+    # -- flow control and lifetime ------------------------------------------------
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        should_pause = self._write_paused or len(self._calls) >= MAX_PIPELINE
+        if should_pause and not self._read_paused:
+            self._read_paused = True
+            transport.pause_reading()
+        elif not should_pause and self._read_paused:
+            self._read_paused = False
+            transport.resume_reading()
+
+    def _maybe_finish(self) -> None:
+        if self._closing and not self._calls and self.transport is not None:
+            self.transport.close()
+
+    def _touch(self) -> None:
+        self._last_activity = asyncio.get_running_loop().time()
+
+    def _schedule_idle_check(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._idle_handle = loop.call_later(delay, self._idle_check)
+
+    def _idle_check(self) -> None:
+        timeout = self.server.config.idle_timeout
+        assert timeout
+        idle = asyncio.get_running_loop().time() - self._last_activity
+        if self._calls or idle < timeout:
+            self._schedule_idle_check(max(timeout - idle, 0.05) if not self._calls else timeout)
+            return
+        log.info("%s: closing the connection after %.1f s of silence", self.peer, idle)
+        self.server.counters["idle_closed"] += 1
+        if self.receiver.pending_bytes:
+            self.server.counters["protocol_errors"] += 1
+        if self.transport is not None:
+            self.transport.close()
+
+    def close(self) -> None:
+        """Finish the calls in flight, then close (see :meth:`Server.close`)."""
+        self._closing = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._maybe_finish()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Server:
+    """Listens on one port and serves every connection with ``handler``.
+
+    Args:
+        handler: answers the requests (see :class:`Handler`).
+        config: address and limits.
+    """
+
+    def __init__(self, handler: Handler, config: ServerConfig | None = None) -> None:
+        self.handler = handler
+        self.config = config or ServerConfig()
+        self.connections: set[ServerConnection] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._server: asyncio.AbstractServer | None = None
+        self._on_idle: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        where = f"{self.address[0]}:{self.address[1]}" if self._server else "not listening"
+        return f"<Server {where} [{len(self.connections)} connections]>"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The (host, port) it listens on (the real port when 0 was asked for)."""
+        assert self._server is not None, "the server is not started"
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ServerConnection(self),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            backlog=1024,
+        )
+
+    def _register(self, conn: ServerConnection) -> bool:
+        if len(self.connections) >= self.config.max_connections:
+            log.warning("refusing %s: %d connections open", conn.peer, len(self.connections))
+            self.counters["connections_refused"] += 1
+            return False
+        self.connections.add(conn)
+        self.counters["connections_total"] += 1
+        return True
+
+    def _unregister(self, conn: ServerConnection) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._on_idle is not None:
+            self._on_idle()
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Stop accepting, let the calls in flight finish (up to ``grace`` s), close the rest."""
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self.connections:
+            drained = asyncio.get_running_loop().create_future()
+            self._on_idle = lambda: drained.done() or drained.set_result(None)
+            try:
+                await asyncio.wait_for(drained, grace)
+            except TimeoutError:
+                log.warning("aborting %d connections after %.1f s", len(self.connections), grace)
+                for conn in list(self.connections):
+                    conn.abort()
+        await self._server.wait_closed()

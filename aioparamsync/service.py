@@ -1,0 +1,126 @@
+"""The service: each IDL method of ``ParameterSyncService``, served from the store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import __version__
+from .errors import ErrorCode, RequestError
+from .store import Applied, Entry, ParameterStore
+from .wire import Method, thrift
+
+__all__ = ["ParameterService"]
+
+
+def to_wire(entry: Entry) -> Any:
+    """The ``Parameter`` that carries a stored entry (its data by reference)."""
+    return thrift.Parameter(
+        name=entry.name,
+        data=entry.data,
+        version=entry.version,
+        dtype=entry.dtype,
+        shape=list(entry.shape) if entry.shape is not None else None,
+    )
+
+
+def _then(future: asyncio.Future, fn: Callable[[Any], Any]) -> asyncio.Future:
+    """A future of ``fn(future's result)``, failing as ``future`` fails."""
+    out = future.get_loop().create_future()
+
+    def done(f: asyncio.Future) -> None:
+        if out.done():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif (exc := f.exception()) is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(fn(f.result()))
+
+    future.add_done_callback(done)
+    return out
+
+
+def _params(update: Any) -> tuple[Sequence[Any], int]:
+    if update is None:
+        raise RequestError(ErrorCode.BAD_REQUEST, "the update is missing")
+    return update.params, update.timestamp
+
+
+class ParameterService:
+    """Answers every method of the IDL from a :class:`ParameterStore`.
+
+    Args:
+        store: where parameters live; ``ping`` answers its table's node id.
+        counters: the server's counters, reported by ``info``.
+    """
+
+    writes = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
+
+    def __init__(self, store: ParameterStore, counters: Mapping[str, int] | None = None) -> None:
+        self.store = store
+        self.counters: Mapping[str, int] = counters if counters is not None else {}
+        self.started = time.monotonic()
+
+    @property
+    def node_id(self) -> str:
+        return self.store.table.node_id
+
+    def handle(self, method: Method, args: Any) -> Any:
+        handler = getattr(self, "_" + method.name)
+        return handler(method, args)
+
+    # -- the founding methods ----------------------------------------------------
+
+    def _read(self, request: Any) -> Any:
+        if request is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+        entries = self.store.read(request.param_names, request.min_version or 0)
+        return thrift.ParameterResponse(
+            params=[to_wire(e) for e in entries], timestamp=self.store.timestamp
+        )
+
+    def _get_parameters(self, method: Method, args: Any) -> Any:
+        return method.result(success=self._read(args.request))
+
+    def _update_parameters(self, method: Method, args: Any) -> asyncio.Future:
+        future = self.store.submit(*_params(args.update))
+        return _then(future, lambda _: method.result())
+
+    def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
+        return self.store.submit(*_params(args.update))
+
+    # -- the typed methods --------------------------------------------------------
+
+    def _pull_parameters(self, method: Method, args: Any) -> Any:
+        return method.result(success=self._read(args.request))
+
+    def _push_parameters(self, method: Method, args: Any) -> asyncio.Future:
+        def result(applied: Applied) -> Any:
+            versions = {e.name: e.version for e in applied.entries}
+            return method.result(
+                success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+            )
+
+        return _then(self.store.submit(*_params(args.update)), result)
+
+    def _ping(self, method: Method, args: Any) -> Any:
+        return method.result(success=self.node_id)
+
+    def _info(self, method: Method, args: Any) -> Any:
+        table = self.store.table
+        counters = {k: int(v) for k, v in self.counters.items()}
+        counters.update(self.store.statistics())
+        info = thrift.NodeInfo(
+            node_id=self.node_id,
+            version=__version__,
+            parameter_count=len(table),
+            parameter_bytes=table.nbytes,
+            timestamp=table.timestamp,
+            uptime_seconds=time.monotonic() - self.started,
+            counters=counters,
+        )
+        return method.result(success=info)

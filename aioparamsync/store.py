@@ -1,0 +1,367 @@
+"""The parameter store: one writer owns every mutation; readers see consistent snapshots.
+
+Theory of operation. :class:`ParameterTable` holds the parameters and every
+rule of changing them (validation, versions, timestamps); it has no asyncio in
+it and is tested without an event loop. :class:`ParameterStore` puts one
+coroutine, :meth:`ParameterStore.run`, in front of it: callers submit updates
+to a bounded queue and get a future; the writer takes whatever is queued (a
+batch, so that a durable store later commits a whole batch at once), applies
+each update with no ``await`` inside a mutation, then resolves the callers
+and hands the applied entries to its subscribers (the replication feed).
+
+Reads need no lock and no copy. A read runs between two of the writer's
+steps on the same event loop, so it sees every update wholly or not at all,
+and the :class:`Entry` objects it collects are immutable: an update replaces
+entries, it never changes one. Their ``data`` is a read-only view of the
+bytes the update arrived in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .arrays import check_layout
+from .errors import ErrorCode, RequestError
+
+__all__ = ["Applied", "Entry", "Limits", "ParameterStore", "ParameterTable"]
+
+log = logging.getLogger(__name__)
+
+# Updates that may wait for the writer before submit() refuses more.
+MAX_PENDING = 10_000
+# Most updates the writer applies in one batch.
+MAX_BATCH = 256
+# The largest version a parameter may have (Thrift's i32).
+MAX_VERSION = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may hold."""
+
+    max_name_bytes: int = 1024
+    max_params_per_update: int = 100_000
+    max_names_per_request: int = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stored parameter; never changed once made.
+
+    Attributes:
+        name: its name.
+        data: its bytes, a read-only buffer.
+        version: its version (grows with every update).
+        dtype: numpy's dtype string, or None for plain bytes.
+        shape: its shape, or None.
+        origin: the id of the node where this version was first applied.
+    """
+
+    name: str
+    data: memoryview
+    version: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    origin: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What one update did: the entries it stored and the node's timestamp after it."""
+
+    entries: tuple[Entry, ...]
+    timestamp: int
+
+
+def _readonly(data: Any) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if not view.readonly:
+        # A caller's own buffer could change under the store: keep a copy.
+        view = memoryview(bytes(view))
+    return view.toreadonly()
+
+
+class ParameterTable:
+    """Every parameter and the rules of changing them (no asyncio; one caller at a time).
+
+    Args:
+        node_id: recorded as the origin of the versions this node applies.
+        limits: what one request may hold.
+    """
+
+    def __init__(self, node_id: str = "", limits: Limits | None = None) -> None:
+        self.node_id = node_id
+        self.limits = limits or Limits()
+        self.timestamp = 0
+        self._entries: dict[str, Entry] = {}
+        self._nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __repr__(self) -> str:
+        return f"<ParameterTable {len(self)} parameters, {self._nbytes} bytes, timestamp {self.timestamp}>"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter data held."""
+        return self._nbytes
+
+    def entry(self, name: str) -> Entry | None:
+        return self._entries.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def read(self, names: Sequence[str], min_version: int = 0) -> list[Entry]:
+        """The entries of ``names`` that exist with ``version >= min_version``, in order.
+
+        Names that do not qualify are left out; a name asked twice comes once.
+
+        Raises:
+            RequestError: (LIMIT_EXCEEDED) too many names.
+        """
+        if len(names) > self.limits.max_names_per_request:
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(names)} names in one request; the limit is "
+                f"{self.limits.max_names_per_request}",
+            )
+        entries = self._entries
+        found = []
+        seen = set()
+        for name in names:
+            entry = entries.get(name)
+            if entry is not None and entry.version >= min_version and name not in seen:
+                seen.add(name)
+                found.append(entry)
+        return found
+
+    def check(self, params: Sequence[Any]) -> None:
+        """Raise :class:`RequestError` if the update ``params`` may not be applied."""
+        limits = self.limits
+        if len(params) > limits.max_params_per_update:
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(params)} parameters in one update; the limit is "
+                f"{limits.max_params_per_update}",
+            )
+        seen: set[str] = set()
+        for p in params:
+            name = p.name
+            if not isinstance(name, str) or not name:
+                raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
+            if len(name.encode()) > limits.max_name_bytes:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"a parameter name of {len(name.encode())} bytes is longer than "
+                    f"{limits.max_name_bytes}",
+                )
+            if name in seen:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} appears twice in one update")
+            seen.add(name)
+            if p.data is None:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
+            check_layout(name, memoryview(p.data).nbytes, p.dtype, p.shape)
+            current = self._entries.get(name)
+            if current is not None and current.version >= MAX_VERSION:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED, f"{name!r} has reached the largest version"
+                )
+
+    def apply(self, params: Sequence[Any], timestamp: int) -> Applied:
+        """Apply one update wholly, or raise :class:`RequestError` and change nothing.
+
+        Each parameter's version becomes ``max(stored + 1, given)``; the
+        node's timestamp becomes ``max(timestamp, given timestamp)``.
+        """
+        self.check(params)
+        entries = self._entries
+        made = []
+        for p in params:
+            current = entries.get(p.name)
+            stored = current.version if current is not None else 0
+            given = p.version or 0
+            shape = tuple(p.shape) if p.shape is not None else None
+            made.append(
+                Entry(p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.node_id)
+            )
+        # Nothing below can fail: the update is applied whole.
+        for entry in made:
+            old = entries.get(entry.name)
+            if old is not None:
+                self._nbytes -= old.nbytes
+            entries[entry.name] = entry
+            self._nbytes += entry.nbytes
+        if timestamp > self.timestamp:
+            self.timestamp = timestamp
+        return Applied(tuple(made), self.timestamp)
+
+
+class ParameterStore:
+    """The single writer in front of a :class:`ParameterTable`.
+
+    Backpressure: at most ``max_pending`` updates wait for the writer;
+    :meth:`submit` refuses more with ``RequestError(UNAVAILABLE)`` at once
+    (the server's per-connection limits keep a well-behaved client far from
+    it), while :meth:`update` waits for room.
+
+    Args:
+        table: the table to own (a new, empty one by default).
+        max_pending: the queue's bound.
+        max_batch: the most updates applied in one batch.
+    """
+
+    def __init__(
+        self,
+        table: ParameterTable | None = None,
+        *,
+        max_pending: int = MAX_PENDING,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
+        self.table = table if table is not None else ParameterTable()
+        self.max_pending = max_pending
+        self.max_batch = max_batch
+        self._queue: collections.deque[tuple[Sequence[Any], int, asyncio.Future]] = (
+            collections.deque()
+        )
+        self._wakeup: asyncio.Event | None = None
+        self._room: asyncio.Event | None = None
+        self._closed = False
+        self._subscribers: list[Callable[[Sequence[Entry]], None]] = []
+        self.batches = 0
+        self.updates_applied = 0
+        self.updates_refused = 0
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<ParameterStore {state} [{len(self._queue)} pending | "
+            f"{self.updates_applied} applied in {self.batches} batches] {self.table!r}>"
+        )
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "pending": len(self._queue),
+            "batches": self.batches,
+            "updates_applied": self.updates_applied,
+            "updates_refused": self.updates_refused,
+            "parameters": len(self.table),
+            "parameter_bytes": self.table.nbytes,
+        }
+
+    # -- reading ----------------------------------------------------------------
+
+    def read(self, names: Sequence[str], min_version: int = 0) -> list[Entry]:
+        """A consistent snapshot of ``names`` (see :meth:`ParameterTable.read`)."""
+        return self.table.read(names, min_version)
+
+    @property
+    def timestamp(self) -> int:
+        return self.table.timestamp
+
+    # -- writing ----------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[Sequence[Entry]], None]) -> None:
+        """Call ``callback(entries)`` after each batch, with the entries it applied.
+
+        The callback runs in the writer, so it must not block: it queues work.
+        """
+        self._subscribers.append(callback)
+
+    def submit(self, params: Sequence[Any], timestamp: int) -> asyncio.Future[Applied]:
+        """Queue an update; answer a future of its :class:`Applied`.
+
+        Updates are applied in the order they are submitted.
+
+        Raises:
+            RequestError: (UNAVAILABLE) the queue is full or the store is closed.
+        """
+        if self._closed:
+            raise RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+        if len(self._queue) >= self.max_pending:
+            self.updates_refused += 1
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"the node has {len(self._queue)} updates waiting; try again",
+            )
+        future: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
+        self._queue.append((params, timestamp, future))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return future
+
+    async def update(self, params: Sequence[Any], timestamp: int) -> Applied:
+        """Apply an update, waiting for room in the queue if need be."""
+        while len(self._queue) >= self.max_pending and not self._closed:
+            if self._room is None:
+                self._room = asyncio.Event()
+            self._room.clear()
+            await self._room.wait()
+        return await self.submit(params, timestamp)
+
+    async def run(self) -> None:
+        """The writer. Runs until :meth:`close`, then applies what was queued and returns."""
+        self._wakeup = asyncio.Event()
+        while True:
+            if not self._queue:
+                if self._closed:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._apply_batch()
+            # Let readers and the network run between batches.
+            await asyncio.sleep(0)
+
+    def _apply_batch(self) -> None:
+        queue = self._queue
+        batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+        if self._room is not None:
+            self._room.set()
+        done: list[tuple[asyncio.Future, Applied]] = []
+        applied_entries: list[Entry] = []
+        table = self.table
+        for params, timestamp, future in batch:
+            if future.cancelled():
+                continue  # its caller gave up before it was applied
+            try:
+                applied = table.apply(params, timestamp)
+            except RequestError as exc:
+                self.updates_refused += 1
+                future.set_exception(exc)
+                continue
+            done.append((future, applied))
+            applied_entries.extend(applied.entries)
+        self.batches += 1
+        self.updates_applied += len(done)
+        for future, applied in done:
+            future.set_result(applied)
+        if applied_entries:
+            for callback in self._subscribers:
+                try:
+                    callback(applied_entries)
+                except Exception:  # one subscriber's bug must not stop the writer
+                    log.exception("store subscriber %r failed", callback)
+
+    def close(self) -> None:
+        """Refuse new updates; :meth:`run` returns once the queued ones are applied."""
+        self._closed = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._room is not None:
+            self._room.set()

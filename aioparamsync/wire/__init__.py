@@ -1,0 +1,38 @@
+"""The wire: the IDL, the codecs and the framing, with no I/O and no asyncio.
+
+``thrift`` is the module :func:`thriftpy2.load` makes of
+``idl/aioparamsync.thrift``: its classes (``thrift.Parameter``, ...) are the
+messages' types.
+"""
+
+from __future__ import annotations
+
+from .codec import (
+    MessageType,
+    NeedData,
+    Protocol,
+    Reader,
+    decode_header,
+    encode_message,
+    measure_message,
+)
+from .framing import DEFAULT_MAX_FRAME_BYTES, Frame, Receiver
+from .idl import IDL_PATH, SEED_IDL_PATH, Method, method, thrift
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "IDL_PATH",
+    "SEED_IDL_PATH",
+    "Frame",
+    "MessageType",
+    "Method",
+    "NeedData",
+    "Protocol",
+    "Reader",
+    "Receiver",
+    "decode_header",
+    "encode_message",
+    "measure_message",
+    "method",
+    "thrift",
+]

@@ -1,0 +1,894 @@
+"""Thrift's binary and compact protocols: bounds-checked, zero-copy, no I/O.
+
+Theory of operation. A message is decoded from one contiguous buffer (a
+frame's payload, or the bytes an unframed connection has received so far).
+Every read checks the bytes left before it reads, so a message can never run
+past the end of its buffer and a count (a list of 10**9 elements, a string of
+2 GiB) is refused before anything is allocated for it. The structs are the
+classes :func:`thriftpy2.load` generates; their ``thrift_spec`` drives the
+walk, so the codec knows nothing of the IDL. ``binary`` fields decode to
+read-only ``memoryview`` slices of the buffer (no copy: a 64 MiB parameter
+stays where the socket put it) and encode by reference: the encoder returns a
+list of buffers for a vectored write, the large ones being the caller's own.
+
+Decoding on a stream (unframed connections) raises :class:`NeedData` with the
+number of bytes the message needs at least, so the caller waits for that many
+before trying again, instead of re-parsing on every packet.
+
+Any malformed input raises :class:`~aioparamsync.errors.RemoteProtocolError`
+and nothing else; a value that cannot be encoded raises
+:class:`~aioparamsync.errors.LocalProtocolError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+from thriftpy2.thrift import TType
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "MessageType",
+    "NeedData",
+    "Protocol",
+    "Reader",
+    "decode_header",
+    "encode_message",
+    "measure_message",
+]
+
+# Binary fields at least this long are sent by reference instead of being
+# copied into the encoder's buffer (a copy is cheaper than a separate iovec
+# for small ones).
+ZERO_COPY_MIN_BYTES = 16 * 1024
+# Deepest nesting of structs and containers a message may have.
+MAX_DEPTH = 64
+# The largest value a Thrift i32 length may have.
+MAX_I32 = 2**31 - 1
+
+
+class Protocol(enum.Enum):
+    """A Thrift protocol, told by a message's first byte."""
+
+    BINARY = 0x80
+    COMPACT = 0x82
+
+
+class MessageType(enum.IntEnum):
+    CALL = 1
+    REPLY = 2
+    EXCEPTION = 3
+    ONEWAY = 4
+
+
+class NeedData(Exception):
+    """A message on a stream needs at least ``needed`` bytes (from its start)."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+_S_I8 = struct.Struct("!b")
+_S_I16 = struct.Struct("!h")
+_S_I32 = struct.Struct("!i")
+_S_I64 = struct.Struct("!q")
+_S_DOUBLE = struct.Struct("!d")
+_S_DOUBLE_LE = struct.Struct("<d")
+_S_BIN_MSG = struct.Struct("!I")  # strict binary: version and type in one word
+_S_FIELD = struct.Struct("!bh")
+_S_LIST = struct.Struct("!bi")
+_S_MAP = struct.Struct("!bbi")
+
+_BINARY_VERSION = 0x80010000
+_COMPACT_VERSION = 1
+
+# The spec's "binary" is a string on the wire.
+_WIRE_TYPE = {TType.BINARY: TType.STRING, TType.UTF8: TType.STRING, TType.UTF16: TType.STRING}
+_SCALAR_TYPES = frozenset(
+    (TType.BOOL, TType.BYTE, TType.I16, TType.I32, TType.I64, TType.DOUBLE, TType.STRING)
+)
+_CONTAINER_TYPES = frozenset((TType.STRUCT, TType.LIST, TType.SET, TType.MAP))
+
+
+def _wire_type(ttype: int) -> int:
+    return _WIRE_TYPE.get(ttype, ttype)
+
+
+def _split_spec(spec: Any) -> tuple[int, Any]:
+    """An element spec is a bare type or a (type, sub-spec) pair."""
+    if isinstance(spec, tuple):
+        return spec[0], spec[1]
+    return spec, None
+
+
+def _field_sub_spec(field: tuple) -> Any:
+    # (type, name, required), (type, name, enum, required), (type, name, sub, required)
+    return field[2] if len(field) == 4 and field[0] in _CONTAINER_TYPES else None
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+
+class Reader:
+    """Walks one message in a buffer; the protocol's primitives are subclasses'.
+
+    Args:
+        buf: the bytes (any buffer); kept, not copied.
+        stream: True where more bytes may follow (unframed): running out
+            raises :class:`NeedData` instead of a protocol error.
+        limit: with ``stream``, the most bytes a message may take.
+    """
+
+    __slots__ = ("buf", "pos", "end", "stream", "limit", "depth")
+    # The fewest bytes an element of each wire type takes (refuses counts
+    # that cannot fit in what is left before anything is allocated).
+    MIN_SIZE: dict[int, int] = {}
+
+    def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
+        view = memoryview(buf)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.buf = view.toreadonly()
+        self.pos = 0
+        self.end = len(view)
+        self.stream = stream
+        self.limit = limit
+        self.depth = 0
+
+    # -- bounds -------------------------------------------------------------
+
+    def _take(self, n: int) -> int:
+        """Reserve n bytes; answer where they start."""
+        pos = self.pos
+        if n < 0:
+            raise RemoteProtocolError(f"negative length {n} at byte {pos}")
+        if pos + n > self.end:
+            self._overrun(n)
+        self.pos = pos + n
+        return pos
+
+    def _overrun(self, n: int) -> None:
+        if self.stream:
+            if self.pos + n > self.limit:
+                raise RemoteProtocolError(
+                    f"message needs {self.pos + n} bytes, more than the limit of {self.limit}"
+                )
+            raise NeedData(self.pos + n)
+        raise RemoteProtocolError(
+            f"read of {n} bytes at byte {self.pos} runs past the end of the message "
+            f"({self.end} bytes)"
+        )
+
+    def _check_count(self, count: int, elem_types: tuple[int, ...]) -> None:
+        if count < 0:
+            raise RemoteProtocolError(f"negative container size {count}")
+        least = count * sum(self.MIN_SIZE.get(t, 1) for t in elem_types)
+        room = (self.limit if self.stream else self.end) - self.pos
+        if least > room:
+            raise RemoteProtocolError(
+                f"container of {count} elements cannot fit in the {room} bytes left"
+            )
+
+    def _enter(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+
+    # -- primitives (per protocol) -------------------------------------------
+
+    def read_message_begin(self) -> tuple[str, int, int]:
+        raise NotImplementedError
+
+    def _field_begin(self) -> tuple[int, int]:
+        """Answer (wire type, field id); type STOP ends the struct."""
+        raise NotImplementedError
+
+    def _struct_begin(self) -> None:
+        self._enter()
+
+    def _struct_end(self) -> None:
+        self.depth -= 1
+
+    def _list_begin(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _map_begin(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def _read_bool(self) -> bool:
+        raise NotImplementedError
+
+    def _read_byte(self) -> int:
+        return _S_I8.unpack_from(self.buf, self._take(1))[0]
+
+    def _read_i16(self) -> int:
+        raise NotImplementedError
+
+    def _read_i32(self) -> int:
+        raise NotImplementedError
+
+    def _read_i64(self) -> int:
+        raise NotImplementedError
+
+    def _read_double(self) -> float:
+        raise NotImplementedError
+
+    def _read_length(self) -> int:
+        raise NotImplementedError
+
+    def _read_bytes_view(self) -> memoryview:
+        n = self._read_length()
+        pos = self._take(n)
+        return self.buf[pos : pos + n]
+
+    def _read_string(self) -> str:
+        view = self._read_bytes_view()
+        try:
+            return str(view, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise RemoteProtocolError(f"string is not valid UTF-8: {exc}") from None
+
+    # -- the walk --------------------------------------------------------------
+
+    def read_struct(self, cls: type) -> Any:
+        """Decode a struct of the thriftpy2 class ``cls``."""
+        spec = cls.thrift_spec
+        values: dict[str, Any] = {}
+        self._struct_begin()
+        while True:
+            wire, fid = self._field_begin()
+            if wire == TType.STOP:
+                break
+            field = spec.get(fid)
+            if field is None or _wire_type(field[0]) != wire:
+                self.skip(wire)  # a field of a newer IDL, or of another type
+                continue
+            values[field[1]] = self._read_value(field[0], _field_sub_spec(field))
+        self._struct_end()
+        for field in spec.values():
+            if field[-1] is True and field[1] not in values:
+                raise RemoteProtocolError(
+                    f"required field {cls.__name__}.{field[1]} is missing"
+                )
+        return cls(**values)
+
+    def _read_value(self, ttype: int, sub: Any) -> Any:
+        if ttype == TType.BINARY:
+            return self._read_bytes_view()
+        if ttype == TType.STRING:
+            return self._read_string()
+        if ttype == TType.I32:
+            return self._read_i32()
+        if ttype == TType.I64:
+            return self._read_i64()
+        if ttype == TType.STRUCT:
+            return self.read_struct(sub)
+        if ttype == TType.LIST or ttype == TType.SET:
+            return self._read_list(ttype, sub)
+        if ttype == TType.MAP:
+            return self._read_map(sub)
+        if ttype == TType.BOOL:
+            return self._read_bool()
+        if ttype == TType.BYTE:
+            return self._read_byte()
+        if ttype == TType.I16:
+            return self._read_i16()
+        if ttype == TType.DOUBLE:
+            return self._read_double()
+        raise RemoteProtocolError(f"unsupported type {ttype}")
+
+    def _read_list(self, ttype: int, sub: Any) -> Any:
+        etype, esub = _split_spec(sub)
+        wire, count = self._list_begin()
+        if count and wire != _wire_type(etype):
+            raise RemoteProtocolError(f"list of type {wire} where {etype} was expected")
+        self._check_count(count, (wire,))
+        self._enter()
+        items = [self._read_value(etype, esub) for _ in range(count)]
+        self.depth -= 1
+        return set(items) if ttype == TType.SET else items
+
+    def _read_map(self, sub: Any) -> dict:
+        (ktype, ksub), (vtype, vsub) = _split_spec(sub[0]), _split_spec(sub[1])
+        kwire, vwire, count = self._map_begin()
+        if count and (kwire != _wire_type(ktype) or vwire != _wire_type(vtype)):
+            raise RemoteProtocolError(f"map of types {kwire}, {vwire} is not the expected one")
+        self._check_count(count, (kwire, vwire))
+        self._enter()
+        result = {}
+        for _ in range(count):
+            key = self._read_value(ktype, ksub)
+            result[key] = self._read_value(vtype, vsub)
+        self.depth -= 1
+        return result
+
+    def skip(self, wire: int) -> None:
+        """Step over one value of wire type ``wire``."""
+        if wire == TType.STRUCT:
+            self._struct_begin()
+            while True:
+                ftype, _ = self._field_begin()
+                if ftype == TType.STOP:
+                    break
+                self.skip(ftype)
+            self._struct_end()
+        elif wire == TType.LIST or wire == TType.SET:
+            etype, count = self._list_begin()
+            self._check_count(count, (etype,))
+            self._enter()
+            for _ in range(count):
+                self.skip(etype)
+            self.depth -= 1
+        elif wire == TType.MAP:
+            ktype, vtype, count = self._map_begin()
+            self._check_count(count, (ktype, vtype))
+            self._enter()
+            for _ in range(count):
+                self.skip(ktype)
+                self.skip(vtype)
+            self.depth -= 1
+        elif wire == TType.STRING:
+            self._take(self._read_length())
+        elif wire in _SCALAR_TYPES:
+            self._read_value(wire, None)
+        else:
+            raise RemoteProtocolError(f"unknown type {wire}")
+
+    def read_body(self, cls: type) -> Any:
+        """Decode the message's struct and check that it ends the buffer."""
+        body = self.read_struct(cls)
+        if not self.stream and self.pos != self.end:
+            raise RemoteProtocolError(
+                f"{self.end - self.pos} bytes follow the message in its frame"
+            )
+        return body
+
+
+class BinaryReader(Reader):
+    """Thrift's binary protocol (strict: every message starts 0x80 0x01)."""
+
+    __slots__ = ()
+    MIN_SIZE = {
+        TType.BOOL: 1,
+        TType.BYTE: 1,
+        TType.I16: 2,
+        TType.I32: 4,
+        TType.I64: 8,
+        TType.DOUBLE: 8,
+        TType.STRING: 4,
+        TType.STRUCT: 1,
+        TType.LIST: 5,
+        TType.SET: 5,
+        TType.MAP: 6,
+    }
+
+    def read_message_begin(self) -> tuple[str, int, int]:
+        word = _S_BIN_MSG.unpack_from(self.buf, self._take(4))[0]
+        if word & 0xFFFF0000 != _BINARY_VERSION:
+            raise RemoteProtocolError(f"bad binary protocol version word {word:#010x}")
+        name = self._read_string()
+        seqid = self._read_i32()
+        return name, word & 0xFF, seqid
+
+    def _field_begin(self) -> tuple[int, int]:
+        pos = self.pos
+        if pos < self.end and self.buf[pos] == TType.STOP:
+            self.pos = pos + 1
+            return TType.STOP, 0
+        return _S_FIELD.unpack_from(self.buf, self._take(3))
+
+    def _list_begin(self) -> tuple[int, int]:
+        return _S_LIST.unpack_from(self.buf, self._take(5))
+
+    def _map_begin(self) -> tuple[int, int, int]:
+        return _S_MAP.unpack_from(self.buf, self._take(6))
+
+    def _read_bool(self) -> bool:
+        return self.buf[self._take(1)] != 0
+
+    def _read_i16(self) -> int:
+        return _S_I16.unpack_from(self.buf, self._take(2))[0]
+
+    def _read_i32(self) -> int:
+        return _S_I32.unpack_from(self.buf, self._take(4))[0]
+
+    def _read_i64(self) -> int:
+        return _S_I64.unpack_from(self.buf, self._take(8))[0]
+
+    def _read_double(self) -> float:
+        return _S_DOUBLE.unpack_from(self.buf, self._take(8))[0]
+
+    _read_length = _read_i32
+
+
+# Compact protocol type ids and the TType each stands for.
+_CT_TO_TTYPE = {
+    1: TType.BOOL,  # true, in a field header
+    2: TType.BOOL,  # false, in a field header
+    3: TType.BYTE,
+    4: TType.I16,
+    5: TType.I32,
+    6: TType.I64,
+    7: TType.DOUBLE,
+    8: TType.STRING,
+    9: TType.LIST,
+    10: TType.SET,
+    11: TType.MAP,
+    12: TType.STRUCT,
+}
+_TTYPE_TO_CT = {
+    TType.BOOL: 1,
+    TType.BYTE: 3,
+    TType.I16: 4,
+    TType.I32: 5,
+    TType.I64: 6,
+    TType.DOUBLE: 7,
+    TType.STRING: 8,
+    TType.LIST: 9,
+    TType.SET: 10,
+    TType.MAP: 11,
+    TType.STRUCT: 12,
+}
+
+
+def _zigzag(n: int) -> int:
+    return (n >> 1) ^ -(n & 1)
+
+
+class CompactReader(Reader):
+    """Thrift's compact protocol (every message starts 0x82)."""
+
+    __slots__ = ("_last_fid", "_fid_stack", "_bool")
+    MIN_SIZE = {TType.DOUBLE: 8}
+
+    def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
+        super().__init__(buf, stream=stream, limit=limit)
+        self._last_fid = 0
+        self._fid_stack: list[int] = []
+        self._bool: bool | None = None
+
+    def _varint(self, max_bytes: int) -> int:
+        result = shift = 0
+        buf, end = self.buf, self.end
+        for _ in range(max_bytes):
+            pos = self.pos
+            if pos >= end:
+                self._overrun(1)
+            byte = buf[pos]
+            self.pos = pos + 1
+            result |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return result
+            shift += 7
+        raise RemoteProtocolError(f"varint longer than {max_bytes} bytes")
+
+    def _ubyte(self) -> int:
+        return self.buf[self._take(1)]
+
+    def read_message_begin(self) -> tuple[str, int, int]:
+        if self._ubyte() != Protocol.COMPACT.value:
+            raise RemoteProtocolError("not a compact protocol message")
+        vt = self._ubyte()
+        if vt & 0x1F != _COMPACT_VERSION:
+            raise RemoteProtocolError(f"bad compact protocol version {vt & 0x1F}")
+        seqid = self._varint(5)  # unsigned, not zigzag
+        if seqid > 0xFFFFFFFF:
+            raise RemoteProtocolError("seqid out of range")
+        seqid = seqid - (1 << 32) if seqid > MAX_I32 else seqid
+        name = self._read_string()
+        return name, vt >> 5, seqid
+
+    def _struct_begin(self) -> None:
+        self._enter()
+        self._fid_stack.append(self._last_fid)
+        self._last_fid = 0
+
+    def _struct_end(self) -> None:
+        self.depth -= 1
+        self._last_fid = self._fid_stack.pop()
+
+    def _field_begin(self) -> tuple[int, int]:
+        byte = self._ubyte()
+        if byte == 0:
+            return TType.STOP, 0
+        ctype = byte & 0x0F
+        delta = byte >> 4
+        fid = self._last_fid + delta if delta else self._read_i16()
+        ttype = _CT_TO_TTYPE.get(ctype)
+        if ttype is None:
+            raise RemoteProtocolError(f"unknown compact type {ctype}")
+        if ttype == TType.BOOL:
+            self._bool = ctype == 1
+        self._last_fid = fid
+        return ttype, fid
+
+    def _elem_type(self, ctype: int) -> int:
+        # In containers a bool is a byte, and some writers use type 1 or 2.
+        ttype = _CT_TO_TTYPE.get(ctype)
+        if ttype is None:
+            raise RemoteProtocolError(f"unknown compact type {ctype}")
+        return ttype
+
+    def _list_begin(self) -> tuple[int, int]:
+        byte = self._ubyte()
+        count = byte >> 4
+        if count == 15:
+            count = self._varint(5)
+            if count > MAX_I32:
+                raise RemoteProtocolError(f"container size {count} out of range")
+        return self._elem_type(byte & 0x0F), count
+
+    def _map_begin(self) -> tuple[int, int, int]:
+        count = self._varint(5)
+        if count > MAX_I32:
+            raise RemoteProtocolError(f"container size {count} out of range")
+        if count == 0:
+            return TType.STOP, TType.STOP, 0
+        kv = self._ubyte()
+        return self._elem_type(kv >> 4), self._elem_type(kv & 0x0F), count
+
+    def _read_bool(self) -> bool:
+        value = self._bool
+        if value is not None:  # carried by the field header
+            self._bool = None
+            return value
+        return self._ubyte() == 1
+
+    def skip(self, wire: int) -> None:
+        if wire == TType.BOOL and self._bool is not None:
+            self._bool = None
+            return
+        super().skip(wire)
+
+    def _read_i16(self) -> int:
+        return _zigzag(self._varint(3))
+
+    def _read_i32(self) -> int:
+        return _zigzag(self._varint(5))
+
+    def _read_i64(self) -> int:
+        return _zigzag(self._varint(10))
+
+    def _read_double(self) -> float:
+        return _S_DOUBLE_LE.unpack_from(self.buf, self._take(8))[0]
+
+    def _read_length(self) -> int:
+        n = self._varint(5)
+        if n > MAX_I32:
+            raise RemoteProtocolError(f"length {n} out of range")
+        return n
+
+
+_READERS: dict[Protocol, type[Reader]] = {
+    Protocol.BINARY: BinaryReader,
+    Protocol.COMPACT: CompactReader,
+}
+
+
+def decode_header(
+    payload: Any, protocol: Protocol, *, stream: bool = False, limit: int = MAX_I32
+) -> tuple[str, int, int, Reader]:
+    """Read a message's header: answer (name, type, seqid, reader).
+
+    ``reader.read_body(cls)`` then decodes the struct that follows.
+    """
+    reader = _READERS[protocol](payload, stream=stream, limit=limit)
+    name, mtype, seqid = reader.read_message_begin()
+    return name, mtype, seqid, reader
+
+
+def measure_message(buf: Any, protocol: Protocol, limit: int) -> int:
+    """Answer how many bytes the message at the start of ``buf`` takes.
+
+    Raises:
+        NeedData: ``buf`` holds only part of the message.
+        RemoteProtocolError: it is not a valid message, or is longer than ``limit``.
+    """
+    reader = _READERS[protocol](buf, stream=True, limit=limit)
+    try:
+        reader.read_message_begin()
+        reader.skip(TType.STRUCT)
+        return reader.pos
+    finally:
+        # Let the caller resize ``buf`` (a bytearray) whatever happened here.
+        reader.buf.release()
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+def _as_bytes_view(value: Any) -> memoryview:
+    view = value if isinstance(value, memoryview) else memoryview(value)
+    if view.ndim != 1 or view.format != "B":
+        try:
+            view = view.cast("B")
+        except TypeError as exc:
+            raise LocalProtocolError(
+                f"binary value must be a C-contiguous buffer: {exc}"
+            ) from None
+    return view
+
+
+_FIELD_ORDER: dict[type, list[tuple[int, tuple]]] = {}
+
+
+def _fields(cls: type) -> list[tuple[int, tuple]]:
+    order = _FIELD_ORDER.get(cls)
+    if order is None:
+        order = _FIELD_ORDER[cls] = sorted(cls.thrift_spec.items())
+    return order
+
+
+class Writer:
+    """Encodes into a list of buffers: its own bytes, and large binaries by reference."""
+
+    __slots__ = ("out", "parts", "size")
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.parts: list[Any] = []
+        self.size = 0  # bytes in parts (not counting out)
+
+    def _write_view(self, view: memoryview) -> None:
+        if len(view) >= ZERO_COPY_MIN_BYTES:
+            if self.out:
+                self.parts.append(self.out)
+                self.size += len(self.out)
+                self.out = bytearray()
+            self.parts.append(view)
+            self.size += len(view)
+        else:
+            self.out += view
+
+    def getvalue(self) -> tuple[list[Any], int]:
+        """Answer (buffers, total length)."""
+        parts = self.parts
+        if self.out:
+            parts.append(self.out)
+        return parts, self.size + len(self.out)
+
+    # -- per protocol ---------------------------------------------------------
+
+    def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
+        raise NotImplementedError
+
+    def _field_begin(self, ttype: int, fid: int, value: Any) -> bool:
+        """Write a field header; answer True where it carried the value."""
+        raise NotImplementedError
+
+    def _field_stop(self) -> None:
+        raise NotImplementedError
+
+    def _struct_begin(self) -> None:
+        pass
+
+    def _struct_end(self) -> None:
+        pass
+
+    def _list_begin(self, etype: int, count: int) -> None:
+        raise NotImplementedError
+
+    def _map_begin(self, ktype: int, vtype: int, count: int) -> None:
+        raise NotImplementedError
+
+    def _write_scalar(self, ttype: int, value: Any) -> None:
+        raise NotImplementedError
+
+    def _write_length(self, n: int) -> None:
+        raise NotImplementedError
+
+    # -- the walk ---------------------------------------------------------------
+
+    def write_struct(self, obj: Any) -> None:
+        cls = type(obj)
+        self._struct_begin()
+        for fid, field in _fields(cls):
+            value = getattr(obj, field[1], None)
+            if value is None:
+                if field[-1] is True:
+                    raise LocalProtocolError(f"required field {cls.__name__}.{field[1]} is missing")
+                continue
+            ttype = field[0]
+            if not self._field_begin(ttype, fid, value):
+                self._write_value(ttype, _field_sub_spec(field), value)
+        self._field_stop()
+        self._struct_end()
+
+    def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
+        if ttype == TType.BINARY or ttype == TType.STRING:
+            if isinstance(value, str):
+                value = value.encode("utf-8")
+            view = _as_bytes_view(value)
+            if len(view) > MAX_I32:
+                raise LocalProtocolError(f"a value of {len(view)} bytes exceeds Thrift's 2 GiB")
+            self._write_length(len(view))
+            self._write_view(view)
+        elif ttype == TType.STRUCT:
+            self.write_struct(value)
+        elif ttype == TType.LIST or ttype == TType.SET:
+            etype, esub = _split_spec(sub)
+            items = list(value)
+            self._list_begin(_wire_type(etype), len(items))
+            for item in items:
+                self._write_value(etype, esub, item)
+        elif ttype == TType.MAP:
+            (ktype, ksub), (vtype, vsub) = _split_spec(sub[0]), _split_spec(sub[1])
+            self._map_begin(_wire_type(ktype), _wire_type(vtype), len(value))
+            for key, item in value.items():
+                self._write_value(ktype, ksub, key)
+                self._write_value(vtype, vsub, item)
+        else:
+            self._write_scalar(ttype, value)
+
+
+class BinaryWriter(Writer):
+    __slots__ = ()
+
+    def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
+        self.out += _S_BIN_MSG.pack(_BINARY_VERSION | mtype)
+        self._write_value(TType.STRING, None, name)
+        self.out += _S_I32.pack(seqid)
+
+    def _field_begin(self, ttype: int, fid: int, value: Any) -> bool:
+        self.out += _S_FIELD.pack(_wire_type(ttype), fid)
+        return False
+
+    def _field_stop(self) -> None:
+        self.out.append(TType.STOP)
+
+    def _list_begin(self, etype: int, count: int) -> None:
+        self.out += _S_LIST.pack(etype, count)
+
+    def _map_begin(self, ktype: int, vtype: int, count: int) -> None:
+        self.out += _S_MAP.pack(ktype, vtype, count)
+
+    def _write_length(self, n: int) -> None:
+        self.out += _S_I32.pack(n)
+
+    def _write_scalar(self, ttype: int, value: Any) -> None:
+        if ttype == TType.I32:
+            self.out += _S_I32.pack(value)
+        elif ttype == TType.I64:
+            self.out += _S_I64.pack(value)
+        elif ttype == TType.BOOL:
+            self.out.append(1 if value else 0)
+        elif ttype == TType.BYTE:
+            self.out += _S_I8.pack(value)
+        elif ttype == TType.I16:
+            self.out += _S_I16.pack(value)
+        elif ttype == TType.DOUBLE:
+            self.out += _S_DOUBLE.pack(value)
+        else:
+            raise LocalProtocolError(f"unsupported type {ttype}")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _zigzag_enc(n: int, bits: int) -> int:
+    if not -(1 << (bits - 1)) <= n < (1 << (bits - 1)):
+        raise LocalProtocolError(f"{n} does not fit in i{bits}")
+    return (n << 1) ^ (n >> (bits - 1))
+
+
+class CompactWriter(Writer):
+    __slots__ = ("_last_fid", "_fid_stack")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_fid = 0
+        self._fid_stack: list[int] = []
+
+    def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
+        self.out.append(Protocol.COMPACT.value)
+        self.out.append((mtype << 5) | _COMPACT_VERSION)
+        self.out += _varint(seqid & 0xFFFFFFFF)
+        self._write_value(TType.STRING, None, name)
+
+    def _struct_begin(self) -> None:
+        self._fid_stack.append(self._last_fid)
+        self._last_fid = 0
+
+    def _struct_end(self) -> None:
+        self._last_fid = self._fid_stack.pop()
+
+    def _field_begin(self, ttype: int, fid: int, value: Any) -> bool:
+        is_bool = ttype == TType.BOOL
+        ctype = (1 if value else 2) if is_bool else _TTYPE_TO_CT[_wire_type(ttype)]
+        delta = fid - self._last_fid
+        if 0 < delta <= 15:
+            self.out.append((delta << 4) | ctype)
+        else:
+            self.out.append(ctype)
+            self.out += _varint(_zigzag_enc(fid, 16))
+        self._last_fid = fid
+        return is_bool
+
+    def _field_stop(self) -> None:
+        self.out.append(0)
+
+    def _list_begin(self, etype: int, count: int) -> None:
+        ctype = _TTYPE_TO_CT[etype]
+        if count < 15:
+            self.out.append((count << 4) | ctype)
+        else:
+            self.out.append(0xF0 | ctype)
+            self.out += _varint(count)
+
+    def _map_begin(self, ktype: int, vtype: int, count: int) -> None:
+        if count == 0:
+            self.out.append(0)
+        else:
+            self.out += _varint(count)
+            self.out.append((_TTYPE_TO_CT[ktype] << 4) | _TTYPE_TO_CT[vtype])
+
+    def _write_length(self, n: int) -> None:
+        self.out += _varint(n)
+
+    def _write_scalar(self, ttype: int, value: Any) -> None:
+        if ttype == TType.I32:
+            self.out += _varint(_zigzag_enc(value, 32))
+        elif ttype == TType.I64:
+            self.out += _varint(_zigzag_enc(value, 64))
+        elif ttype == TType.BOOL:
+            self.out.append(1 if value else 2)
+        elif ttype == TType.BYTE:
+            self.out += _S_I8.pack(value)
+        elif ttype == TType.I16:
+            self.out += _varint(_zigzag_enc(value, 16))
+        elif ttype == TType.DOUBLE:
+            self.out += _S_DOUBLE_LE.pack(value)
+        else:
+            raise LocalProtocolError(f"unsupported type {ttype}")
+
+
+_WRITERS: dict[Protocol, type[Writer]] = {
+    Protocol.BINARY: BinaryWriter,
+    Protocol.COMPACT: CompactWriter,
+}
+
+
+def encode_message(
+    name: str,
+    mtype: int,
+    seqid: int,
+    body: Any,
+    protocol: Protocol = Protocol.BINARY,
+    *,
+    framed: bool = True,
+) -> tuple[list[Any], int]:
+    """Encode one message; answer (buffers for ``writelines``, total bytes).
+
+    Large ``binary`` values are in the list by reference: they must not change
+    until the buffers are written.
+
+    Raises:
+        LocalProtocolError: a value the protocol cannot carry.
+    """
+    writer = _WRITERS[protocol]()
+    try:
+        writer.write_message_begin(name, mtype, seqid)
+        writer.write_struct(body)
+    except LocalProtocolError:
+        raise
+    except (struct.error, TypeError, ValueError, OverflowError, AttributeError) as exc:
+        raise LocalProtocolError(f"cannot encode {name}: {exc}") from None
+    parts, size = writer.getvalue()
+    if framed:
+        if size > MAX_I32:
+            raise LocalProtocolError(f"message of {size} bytes exceeds Thrift's 2 GiB frame")
+        parts.insert(0, _S_I32.pack(size))
+        size += 4
+    return parts, size

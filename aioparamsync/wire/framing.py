@@ -1,0 +1,236 @@
+"""Cutting a connection's bytes into messages: framed or not, binary or compact.
+
+Theory of operation. A :class:`Receiver` is the receiving half of one
+connection, with no I/O of its own: the transport asks it for a buffer
+(:meth:`Receiver.get_buffer`), lets the socket fill it, and reports how many
+bytes arrived (:meth:`Receiver.buffer_updated`), which answers the complete
+messages, as :class:`Frame` objects. It fits ``asyncio.BufferedProtocol``
+as is, and tests feed it bytes with :meth:`Receiver.feed`.
+
+The first byte of a connection tells its framing. A strict binary message
+starts 0x80 0x01 and a compact one 0x82; anything else is the first byte of
+a 4-byte big-endian frame length, and each frame's first byte then tells its
+protocol. A length must lie in ``1..max_frame_bytes``, checked before any
+allocation: an HTTP request ("GET " reads as a 1.19 GB frame) or a TLS
+handshake is refused at once.
+
+Small frames are read into one scratch buffer and copied out (one cheap
+copy). A frame larger than ``LARGE_FRAME_BYTES`` gets one buffer of its exact
+size that the socket fills directly, and the frame is handed out as a view of
+it, so a 64 MiB parameter is never copied between the kernel and the store.
+
+Unframed messages have no length: the receiver measures the message with the
+codec each time enough bytes have arrived for another try (see
+:class:`~aioparamsync.wire.codec.NeedData`).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ..errors import RemoteProtocolError
+from .codec import NeedData, Protocol, measure_message
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Frame", "Receiver"]
+
+# Largest frame (or unframed message) a node accepts unless told otherwise.
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+# Bytes the socket reads at once into the scratch buffer.
+SCRATCH_BYTES = 256 * 1024
+# Frames larger than this are received into a buffer of their own.
+LARGE_FRAME_BYTES = 64 * 1024
+
+_S_LEN = struct.Struct("!i")
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One complete message as received.
+
+    Attributes:
+        payload: the message's bytes (read-only; a binary field decoded from it
+            is a view of it, so it lives as long as such a view does).
+        protocol: its protocol.
+        framed: whether it came in a frame (a reply goes back the same way).
+    """
+
+    payload: memoryview
+    protocol: Protocol
+    framed: bool
+
+
+def _describe_length(header: bytes, size: int) -> str:
+    what = f"frame length {size}"
+    if header.isascii() and header.decode("ascii").isprintable():
+        what += f" ({header!r}: this looks like text, e.g. HTTP; the node speaks Thrift)"
+    elif header[:2] in (b"\x16\x03", b"\x16\x02"):
+        what += " (this looks like a TLS handshake; the node is not using TLS)"
+    return what
+
+
+class Receiver:
+    """The receiving half of one connection (see the module's docstring).
+
+    Args:
+        max_frame_bytes: the largest frame or unframed message accepted.
+        framed: ``None`` to tell from the first byte; ``True`` to accept only
+            frames (a client's connection).
+
+    Raises (from :meth:`buffer_updated`):
+        RemoteProtocolError: the bytes cannot be a valid message; the
+            connection is beyond repair.
+    """
+
+    def __init__(
+        self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, *, framed: bool | None = None
+    ) -> None:
+        if max_frame_bytes < 16:
+            raise ValueError(f"max_frame_bytes must be at least 16, not {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+        self.framed = framed
+        self.protocol: Protocol | None = None  # of the unframed stream
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._start = 0  # unread bytes are _scratch[_start:_end]
+        self._end = 0
+        self._large: bytearray | None = None  # a large frame being filled
+        self._large_filled = 0
+        self._stream = bytearray()  # unframed: bytes of the message(s) so far
+        self._stream_need = 1  # unframed: do not measure before this many
+        self.bytes_received = 0
+
+    def __repr__(self) -> str:
+        mode = {None: "undecided", True: "framed", False: "unframed"}[self.framed]
+        pending = self.pending_bytes
+        return f"<Receiver {mode}, {pending} bytes of an incomplete message>"
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes received that are not yet part of a complete message."""
+        return self._end - self._start + self._large_filled + len(self._stream)
+
+    def get_buffer(self) -> memoryview:
+        """A buffer for the socket to fill (``BufferedProtocol.get_buffer``)."""
+        if self._large is not None:
+            return memoryview(self._large)[self._large_filled :]
+        if self._end == len(self._scratch):
+            # Move the partial message to the front to make room.
+            unread = self._end - self._start
+            self._scratch[:unread] = self._scratch[self._start : self._end]
+            self._start, self._end = 0, unread
+        return memoryview(self._scratch)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last buffer; answer complete frames."""
+        self.bytes_received += nbytes
+        frames: list[Frame] = []
+        if self._large is not None:
+            self._large_filled += nbytes
+            if self._large_filled == len(self._large):
+                frames.append(self._finish_large())
+            return frames
+        self._end += nbytes
+        if self.framed is None:
+            self._sniff()
+        if self.framed:
+            self._cut_frames(frames)
+        elif self.framed is False:
+            self._cut_stream(frames)
+        return frames
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Receive ``data`` as if the socket had written it (tests, and copying callers)."""
+        frames: list[Frame] = []
+        view = memoryview(data)
+        while view:
+            buf = self.get_buffer()
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            frames += self.buffer_updated(n)
+        return frames
+
+    def check_eof(self) -> None:
+        """The peer closed its side: raise if it left a message unfinished."""
+        if self.pending_bytes:
+            raise RemoteProtocolError(
+                f"connection closed with {self.pending_bytes} bytes of an unfinished message"
+            )
+
+    # -- framed ------------------------------------------------------------------
+
+    def _sniff(self) -> None:
+        if self._end == self._start:
+            return
+        first = self._scratch[self._start]
+        if first == Protocol.BINARY.value:
+            self.framed, self.protocol = False, Protocol.BINARY
+        elif first == Protocol.COMPACT.value:
+            self.framed, self.protocol = False, Protocol.COMPACT
+        else:
+            self.framed = True
+
+    def _cut_frames(self, frames: list[Frame]) -> None:
+        scratch = self._scratch
+        while self._end - self._start >= 4:
+            start = self._start
+            size = _S_LEN.unpack_from(scratch, start)[0]
+            if size <= 0 or size > self.max_frame_bytes:
+                header = bytes(scratch[start : start + 4])
+                raise RemoteProtocolError(
+                    f"{_describe_length(header, size)} is outside 1..{self.max_frame_bytes}"
+                )
+            available = self._end - start - 4
+            if size > LARGE_FRAME_BYTES and available < size:
+                # Give the socket a buffer of the frame's exact size.
+                self._large = bytearray(size)
+                self._large[:available] = scratch[start + 4 : self._end]
+                self._large_filled = available
+                self._start = self._end = 0
+                return
+            if available < size:
+                break
+            payload = bytes(scratch[start + 4 : start + 4 + size])
+            self._start = start + 4 + size
+            frames.append(self._frame(memoryview(payload)))
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _finish_large(self) -> Frame:
+        payload = memoryview(self._large).toreadonly()  # type: ignore[arg-type]
+        self._large = None
+        self._large_filled = 0
+        return self._frame(payload)
+
+    def _frame(self, payload: memoryview) -> Frame:
+        first = payload[0]
+        if first == Protocol.BINARY.value:
+            return Frame(payload, Protocol.BINARY, True)
+        if first == Protocol.COMPACT.value:
+            return Frame(payload, Protocol.COMPACT, True)
+        raise RemoteProtocolError(
+            f"frame starts with byte {first:#04x}: neither binary (0x80) nor compact (0x82)"
+        )
+
+    # -- unframed -------------------------------------------------------------
+
+    def _cut_stream(self, frames: list[Frame]) -> None:
+        stream = self._stream
+        stream += memoryview(self._scratch)[self._start : self._end]
+        self._start = self._end = 0
+        assert self.protocol is not None
+        while len(stream) >= self._stream_need:
+            try:
+                size = measure_message(stream, self.protocol, self.max_frame_bytes)
+            except NeedData as need:
+                self._stream_need = need.needed
+                return
+            payload = bytes(stream[:size])
+            del stream[:size]
+            self._stream_need = 1
+            frames.append(Frame(memoryview(payload), self.protocol, False))
+            if stream and stream[0] != self.protocol.value:
+                raise RemoteProtocolError(
+                    f"unframed message starts with byte {stream[0]:#04x}, "
+                    f"not {self.protocol.value:#04x}"
+                )
