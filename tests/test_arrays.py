@@ -1,0 +1,86 @@
+"""numpy <-> Parameter: every numeric dtype and shape round-trips, without needless copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
+from aioparamsync.wire import thrift
+
+NUMERIC = st.one_of(
+    hnp.boolean_dtypes(),
+    hnp.integer_dtypes(endianness="="),
+    hnp.unsigned_integer_dtypes(endianness="="),
+    hnp.floating_dtypes(endianness="=", sizes=(16, 32, 64)),
+    hnp.complex_number_dtypes(endianness="="),
+    hnp.integer_dtypes(endianness=">"),
+    hnp.floating_dtypes(endianness=">", sizes=(32, 64)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(NUMERIC, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)))
+def test_round_trip_is_exact(arr: np.ndarray) -> None:
+    back = from_parameter(to_parameter("w", arr))
+    assert back.dtype == arr.dtype
+    assert back.shape == arr.shape
+    assert back.tobytes() == arr.tobytes()  # bit-exact, NaNs included
+
+
+def test_contiguous_arrays_are_sent_without_a_copy() -> None:
+    arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    param = to_parameter("w", arr)
+    assert np.shares_memory(np.frombuffer(param.data, np.uint8), arr)
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2],
+        np.arange(24, dtype=np.int16).reshape(4, 6).T,
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        np.arange(10, dtype=np.float16)[::-1],
+    ],
+)
+def test_non_contiguous_arrays_round_trip(arr: np.ndarray) -> None:
+    back = from_parameter(to_parameter("w", arr))
+    np.testing.assert_array_equal(back, arr)
+    assert back.flags.c_contiguous
+
+
+def test_received_arrays_are_read_only_views() -> None:
+    data = memoryview(np.arange(4, dtype=np.float32).tobytes()).toreadonly()
+    param = thrift.Parameter(name="w", data=data, dtype="<f4", shape=[2, 2])
+    arr = from_parameter(param)
+    assert not arr.flags.writeable
+    assert np.shares_memory(arr, np.frombuffer(data, np.uint8))
+
+
+def test_plain_bytes_read_as_uint8_or_as_asked() -> None:
+    raw = np.arange(3, dtype=np.float32).tobytes()
+    param = thrift.Parameter(name="seed", data=raw)
+    assert from_parameter(param).dtype == np.uint8
+    np.testing.assert_array_equal(from_parameter(param, np.float32), [0, 1, 2])
+
+
+def test_scalars_and_lists_are_arrays_too() -> None:
+    assert from_parameter(to_parameter("s", 3.5)).item() == 3.5
+    np.testing.assert_array_equal(from_parameter(to_parameter("l", [1, 2, 3])), [1, 2, 3])
+
+
+@pytest.mark.parametrize("bad", [np.array(["a", "b"]), np.array([object()]), np.zeros(2, "i4,f4")])
+def test_non_numeric_arrays_are_refused(bad: np.ndarray) -> None:
+    with pytest.raises(TypeError, match="cannot send"):
+        to_parameter("w", bad)
+
+
+def test_mismatched_parameters_raise_a_clear_error() -> None:
+    param = thrift.Parameter(name="w", data=b"12345", dtype="<f4", shape=[2])
+    with pytest.raises(RequestError) as info:
+        from_parameter(param)
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    assert "'w'" in str(info.value) and "8 bytes" in str(info.value)

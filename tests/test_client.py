@@ -1,0 +1,295 @@
+"""ParameterClient against a real node on 127.0.0.1: semantics, concurrency, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import numpy as np
+import pytest
+
+from aioparamsync import (
+    CallTimeout,
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    ErrorCode,
+    Node,
+    ParameterClient,
+    RequestError,
+    ServerError,
+    to_parameter,
+)
+from aioparamsync.client import parse_address
+from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method
+
+
+async def test_update_then_get_round_trips_arrays_and_versions(client: ParameterClient) -> None:
+    w = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    versions = await client.update_arrays({"w": w, "b": np.zeros(4, np.float16)})
+    assert versions == {"w": 1, "b": 1}
+    assert await client.update_arrays({"w": w * 2}) == {"w": 2}
+    arrays = await client.get_arrays(["w", "b", "missing"])
+    assert set(arrays) == {"w", "b"}
+    np.testing.assert_array_equal(arrays["w"], w * 2)
+    assert arrays["b"].dtype == np.float16 and not arrays["w"].flags.writeable
+
+
+async def test_get_parameters_honours_min_version_and_reports_the_timestamp(client) -> None:
+    await client.update_parameters({"a": [1], "b": [2]}, timestamp=1000)
+    await client.update_parameters({"b": [3]}, timestamp=500)
+    response = await client.get_parameters(["a", "b"], min_version=2)
+    assert [(p.name, p.version) for p in response.params] == [("b", 2)]
+    assert response.timestamp == 1000
+
+
+async def test_a_given_version_is_honoured_when_larger(client) -> None:
+    param = to_parameter("w", np.ones(2), version=40)
+    assert await client.update_parameters([param]) == {"w": 40}
+    assert await client.update_parameters({"w": np.ones(2)}) == {"w": 41}
+
+
+async def test_refused_updates_raise_typed_errors_and_change_nothing(client) -> None:
+    await client.update_arrays({"a": np.ones(2)})
+    bad = to_parameter("b", np.ones(2))
+    bad.shape = [3]
+    with pytest.raises(RequestError) as info:
+        await client.update_parameters([to_parameter("a", np.zeros(2)), bad])
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    assert "'b'" in info.value.message
+    arrays = await client.get_arrays(["a", "b"])
+    assert list(arrays) == ["a"] and arrays["a"].tolist() == [1.0, 1.0]
+    with pytest.raises(RequestError) as info:
+        await client.update_arrays({"": np.ones(1)})
+    assert info.value.code == ErrorCode.BAD_REQUEST
+
+
+async def test_misuse_of_the_api_is_a_clear_local_error(client) -> None:
+    with pytest.raises(TypeError, match="list of names"):
+        await client.get_parameters("w")
+    with pytest.raises(TypeError, match="mapping"):
+        await client.update_arrays([np.ones(1)])
+    with pytest.raises(TypeError):
+        await client.update_parameters([1, 2])
+    with pytest.raises(TypeError, match="cannot send"):
+        await client.update_arrays({"s": np.array(["text"])})
+
+
+async def test_500_coroutines_share_one_client(node: Node) -> None:
+    async with ParameterClient(node.address, max_connections=4) as client:
+
+        async def worker(i: int) -> None:
+            value = np.full(16, i, np.int64)
+            versions = await client.update_arrays({f"p{i}": value, "shared": value})
+            assert versions[f"p{i}"] == 1
+            got = await client.get_arrays([f"p{i}", "shared"])
+            np.testing.assert_array_equal(got[f"p{i}"], value)
+            shared = got["shared"]
+            assert (shared == shared[0]).all()  # some worker's whole value, never a mix
+
+        await asyncio.gather(*(worker(i) for i in range(500)))
+        assert len(client._connections) <= 4
+        response = await client.get_parameters(["shared"])
+        assert response.params[0].version == 500
+    assert len(node.table) == 501
+
+
+async def test_one_connection_pipelines_many_calls(node: Node) -> None:
+    async with ParameterClient(node.address, max_connections=1) as client:
+        results = await asyncio.gather(*(client.update_arrays({f"k{i}": [i]}) for i in range(200)))
+        assert all(r == {f"k{i}": 1} for i, r in enumerate(results))
+        assert len(client._connections) == 1
+        assert "Connections: 0 active, 1 idle" in repr(client)
+    assert node.server.counters["connections_total"] == 1
+
+
+async def test_no_reader_sees_half_an_update(node: Node) -> None:
+    names = [f"layer{i}" for i in range(8)]
+    stop = asyncio.Event()
+
+    async def writer(client: ParameterClient) -> int:
+        step = 0
+        while not stop.is_set() and step < 300:
+            step += 1
+            await client.update_arrays({n: np.full(1024, step, np.int32) for n in names})
+        return step
+
+    async def reader(client: ParameterClient) -> int:
+        checks = 0
+        while not stop.is_set() and checks < 300:
+            response = await client.get_parameters(names)
+            steps = {int(np.frombuffer(p.data, np.int32)[0]) for p in response.params}
+            versions = {p.version for p in response.params}
+            assert len(steps) <= 1 and len(versions) <= 1, (steps, versions)
+            if response.params:
+                assert len(response.params) == len(names)
+            checks += 1
+        return checks
+
+    async with ParameterClient(node.address) as w, ParameterClient(node.address) as r:
+        tasks = [asyncio.create_task(writer(w))] + [
+            asyncio.create_task(reader(r)) for _ in range(4)
+        ]
+        done = await tasks[0]
+        stop.set()
+        checks = await asyncio.gather(*tasks[1:])
+    assert done > 0 and sum(checks) > 0
+
+
+async def test_a_oneway_broadcast_is_read_by_the_next_call(node: Node) -> None:
+    async with ParameterClient(node.address, max_connections=1) as client:
+        for i in range(20):
+            await client.broadcast_update({"w": np.full(3, i)})
+            assert (await client.get_arrays(["w"]))["w"].tolist() == [i] * 3
+        assert (await client.get_parameters(["w"])).params[0].version == 20
+
+
+async def test_large_parameters_round_trip_with_bounded_queues(node: Node) -> None:
+    rng = np.random.default_rng(1)
+    arrays = {f"big{i}": rng.standard_normal(1 << 20) for i in range(8)}  # 8 x 8 MiB
+    async with ParameterClient(node.address, max_connections=2) as client:
+        await asyncio.gather(*(client.update_arrays({k: v}) for k, v in arrays.items()))
+        got = await asyncio.gather(*(client.get_arrays([k]) for k in arrays))
+    for (name, arr), result in zip(arrays.items(), got, strict=True):
+        np.testing.assert_array_equal(result[name], arr)
+
+
+async def test_ping_and_info(client: ParameterClient, node: Node) -> None:
+    assert await client.ping() == node.node_id == "{}:{}".format(*node.address)
+    await client.update_arrays({"w": np.zeros(10, np.float32)})
+    info = await client.info()
+    assert info.node_id == node.node_id
+    assert info.parameter_count == 1 and info.parameter_bytes == 40
+    assert info.counters["requests"] >= 3 and info.counters["updates_applied"] == 1
+
+
+# -- failures --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_no_node_is_a_connect_error() -> None:
+    async with ParameterClient(("127.0.0.1", _free_port()), connect_timeout=2) as client:
+        with pytest.raises(ConnectError, match="cannot connect"):
+            await client.ping()
+
+
+async def test_a_closed_client_refuses_calls(node: Node) -> None:
+    client = ParameterClient(node.address)
+    async with client:
+        await client.ping()
+    with pytest.raises(ClientClosedError):
+        await client.ping()
+
+
+async def test_a_broken_connection_is_replaced(node: Node) -> None:
+    async with ParameterClient(node.address, max_connections=1) as client:
+        await client.update_arrays({"w": [1.0]})
+        for conn in list(node.server.connections):
+            conn.abort()
+        # The read finds its connection dead (at once, or when it sends) and retries.
+        assert (await client.get_arrays(["w"]))["w"].tolist() == [1.0]
+        assert await client.update_arrays({"w": [2.0]}) == {"w": 2}
+    assert node.server.counters["connections_total"] == 2
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(on_frame):
+    """A bare TCP peer that calls ``on_frame(writer, name, seqid)`` for each framed call."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        receiver = Receiver(framed=True)
+        try:
+            while data := await reader.read(65536):
+                for frame in receiver.feed(data):
+                    name, _, seqid, _ = decode_header(frame.payload, frame.protocol)
+                    await on_frame(writer, name, seqid)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[:2]
+    finally:
+        server.close()
+
+
+def _ping_reply(seqid: int, text: str) -> list:
+    result = method("ping").result(success=text)
+    return encode_message("ping", MessageType.REPLY, seqid, result)[0]
+
+
+async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
+    release_first = asyncio.Event()
+    first_sent = asyncio.Event()
+
+    async def answer(writer, name, seqid):
+        async def later():
+            if seqid == 1:
+                await release_first.wait()
+            writer.writelines(_ping_reply(seqid, f"reply-to-{seqid}"))
+            if seqid == 1:
+                first_sent.set()
+
+        asyncio.ensure_future(later())
+
+    async with scripted_server(answer) as address:
+        async with ParameterClient(address, max_connections=1) as client:
+            with pytest.raises(CallTimeout, match="ping"):
+                await client.ping(timeout=0.1)
+            assert await client.ping() == "reply-to-2"
+            release_first.set()  # the late reply to call 1 arrives, and is dropped
+            await first_sent.wait()
+            assert await client.ping() == "reply-to-3"
+
+
+async def test_a_connection_lost_mid_call_fails_it_clearly() -> None:
+    async def hang_up(writer, name, seqid):
+        writer.transport.abort()
+
+    async with scripted_server(hang_up) as address:
+        async with ParameterClient(address) as client:
+            with pytest.raises(ConnectionLostError, match="broke"):
+                await client.update_arrays({"w": [1]})  # a write is never retried
+            with pytest.raises(ConnectionLostError):
+                await client.ping()  # a read is retried once, then fails
+
+
+async def test_an_application_exception_is_a_server_error() -> None:
+    async def unknown(writer, name, seqid):
+        from thriftpy2.thrift import TApplicationException
+
+        error = TApplicationException(TApplicationException.UNKNOWN_METHOD, "no such method")
+        writer.writelines(encode_message(name, MessageType.EXCEPTION, seqid, error)[0])
+
+    async with scripted_server(unknown) as address:
+        async with ParameterClient(address) as client:
+            with pytest.raises(ServerError, match="no such method") as info:
+                await client.ping()
+            assert info.value.type == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("127.0.0.1:9090", ("127.0.0.1", 9090)), ("[::1]:80", ("::1", 80)), (("h", 1), ("h", 1))],
+)
+def test_addresses_parse(text, expected) -> None:
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["localhost", ":9090", "host:port", "host:0", "host:70000"])
+def test_bad_addresses_are_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        parse_address(bad)
+
+
+def test_max_connections_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ParameterClient("127.0.0.1:1", max_connections=0)

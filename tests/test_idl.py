@@ -1,0 +1,67 @@
+"""Our IDL is a strict superset of the founding one: nothing of it changed."""
+
+from __future__ import annotations
+
+import thriftpy2
+
+from aioparamsync.wire import IDL_PATH, SEED_IDL_PATH, thrift
+
+seed = thriftpy2.load(str(SEED_IDL_PATH), module_name="seed_idl_thrift")
+
+
+def _spec(cls: type) -> dict:
+    """A struct's spec with classes replaced by their names (they differ between loads)."""
+
+    def plain(value):
+        if isinstance(value, type):
+            return value.__name__
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        return value
+
+    return {fid: plain(field) for fid, field in cls.thrift_spec.items()}
+
+
+SEED_STRUCTS = ["Parameter", "ParameterUpdate", "ParameterRequest", "ParameterResponse"]
+
+
+def test_every_seed_struct_keeps_its_fields() -> None:
+    for name in SEED_STRUCTS:
+        ours, theirs = _spec(getattr(thrift, name)), _spec(getattr(seed, name))
+        for fid, field in theirs.items():
+            assert ours.get(fid) == field, f"{name} field {fid} changed"
+        added = set(ours) - set(theirs)
+        for fid in added:
+            assert ours[fid][-1] is False, f"{name} field {fid} is new and must be optional"
+
+
+def test_defaults_are_unchanged() -> None:
+    for name in SEED_STRUCTS:
+        theirs = dict(getattr(seed, name).default_spec)
+        ours = dict(getattr(thrift, name).default_spec)
+        for field, default in theirs.items():
+            assert ours[field] == default, f"{name}.{field} default changed"
+
+
+def test_every_seed_method_keeps_its_signature() -> None:
+    ours, theirs = thrift.ParameterSyncService, seed.ParameterSyncService
+    assert set(theirs.thrift_services) <= set(ours.thrift_services)
+    for name in theirs.thrift_services:
+        assert _spec(getattr(ours, f"{name}_args")) == _spec(getattr(theirs, f"{name}_args"))
+        our_result = getattr(ours, f"{name}_result")
+        their_result = getattr(theirs, f"{name}_result")
+        # Same result, and no exception added (a seed client would ignore it).
+        assert _spec(our_result) == _spec(their_result), name
+        assert getattr(our_result, "oneway", False) == getattr(their_result, "oneway", False)
+
+
+def test_new_methods_declare_the_typed_error() -> None:
+    service = thrift.ParameterSyncService
+    for name in ("pull_parameters", "push_parameters"):
+        spec = getattr(service, f"{name}_result").thrift_spec
+        assert spec[1][1] == "error" and spec[1][2] is thrift.ParameterError
+
+
+def test_the_idl_file_is_the_one_loaded() -> None:
+    assert IDL_PATH.name == "aioparamsync.thrift"
+    assert "ParameterSyncService" in IDL_PATH.read_text()
