@@ -1,8 +1,8 @@
 """aioparamsync: an asyncio parameter server for distributed training, speaking Thrift.
 
-    async with ParameterClient("127.0.0.1:9090") as client:
-        await client.update_arrays({"w": np.zeros((3, 4), np.float32)})
-        arrays = await client.get_arrays(["w"])
+async with ParameterClient("127.0.0.1:9090") as client:
+    await client.update_arrays({"w": np.zeros((3, 4), np.float32)})
+    arrays = await client.get_arrays(["w"])
 """
 
 from __future__ import annotations

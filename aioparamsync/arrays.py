@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,9 +36,7 @@ def _dtype(dtype: str) -> np.dtype:
     return dt
 
 
-def check_layout(
-    name: str, nbytes: int, dtype: str | None, shape: Sequence[int] | None
-) -> None:
+def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int] | None) -> None:
     """Check that ``nbytes`` of data fit ``dtype`` and ``shape``.
 
     Raises:
@@ -61,7 +59,9 @@ def check_layout(
             )
         return
     if any(d < 0 for d in shape):
-        raise RequestError(ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}")
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
+        )
     expected = math.prod(shape) * dt.itemsize
     if expected != nbytes:
         raise RequestError(
@@ -92,7 +92,7 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
         raise TypeError(f"{name!r}: cannot send an array of dtype {arr.dtype}")
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    data = memoryview(arr.reshape(-1).view(np.uint8))
+    data = memoryview(cast(Any, arr.reshape(-1).view(np.uint8)))
     return thrift.Parameter(
         name=name, data=data, version=version, dtype=arr.dtype.str, shape=list(arr.shape)
     )

@@ -29,7 +29,9 @@ def byte_size(text: str) -> int:
     try:
         value = int(number) * _UNITS[unit]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (e.g. 268435456, 256MiB)"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
     return value
@@ -61,9 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an aioparamsync parameter-server node (in memory). "
         "It speaks Thrift (framed or buffered, binary or compact) on one port.",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument(
-        "--port", type=port_number, default=9090, help="port to listen on; 0 picks a free one (default: %(default)s)"
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=9090,
+        help="port to listen on; 0 picks a free one (default: %(default)s)",
     )
     parser.add_argument("--node-id", help="a stable id for this node (default: host:port)")
     parser.add_argument(
@@ -101,7 +108,9 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await node.start()
     except OSError as exc:
-        print(f"aioparamsync-node: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(
+            f"aioparamsync-node: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

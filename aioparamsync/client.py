@@ -28,7 +28,7 @@ import socket
 import time
 from collections.abc import Iterable, Mapping
 from types import EllipsisType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from thriftpy2.thrift import TApplicationException
@@ -112,7 +112,8 @@ class _Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks ------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        # uvloop's transports are no subclasses of asyncio.Transport.
+        self.transport = transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -145,7 +146,9 @@ class _Connection(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._break(ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}"))
+        self._break(
+            ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}")
+        )
         self._writable.set()
 
     def pause_writing(self) -> None:
@@ -285,7 +288,9 @@ class ParameterClient:
             raise ClientClosedError("the client is closed")
         self._connections = [c for c in self._connections if c.usable]
         best = min(self._connections, key=lambda c: len(c.pending), default=None)
-        if best is not None and (not best.pending or len(self._connections) >= self.max_connections):
+        if best is not None and (
+            not best.pending or len(self._connections) >= self.max_connections
+        ):
             return best
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
@@ -299,7 +304,7 @@ class ParameterClient:
         if not future.cancelled():
             future.exception()  # retrieved here; raised to the callers that await it
 
-    async def _call(self, name: str, timeout: float | None | EllipsisType, **args: Any) -> Any:
+    async def _call(self, name: str, timeout: float | EllipsisType | None, **args: Any) -> Any:
         m = method(name)
         assert m is not None
         deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
@@ -329,7 +334,11 @@ class ParameterClient:
     # -- the API --------------------------------------------------------------------
 
     async def get_parameters(
-        self, names: Iterable[str], min_version: int = 0, *, timeout: float | None | EllipsisType = ...
+        self,
+        names: Iterable[str],
+        min_version: int = 0,
+        *,
+        timeout: float | EllipsisType | None = ...,
     ) -> Any:
         """Fetch parameters: those of ``names`` that exist with ``version >= min_version``.
 
@@ -359,7 +368,7 @@ class ParameterClient:
         params: Iterable[Any] | Mapping[str, Any],
         *,
         timestamp: int | None = None,
-        timeout: float | None | EllipsisType = ...,
+        timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Apply an update atomically: every parameter in it, or none.
 
@@ -385,7 +394,7 @@ class ParameterClient:
         params: Iterable[Any] | Mapping[str, Any],
         *,
         timestamp: int | None = None,
-        timeout: float | None | EllipsisType = ...,
+        timeout: float | EllipsisType | None = ...,
     ) -> None:
         """Send an update oneway: no reply, no error from the node.
 
@@ -395,25 +404,33 @@ class ParameterClient:
         await self._call("broadcast_update", timeout, update=self._update(params, timestamp))
 
     async def get_arrays(
-        self, names: Iterable[str], min_version: int = 0, *, timeout: float | None | EllipsisType = ...
+        self,
+        names: Iterable[str],
+        min_version: int = 0,
+        *,
+        timeout: float | EllipsisType | None = ...,
     ) -> dict[str, np.ndarray]:
         """Fetch parameters as numpy arrays (read-only views, no copy), by name."""
         response = await self.get_parameters(names, min_version, timeout=timeout)
         return {p.name: from_parameter(p) for p in response.params}
 
     async def update_arrays(
-        self, arrays: Mapping[str, Any], *, timestamp: int | None = None, timeout: float | None | EllipsisType = ...
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        timestamp: int | None = None,
+        timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions."""
         if not isinstance(arrays, Mapping):
             raise TypeError("arrays must be a mapping of name -> array")
         return await self.update_parameters(arrays, timestamp=timestamp, timeout=timeout)
 
-    async def ping(self, *, timeout: float | None | EllipsisType = ...) -> str:
+    async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
         return await self._call("ping", timeout)
 
-    async def info(self, *, timeout: float | None | EllipsisType = ...) -> Any:
+    async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo``: id, version, parameters, counters."""
         return await self._call("info", timeout)
 

@@ -20,6 +20,7 @@ fits, ours derives from it too, so ``except TimeoutError`` or
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 __all__ = [
@@ -74,10 +75,8 @@ class RequestError(ParamSyncError, ValueError):
     """
 
     def __init__(self, code: ErrorCode | int, message: str) -> None:
-        try:
+        with contextlib.suppress(ValueError):  # a newer node's code: keep the number
             code = ErrorCode(code)
-        except ValueError:
-            pass  # a newer node's code: keep the number
         self.code = code
         self.message = message
         name = code.name if isinstance(code, ErrorCode) else str(code)

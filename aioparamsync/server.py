@@ -32,7 +32,8 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol as TypingProtocol
+from typing import Any, cast
+from typing import Protocol as TypingProtocol
 
 from thriftpy2.thrift import TApplicationException
 
@@ -84,7 +85,7 @@ class ServerConfig:
 class _Call:
     """A call awaiting its reply, in its connection's order."""
 
-    __slots__ = ("method", "seqid", "frame", "reply")
+    __slots__ = ("frame", "method", "reply", "seqid")
 
     def __init__(self, method_: Method, seqid: int, frame: Frame) -> None:
         self.method = method_
@@ -123,7 +124,8 @@ class ServerConnection(asyncio.BufferedProtocol):
     # -- asyncio callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        # uvloop's transports are no subclasses of asyncio.Transport.
+        self.transport = transport = cast(asyncio.Transport, transport)
         self.peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -291,10 +293,14 @@ class ServerConnection(asyncio.BufferedProtocol):
     def _send(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> None:
         assert self.transport is not None
         try:
-            parts, size = encode_message(name, mtype, seqid, body, frame.protocol, framed=frame.framed)
+            parts, size = encode_message(
+                name, mtype, seqid, body, frame.protocol, framed=frame.framed
+            )
         except LocalProtocolError as exc:
             log.error("%s: cannot encode the reply to %s: %s", self.peer, name, exc)
-            error = _app_error(TApplicationException.INTERNAL_ERROR, f"cannot encode the reply: {exc}")
+            error = _app_error(
+                TApplicationException.INTERNAL_ERROR, f"cannot encode the reply: {exc}"
+            )
             parts, size = encode_message(
                 name, MessageType.EXCEPTION, seqid, error, frame.protocol, framed=frame.framed
             )
@@ -312,10 +318,14 @@ class ServerConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        protocol = frame.protocol if frame is not None else (self.receiver.protocol or Protocol.BINARY)
+        protocol = (
+            frame.protocol if frame is not None else (self.receiver.protocol or Protocol.BINARY)
+        )
         framed = frame.framed if frame is not None else self.receiver.framed is not False
         error = _app_error(TApplicationException.PROTOCOL_ERROR, str(exc))
-        parts, _ = encode_message(name, MessageType.EXCEPTION, seqid, error, protocol, framed=framed)
+        parts, _ = encode_message(
+            name, MessageType.EXCEPTION, seqid, error, protocol, framed=framed
+        )
         transport.writelines(parts)
         transport.close()
 
@@ -383,7 +393,7 @@ class Server:
         self.config = config or ServerConfig()
         self.connections: set[ServerConnection] = set()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._on_idle: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
@@ -430,7 +440,12 @@ class Server:
             conn.close()
         if self.connections:
             drained = asyncio.get_running_loop().create_future()
-            self._on_idle = lambda: drained.done() or drained.set_result(None)
+
+            def on_idle() -> None:
+                if not drained.done():
+                    drained.set_result(None)
+
+            self._on_idle = on_idle
             try:
                 await asyncio.wait_for(drained, grace)
             except TimeoutError:

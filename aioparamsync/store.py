@@ -114,7 +114,10 @@ class ParameterTable:
         return name in self._entries
 
     def __repr__(self) -> str:
-        return f"<ParameterTable {len(self)} parameters, {self._nbytes} bytes, timestamp {self.timestamp}>"
+        return (
+            f"<ParameterTable {len(self)} parameters, {self._nbytes} bytes, "
+            f"timestamp {self.timestamp}>"
+        )
 
     @property
     def nbytes(self) -> int:
@@ -198,7 +201,9 @@ class ParameterTable:
             given = p.version or 0
             shape = tuple(p.shape) if p.shape is not None else None
             made.append(
-                Entry(p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.node_id)
+                Entry(
+                    p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.node_id
+                )
             )
         # Nothing below can fail: the update is applied whole.
         for entry in made:

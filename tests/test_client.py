@@ -227,6 +227,7 @@ def _ping_reply(seqid: int, text: str) -> list:
 
 
 async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
+    tasks: set[asyncio.Future] = set()
     release_first = asyncio.Event()
     first_sent = asyncio.Event()
 
@@ -238,28 +239,29 @@ async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
             if seqid == 1:
                 first_sent.set()
 
-        asyncio.ensure_future(later())
+        tasks.add(asyncio.ensure_future(later()))
 
-    async with scripted_server(answer) as address:
-        async with ParameterClient(address, max_connections=1) as client:
-            with pytest.raises(CallTimeout, match="ping"):
-                await client.ping(timeout=0.1)
-            assert await client.ping() == "reply-to-2"
-            release_first.set()  # the late reply to call 1 arrives, and is dropped
-            await first_sent.wait()
-            assert await client.ping() == "reply-to-3"
+    async with (
+        scripted_server(answer) as address,
+        ParameterClient(address, max_connections=1) as client,
+    ):
+        with pytest.raises(CallTimeout, match="ping"):
+            await client.ping(timeout=0.1)
+        assert await client.ping() == "reply-to-2"
+        release_first.set()  # the late reply to call 1 arrives, and is dropped
+        await first_sent.wait()
+        assert await client.ping() == "reply-to-3"
 
 
 async def test_a_connection_lost_mid_call_fails_it_clearly() -> None:
     async def hang_up(writer, name, seqid):
         writer.transport.abort()
 
-    async with scripted_server(hang_up) as address:
-        async with ParameterClient(address) as client:
-            with pytest.raises(ConnectionLostError, match="broke"):
-                await client.update_arrays({"w": [1]})  # a write is never retried
-            with pytest.raises(ConnectionLostError):
-                await client.ping()  # a read is retried once, then fails
+    async with scripted_server(hang_up) as address, ParameterClient(address) as client:
+        with pytest.raises(ConnectionLostError, match="broke"):
+            await client.update_arrays({"w": [1]})  # a write is never retried
+        with pytest.raises(ConnectionLostError):
+            await client.ping()  # a read is retried once, then fails
 
 
 async def test_an_application_exception_is_a_server_error() -> None:
@@ -269,11 +271,10 @@ async def test_an_application_exception_is_a_server_error() -> None:
         error = TApplicationException(TApplicationException.UNKNOWN_METHOD, "no such method")
         writer.writelines(encode_message(name, MessageType.EXCEPTION, seqid, error)[0])
 
-    async with scripted_server(unknown) as address:
-        async with ParameterClient(address) as client:
-            with pytest.raises(ServerError, match="no such method") as info:
-                await client.ping()
-            assert info.value.type == 1
+    async with scripted_server(unknown) as address, ParameterClient(address) as client:
+        with pytest.raises(ServerError, match="no such method") as info:
+            await client.ping()
+        assert info.value.type == 1
 
 
 @pytest.mark.parametrize(

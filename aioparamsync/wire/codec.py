@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any
+from typing import Any, ClassVar
 
 from thriftpy2.thrift import TType
 
@@ -124,10 +124,10 @@ class Reader:
         limit: with ``stream``, the most bytes a message may take.
     """
 
-    __slots__ = ("buf", "pos", "end", "stream", "limit", "depth")
+    __slots__ = ("buf", "depth", "end", "limit", "pos", "stream")
     # The fewest bytes an element of each wire type takes (refuses counts
     # that cannot fit in what is left before anything is allocated).
-    MIN_SIZE: dict[int, int] = {}
+    MIN_SIZE: ClassVar[dict[int, int]] = {}
 
     def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
         view = memoryview(buf)
@@ -235,7 +235,7 @@ class Reader:
 
     # -- the walk --------------------------------------------------------------
 
-    def read_struct(self, cls: type) -> Any:
+    def read_struct(self, cls: Any) -> Any:
         """Decode a struct of the thriftpy2 class ``cls``."""
         spec = cls.thrift_spec
         values: dict[str, Any] = {}
@@ -252,9 +252,7 @@ class Reader:
         self._struct_end()
         for field in spec.values():
             if field[-1] is True and field[1] not in values:
-                raise RemoteProtocolError(
-                    f"required field {cls.__name__}.{field[1]} is missing"
-                )
+                raise RemoteProtocolError(f"required field {cls.__name__}.{field[1]} is missing")
         return cls(**values)
 
     def _read_value(self, ttype: int, sub: Any) -> Any:
@@ -339,7 +337,7 @@ class Reader:
         else:
             raise RemoteProtocolError(f"unknown type {wire}")
 
-    def read_body(self, cls: type) -> Any:
+    def read_body(self, cls: Any) -> Any:
         """Decode the message's struct and check that it ends the buffer."""
         body = self.read_struct(cls)
         if not self.stream and self.pos != self.end:
@@ -353,7 +351,7 @@ class BinaryReader(Reader):
     """Thrift's binary protocol (strict: every message starts 0x80 0x01)."""
 
     __slots__ = ()
-    MIN_SIZE = {
+    MIN_SIZE: ClassVar[dict[int, int]] = {
         TType.BOOL: 1,
         TType.BYTE: 1,
         TType.I16: 2,
@@ -443,8 +441,8 @@ def _zigzag(n: int) -> int:
 class CompactReader(Reader):
     """Thrift's compact protocol (every message starts 0x82)."""
 
-    __slots__ = ("_last_fid", "_fid_stack", "_bool")
-    MIN_SIZE = {TType.DOUBLE: 8}
+    __slots__ = ("_bool", "_fid_stack", "_last_fid")
+    MIN_SIZE: ClassVar[dict[int, int]] = {TType.DOUBLE: 8}
 
     def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
         super().__init__(buf, stream=stream, limit=limit)
@@ -609,16 +607,14 @@ def _as_bytes_view(value: Any) -> memoryview:
         try:
             view = view.cast("B")
         except TypeError as exc:
-            raise LocalProtocolError(
-                f"binary value must be a C-contiguous buffer: {exc}"
-            ) from None
+            raise LocalProtocolError(f"binary value must be a C-contiguous buffer: {exc}") from None
     return view
 
 
-_FIELD_ORDER: dict[type, list[tuple[int, tuple]]] = {}
+_FIELD_ORDER: dict[Any, list[tuple[int, tuple]]] = {}
 
 
-def _fields(cls: type) -> list[tuple[int, tuple]]:
+def _fields(cls: Any) -> list[tuple[int, tuple]]:
     order = _FIELD_ORDER.get(cls)
     if order is None:
         order = _FIELD_ORDER[cls] = sorted(cls.thrift_spec.items())
@@ -784,7 +780,7 @@ def _zigzag_enc(n: int, bits: int) -> int:
 
 
 class CompactWriter(Writer):
-    __slots__ = ("_last_fid", "_fid_stack")
+    __slots__ = ("_fid_stack", "_last_fid")
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,8 +30,8 @@ class Method:
     """One method of the service: its name and its argument and result structs."""
 
     name: str
-    args: type
-    result: type | None  # None for oneway methods
+    args: Any  # thriftpy2 struct classes
+    result: Any  # None for oneway methods
     oneway: bool
     #: whether the result declares the typed ``ParameterError`` (field ``error``)
     typed_errors: bool = False
