@@ -29,7 +29,7 @@ NUMERIC_KINDS = frozenset("biufc")
 def _dtype(dtype: str) -> np.dtype:
     try:
         dt = np.dtype(dtype)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - numpy raises SyntaxError, warnings... on odd strings
         raise RequestError(ErrorCode.SHAPE_MISMATCH, f"{dtype!r} is not a numpy dtype") from None
     if dt.kind not in NUMERIC_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise RequestError(ErrorCode.SHAPE_MISMATCH, f"dtype {dtype!r} is not a numeric dtype")
@@ -42,6 +42,10 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
     Raises:
         RequestError: (SHAPE_MISMATCH) they do not, or the dtype is not numeric.
     """
+    if shape is not None and any(d < 0 for d in shape):
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
+        )
     if dtype is None:
         if shape is not None and math.prod(shape) != nbytes:
             raise RequestError(
@@ -58,10 +62,6 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
                 f"{name!r}: {nbytes} bytes is not a whole number of {dtype} items",
             )
         return
-    if any(d < 0 for d in shape):
-        raise RequestError(
-            ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
-        )
     expected = math.prod(shape) * dt.itemsize
     if expected != nbytes:
         raise RequestError(

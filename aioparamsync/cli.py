@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,27 +15,34 @@ from . import __version__
 from .node import Node
 from .server import DEFAULT_IDLE_TIMEOUT
 from .wire import DEFAULT_MAX_FRAME_BYTES
+from .wire.codec import MAX_I32
 
 __all__ = ["main"]
 
 log = logging.getLogger("aioparamsync")
 
-_UNITS = {"": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3}
+# A size: a number and an optional unit; k, m and g count in powers of 1024,
+# written alone or with "iB" or "B" (64k = 64KiB = 64KB = 65536).
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+# The smallest --max-frame-bytes worth running with.
+MIN_FRAME_BYTES = 1024
 
 
 def byte_size(text: str) -> int:
     """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes."""
-    t = text.strip().lower().removesuffix("b") if text.strip().lower() != "b" else ""
-    number = t.rstrip("kmgi")
-    unit = t[len(number) :]
-    try:
-        value = int(number) * _UNITS[unit]
-    except (ValueError, KeyError):
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)")
+    return int(match[1]) * _UNITS[match[2].lower()]
+
+
+def frame_size(text: str) -> int:
+    value = byte_size(text)
+    if not MIN_FRAME_BYTES <= value <= MAX_I32:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (e.g. 268435456, 256MiB)"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+            f"{text!r}: a frame size must lie in {MIN_FRAME_BYTES}..{MAX_I32} bytes"
+        )
     return value
 
 
@@ -52,8 +61,8 @@ def seconds(text: str) -> float | None:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds cannot be negative")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number >= 0")
     return value or None
 
 
@@ -75,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-id", help="a stable id for this node (default: host:port)")
     parser.add_argument(
         "--max-frame-bytes",
-        type=byte_size,
+        type=frame_size,
         default=DEFAULT_MAX_FRAME_BYTES,
         metavar="SIZE",
         help="largest message accepted, e.g. 256MiB (default: %(default)s bytes)",

@@ -96,7 +96,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.receiver = Receiver(max_frame_bytes, framed=True)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
-        self._seqids = itertools.count(1)
+        self._seqids = itertools.count()
         self._writable = asyncio.Event()
         self._writable.set()
         self.lost: BaseException | None = None
@@ -129,6 +129,11 @@ class _Connection(asyncio.BufferedProtocol):
             for frame in self.receiver.buffer_updated(nbytes):
                 name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
                 future = self.pending.pop(seqid, None)
+                if future is None and mtype == MessageType.EXCEPTION and seqid == 0:
+                    # About no call (ours are never 0): the node refused the connection.
+                    error = reader.read_body(TApplicationException)
+                    self._break(ServerError(f"the node refused: {error.message}", error.type or 0))
+                    return
                 if future is None or future.done():
                     continue  # its caller gave up (timeout, cancellation)
                 m = method(name)
@@ -179,7 +184,7 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.usable:
             raise ConnectionLostError(f"the connection is closed: {self.lost}")
         assert self.transport is not None
-        seqid = next(self._seqids) & 0x7FFFFFFF
+        seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
         mtype = MessageType.ONEWAY if m.oneway else MessageType.CALL
         parts, _ = encode_message(m.name, mtype, seqid, args)
         if m.oneway:

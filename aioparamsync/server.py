@@ -61,6 +61,9 @@ MAX_PIPELINE = 256
 WRITE_HIGH_BYTES = 8 * 1024 * 1024
 # A connection with nothing in flight and silent this long is closed (seconds).
 DEFAULT_IDLE_TIMEOUT = 600.0
+# After its last reply and EOF, how long a closing connection may keep sending
+# before it is aborted (seconds; see ServerConnection._maybe_finish).
+LINGER_SECONDS = 5.0
 
 
 class Handler(TypingProtocol):
@@ -94,6 +97,10 @@ class _Call:
         self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
 
 
+# Where a closing connection's incoming bytes go (they are dropped).
+_DISCARD = memoryview(bytearray(64 * 1024))
+
+
 def _app_error(kind: int, message: str) -> TApplicationException:
     return TApplicationException(type=kind, message=message)
 
@@ -110,7 +117,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._last_write: asyncio.Future | None = None
         self._write_paused = False
         self._read_paused = False
-        self._closing = False
+        self._closing = False  # no new requests: finish, then close
+        self._peer_eof = False
+        self._eof_sent = False
         self._idle_handle: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
 
@@ -139,11 +148,15 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._schedule_idle_check(self.server.config.idle_timeout)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._closing:
+            return _DISCARD  # read what still comes, so closing sends no reset
         return self.receiver.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         self._touch()
         self.server.counters["bytes_in"] += nbytes
+        if self._closing:
+            return
         try:
             frames = self.receiver.buffer_updated(nbytes)
         except RemoteProtocolError as exc:
@@ -155,13 +168,15 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._dispatch(frame)
 
     def eof_received(self) -> bool:
-        try:
-            self.receiver.check_eof()
-        except RemoteProtocolError as exc:
-            log.info("%s: %s", self.peer, exc)
-            self.server.counters["protocol_errors"] += 1
+        self._peer_eof = True
+        if not self._closing:
+            try:
+                self.receiver.check_eof()
+            except RemoteProtocolError as exc:
+                log.info("%s: %s", self.peer, exc)
+                self.server.counters["protocol_errors"] += 1
+            self._closing = True
         # Keep the socket open for the replies still owed; close after them.
-        self._closing = True
         self._maybe_finish()
         return True
 
@@ -327,7 +342,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             name, MessageType.EXCEPTION, seqid, error, protocol, framed=framed
         )
         transport.writelines(parts)
-        transport.close()
+        self._maybe_finish()
 
     # -- flow control and lifetime ------------------------------------------------
 
@@ -335,7 +350,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        should_pause = self._write_paused or len(self._calls) >= MAX_PIPELINE
+        should_pause = not self._closing and (
+            self._write_paused or len(self._calls) >= MAX_PIPELINE
+        )
         if should_pause and not self._read_paused:
             self._read_paused = True
             transport.pause_reading()
@@ -344,8 +361,25 @@ class ServerConnection(asyncio.BufferedProtocol):
             transport.resume_reading()
 
     def _maybe_finish(self) -> None:
-        if self._closing and not self._calls and self.transport is not None:
-            self.transport.close()
+        """Once closing and every reply is written: end the connection gracefully.
+
+        Closing a socket with unread bytes in it makes the kernel send a reset,
+        which can destroy replies still on their way. So the node half-closes
+        (the peer reads every reply, then EOF), reads and drops whatever still
+        comes, and closes on the peer's EOF or after ``LINGER_SECONDS``.
+        """
+        transport = self.transport
+        if not self._closing or self._calls or transport is None or transport.is_closing():
+            return
+        if self._peer_eof or not transport.can_write_eof():
+            transport.close()
+        elif not self._eof_sent:
+            self._eof_sent = True
+            transport.write_eof()
+            if self._read_paused:
+                self._read_paused = False
+                transport.resume_reading()
+            asyncio.get_running_loop().call_later(LINGER_SECONDS, self.abort)
 
     def _touch(self) -> None:
         self._last_activity = asyncio.get_running_loop().time()
@@ -369,14 +403,16 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.transport.close()
 
     def close(self) -> None:
-        """Finish the calls in flight, then close (see :meth:`Server.close`)."""
+        """Take no new requests; finish the calls in flight, then close.
+
+        See :meth:`Server.close`.
+        """
         self._closing = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
+        self._update_reading()
         self._maybe_finish()
 
     def abort(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
 
 

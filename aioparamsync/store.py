@@ -350,6 +350,11 @@ class ParameterStore:
                 self.updates_refused += 1
                 future.set_exception(exc)
                 continue
+            except Exception as exc:  # a bug must fail one update, never stop the writer
+                log.exception("applying an update failed")
+                self.updates_refused += 1
+                future.set_exception(exc)
+                continue
             done.append((future, applied))
             applied_entries.extend(applied.entries)
         self.batches += 1

@@ -10,9 +10,10 @@ as is, and tests feed it bytes with :meth:`Receiver.feed`.
 The first byte of a connection tells its framing. A strict binary message
 starts 0x80 0x01 and a compact one 0x82; anything else is the first byte of
 a 4-byte big-endian frame length, and each frame's first byte then tells its
-protocol. A length must lie in ``1..max_frame_bytes``, checked before any
+protocol. A length must lie in ``0..max_frame_bytes``, checked before any
 allocation: an HTTP request ("GET " reads as a 1.19 GB frame) or a TLS
-handshake is refused at once.
+handshake is refused at once. An empty frame is skipped (Apache Thrift's
+``TFramedTransport`` sends one when flushed with nothing written).
 
 Small frames are read into one scratch buffer and copied out (one cheap
 copy). A frame larger than ``LARGE_FRAME_BYTES`` gets one buffer of its exact
@@ -175,11 +176,14 @@ class Receiver:
         while self._end - self._start >= 4:
             start = self._start
             size = _S_LEN.unpack_from(scratch, start)[0]
-            if size <= 0 or size > self.max_frame_bytes:
+            if size < 0 or size > self.max_frame_bytes:
                 header = bytes(scratch[start : start + 4])
                 raise RemoteProtocolError(
-                    f"{_describe_length(header, size)} is outside 1..{self.max_frame_bytes}"
+                    f"{_describe_length(header, size)} is outside 0..{self.max_frame_bytes}"
                 )
+            if size == 0:
+                self._start = start + 4
+                continue
             available = self._end - start - 4
             if size > LARGE_FRAME_BYTES and available < size:
                 # Give the socket a buffer of the frame's exact size.

@@ -1,0 +1,607 @@
+"""``aioparamsync-node`` as a real process: flags, the listening line, signals, limits.
+
+Every node is started with ``python -m aioparamsync --port 0 ...`` on 127.0.0.1,
+so two runs of this file at once never clash. The ``spawn`` fixture kills (by
+PID) whatever node a test leaves running, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from aioparamsync import (
+    ConnectError,
+    ConnectionLostError,
+    ParameterClient,
+    ServerError,
+    __version__,
+    from_parameter,
+)
+from aioparamsync.cli import build_parser
+from aioparamsync.wire import MessageType, Protocol, decode_header, encode_message, method, thrift
+
+pytestmark = pytest.mark.timeout(90)
+
+NODE = [sys.executable, "-m", "aioparamsync"]
+LISTENING = re.compile(
+    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)$"
+)
+# The first start imports numpy and thriftpy2: generous, but bounded.
+START_TIMEOUT = 30.0
+# How long a node may take to exit once told to (its drain grace is 5 s).
+EXIT_TIMEOUT = 10.0
+# "Promptly": well under the node's 5 s grace for calls in flight.
+PROMPT_SECONDS = 4.0
+CALL_TIMEOUT = 15.0
+MIB = 1024 * 1024
+
+
+class NodeExited(AssertionError):
+    """The node exited (or never printed its listening line) when it should be serving."""
+
+
+class NodeProcess:
+    """One ``aioparamsync-node`` child process, its output pumped into lists."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self._changed = asyncio.Event()
+        assert proc.stdout is not None and proc.stderr is not None
+        self._pumps = [
+            asyncio.ensure_future(self._pump(proc.stdout, self.stdout_lines)),
+            asyncio.ensure_future(self._pump(proc.stderr, self.stderr_lines)),
+        ]
+        self.node_id = ""
+        self.host = ""
+        self.port = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.stdout_lines)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    async def _pump(self, stream: asyncio.StreamReader, lines: list[str]) -> None:
+        while line := await stream.readline():
+            lines.append(line.decode(errors="replace"))
+            self._changed.set()
+        self._changed.set()
+
+    async def _until(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(
+                f"node {self.pid}: no {what} within {timeout} s; stderr:\n{self.stderr}"
+            ) from None
+
+    async def wait_line_or_exit(self, timeout: float = START_TIMEOUT) -> bool:
+        """Wait for a first line on stdout or the end of output; answer whether a line came."""
+        await self._until(
+            lambda: bool(self.stdout_lines) or all(p.done() for p in self._pumps),
+            timeout,
+            "listening line or exit",
+        )
+        return bool(self.stdout_lines)
+
+    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait for the listening line; learn the node's id, host and port from it."""
+        if not await self.wait_line_or_exit(timeout):
+            rc = await self.wait_exit()
+            raise NodeExited(f"node exited with {rc} before listening; stderr:\n{self.stderr}")
+        match = LISTENING.match(self.stdout_lines[0].rstrip("\n"))
+        assert match, f"unparseable first line: {self.stdout_lines[0]!r}"
+        self.node_id = match["node_id"]
+        self.host = match["host"]
+        self.port = int(match["port"])
+
+    async def wait_stderr(self, text: str, timeout: float = EXIT_TIMEOUT) -> None:
+        await self._until(
+            lambda: text in self.stderr or all(p.done() for p in self._pumps),
+            timeout,
+            f"{text!r} on stderr",
+        )
+        assert text in self.stderr, f"the node exited without writing {text!r}:\n{self.stderr}"
+
+    async def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """Wait for the process to exit and its output to end; answer its exit code."""
+        async with asyncio.timeout(timeout):
+            rc = await self.proc.wait()
+            await asyncio.gather(*self._pumps)
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    async def close(self) -> None:
+        """Kill the process if it still runs (by its PID), and reap it."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        with contextlib.suppress(TimeoutError):
+            await self.wait_exit()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+Spawn = Callable[..., Awaitable[NodeProcess]]
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Spawn]:
+    """``await spawn(*flags)``: a node on 127.0.0.1 and a free port, listening.
+
+    ``listening=False`` returns at once (for a node expected to exit). Every
+    node started here is killed at teardown if it still runs.
+    """
+    started: list[NodeProcess] = []
+
+    async def spawn_(*flags: str, listening: bool = True) -> NodeProcess:
+        proc = await asyncio.create_subprocess_exec(
+            *NODE,
+            "--port",
+            "0",
+            *flags,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        node = NodeProcess(proc)
+        started.append(node)
+        if listening:
+            await node.wait_listening()
+        return node
+
+    try:
+        yield spawn_
+    finally:
+        for node in started:
+            await node.close()
+
+
+async def stop(node: NodeProcess, sig: int = signal.SIGTERM) -> tuple[int, float]:
+    """Signal the node; answer its exit code and how long it took to exit."""
+    t0 = time.monotonic()
+    node.send_signal(sig)
+    rc = await node.wait_exit()
+    return rc, time.monotonic() - t0
+
+
+def client_of(node: NodeProcess, **kwargs) -> ParameterClient:
+    kwargs.setdefault("timeout", CALL_TIMEOUT)
+    kwargs.setdefault("connect_timeout", 5.0)
+    return ParameterClient(node.address, **kwargs)
+
+
+def run_cli(*args: str, timeout: float = START_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run the CLI to completion (it is killed if it outlives ``timeout``)."""
+    return subprocess.run(
+        [*NODE, *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (only used to check nothing listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_nothing_listens(port: int) -> None:
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.settimeout(5)
+        s.connect(("127.0.0.1", port))
+
+
+def assert_clean(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert " ERROR " not in stderr and " CRITICAL " not in stderr, stderr
+
+
+def filler(nbytes: int) -> np.ndarray:
+    return np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+
+
+# -- the listening line and the node id ----------------------------------------------
+
+
+async def test_listening_line_is_printed_once_and_names_host_port_by_default(spawn) -> None:
+    node = await spawn()
+    assert node.host == "127.0.0.1"
+    assert 0 < node.port < 65536
+    assert node.node_id == f"127.0.0.1:{node.port}"
+    async with client_of(node) as client:
+        assert await client.ping() == node.node_id
+    rc, _ = await stop(node)
+    assert rc == 0
+    assert len(node.stdout_lines) == 1, node.stdout_lines
+    assert node.stdout_lines[0].endswith("\n")
+    assert LISTENING.match(node.stdout_lines[0].rstrip("\n"))
+    assert_clean(node.stderr)
+
+
+async def test_node_id_flag_shows_in_the_line_ping_and_info(spawn) -> None:
+    node = await spawn("--node-id", "foo")
+    assert node.node_id == "foo"
+    assert node.stdout_lines[0] == f"aioparamsync-node foo listening on 127.0.0.1:{node.port}\n"
+    async with client_of(node) as client:
+        assert await client.ping() == "foo"
+        info = await client.info()
+        assert info.node_id == "foo"
+        assert info.version == __version__
+    rc, _ = await stop(node)
+    assert rc == 0
+
+
+async def test_two_nodes_on_port_zero_get_different_ports(spawn) -> None:
+    a, b = await asyncio.gather(spawn(), spawn())
+    assert a.port != b.port
+    async with client_of(a) as ca, client_of(b) as cb:
+        assert await ca.ping() == a.node_id
+        assert await cb.ping() == b.node_id
+
+
+# -- data through the process -------------------------------------------------------------
+
+
+async def test_update_and_get_round_trip_numpy_arrays(spawn) -> None:
+    node = await spawn()
+    rng = np.random.default_rng(7)
+    arrays = {
+        "w": rng.standard_normal((3, 4)).astype(np.float32),
+        "b": np.arange(5, dtype=np.int64),
+        "h": rng.standard_normal((2, 3, 4)).astype(np.float16),
+        "mask": np.array([True, False, True]),
+        "scalar": np.float64(3.5),
+        "big": rng.standard_normal(MIB).astype(np.float32),  # 4 MiB: the large-frame path
+    }
+    async with client_of(node) as writer:
+        assert await writer.update_arrays(arrays) == {name: 1 for name in arrays}
+        assert await writer.update_arrays({"w": arrays["w"] * 2}) == {"w": 2}
+    # A second client (fresh connections) reads what the first one wrote.
+    async with client_of(node) as reader:
+        got = await reader.get_arrays([*arrays, "missing"])
+        assert set(got) == set(arrays)
+        for name, expected in {**arrays, "w": arrays["w"] * 2}.items():
+            expected = np.asarray(expected)
+            assert got[name].dtype == expected.dtype, name
+            assert got[name].shape == expected.shape, name
+            np.testing.assert_array_equal(got[name], expected)
+        response = await reader.get_parameters(["w", "b"], min_version=2)
+        assert [p.name for p in response.params] == ["w"]
+        assert response.params[0].version == 2
+    rc, _ = await stop(node)
+    assert rc == 0
+    assert_clean(node.stderr)
+
+
+# -- signals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_signal_stops_the_node_promptly_and_cleanly(spawn, sig) -> None:
+    node = await spawn("--log-level", "info")
+    async with client_of(node) as client:
+        await client.update_arrays({"w": np.ones(4)})
+        # An idle connection stays open: it must not hold the shutdown up.
+        rc, took = await stop(node, sig)
+        assert rc == 0, node.stderr
+        assert took < PROMPT_SECONDS, f"took {took:.1f} s to exit"
+        assert_clean(node.stderr)
+        assert "KeyboardInterrupt" not in node.stderr
+        # The node is gone: the next call cannot connect.
+        with pytest.raises(ConnectError):
+            await client.ping()
+
+
+async def test_signal_with_no_connection_ever_made(spawn) -> None:
+    node = await spawn()
+    rc, took = await stop(node, signal.SIGTERM)
+    assert (rc, node.stdout_lines[1:]) == (0, [])
+    assert took < PROMPT_SECONDS
+    assert_clean(node.stderr)
+
+
+async def _slow_reader(node: NodeProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection whose tiny receive buffer keeps a large reply mostly in the node."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        async with asyncio.timeout(5):
+            await asyncio.get_running_loop().sock_connect(sock, node.address)
+        return await asyncio.open_connection(sock=sock, limit=64 * 1024)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _pull_request(seqid: int, *names: str) -> list:
+    m = method("pull_parameters")
+    assert m is not None
+    request = thrift.ParameterRequest(param_names=list(names), min_version=0)
+    parts, _ = encode_message(m.name, MessageType.CALL, seqid, m.args(request=request))
+    return parts
+
+
+def _decode_pull_reply(payload: bytes, seqid: int) -> dict[str, np.ndarray]:
+    m = method("pull_parameters")
+    assert m is not None and m.result is not None
+    name, mtype, got_seqid, reader = decode_header(memoryview(payload), Protocol.BINARY)
+    assert (name, mtype, got_seqid) == ("pull_parameters", MessageType.REPLY, seqid)
+    result = reader.read_body(m.result)
+    assert result.error is None
+    return {p.name: from_parameter(p) for p in result.success.params}
+
+
+async def test_sigterm_lets_a_reply_in_flight_finish(spawn) -> None:
+    """Deterministic: SIGTERM lands while a 16 MiB reply is mostly still in the node.
+
+    (Sending a 16 MiB *update* and SIGTERM "right after" is racy: whether the
+    node has read the whole request when the signal lands is timing. Here the
+    node has provably dispatched the call, as its reply has begun to arrive.)
+    """
+    node = await spawn("--log-level", "info")
+    big = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB
+    async with client_of(node) as client:
+        await client.update_arrays({"big": big})
+    reader, writer = await _slow_reader(node)
+    try:
+        writer.writelines(_pull_request(7, "big"))
+        await writer.drain()
+        (size,) = struct.unpack("!i", await asyncio.wait_for(reader.readexactly(4), CALL_TIMEOUT))
+        assert size > big.nbytes
+        t0 = time.monotonic()
+        node.send_signal(signal.SIGTERM)
+        await node.wait_stderr("shutting down")  # the node is stopping, the reply unsent
+        payload = await asyncio.wait_for(reader.readexactly(size), CALL_TIMEOUT)
+        got = _decode_pull_reply(payload, 7)
+        np.testing.assert_array_equal(got["big"], big)
+        # Then the node closes the connection and exits.
+        assert await asyncio.wait_for(reader.read(), CALL_TIMEOUT) == b""
+    finally:
+        writer.close()
+    rc = await node.wait_exit()
+    assert rc == 0
+    assert time.monotonic() - t0 < PROMPT_SECONDS + 2
+    assert_clean(node.stderr)
+
+
+async def test_sigterm_keeps_a_reply_in_flight_when_a_call_is_pipelined_behind_it(spawn) -> None:
+    node = await spawn("--log-level", "info")
+    big = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB, more than the node's write high mark
+    async with client_of(node) as client:
+        await client.update_arrays({"big": big})
+    reader, writer = await _slow_reader(node)
+    try:
+        writer.writelines(_pull_request(7, "big"))
+        await writer.drain()
+        (size,) = struct.unpack("!i", await asyncio.wait_for(reader.readexactly(4), CALL_TIMEOUT))
+        # The node has stopped reading this connection (its write buffer is full);
+        # a second call now waits in the node's socket, unread.
+        ping = method("ping")
+        assert ping is not None
+        writer.writelines(encode_message("ping", MessageType.CALL, 8, ping.args())[0])
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        node.send_signal(signal.SIGTERM)
+        await node.wait_stderr("shutting down")
+        payload = await asyncio.wait_for(reader.readexactly(size), CALL_TIMEOUT)
+        np.testing.assert_array_equal(_decode_pull_reply(payload, 7)["big"], big)
+    finally:
+        writer.close()
+    assert await node.wait_exit() == 0
+
+
+# -- --max-frame-bytes ------------------------------------------------------------------
+
+
+async def test_max_frame_bytes_refuses_a_larger_update_and_keeps_serving(spawn) -> None:
+    node = await spawn("--max-frame-bytes", "1048576")
+    async with client_of(node) as client:
+        # The node answers a PROTOCOL_ERROR (seqid 0) and closes the connection:
+        # the client sees the connection break, never a ServerError.
+        with pytest.raises(ConnectionLostError) as caught:
+            await client.update_arrays({"big": filler(2 * MIB)})
+        assert not isinstance(caught.value, ServerError)
+        assert "connection" in str(caught.value)
+        # The same client carries on, on a fresh connection.
+        assert await client.update_arrays({"small": np.arange(4)}) == {"small": 1}
+    async with client_of(node) as fresh:
+        assert await fresh.update_arrays({"small": np.arange(8)}) == {"small": 2}
+        got = await fresh.get_arrays(["big", "small"])
+        assert list(got) == ["small"]  # the refused update was not applied
+        np.testing.assert_array_equal(got["small"], np.arange(8))
+        info = await fresh.info()
+        assert info.counters["protocol_errors"] >= 1
+    rc, _ = await stop(node)
+    assert rc == 0
+    assert "1048576" in node.stderr  # the node logs why it closed the connection
+    assert_clean(node.stderr)
+
+
+@pytest.mark.parametrize(
+    ("spec", "limit"),
+    [
+        ("1048576", MIB),
+        ("64KiB", 64 * 1024),
+        ("1MiB", MIB),
+        ("1m", MIB),
+        ("64k", 64 * 1024),
+        ("1MB", MIB),
+    ],
+)
+async def test_max_frame_bytes_sizes_parse_and_set_the_limit(spawn, spec, limit) -> None:
+    node = await spawn("--max-frame-bytes", spec)
+    async with client_of(node) as client:
+        # The message around the data takes ~100 bytes: 1 KiB less fits.
+        assert await client.update_arrays({"fits": filler(limit - 1024)}) == {"fits": 1}
+        with pytest.raises(ConnectionLostError):
+            await client.update_arrays({"too_big": filler(limit + 1)})
+        assert set(await client.get_arrays(["fits", "too_big"])) == {"fits"}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        pytest.param("--max-frame-bytes", "8", id="max-frame-bytes-8"),
+        pytest.param("--idle-timeout", "nan", id="idle-timeout-nan"),
+    ],
+)
+async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, value) -> None:
+    node = await spawn(flag, value, listening=False)
+    started = await node.wait_line_or_exit()
+    assert not started, f"the node started with {flag} {value}: {node.stdout_lines}"
+    assert await node.wait_exit() == 2
+    assert flag in node.stderr
+
+
+# -- bad flags -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--port", "70000"], ["--port", "70000"]),
+        (["--port", "abc"], ["--port", "'abc'"]),
+        (["--port", "-1"], ["--port", "-1"]),
+        (["--max-frame-bytes", "0"], ["--max-frame-bytes", "'0'"]),
+        (["--max-frame-bytes", "12XB"], ["--max-frame-bytes", "'12XB'"]),
+        (["--idle-timeout", "-1"], ["--idle-timeout", "'-1'"]),
+        (["--idle-timeout", "soon"], ["--idle-timeout", "'soon'"]),
+        (["--log-level", "loud"], ["--log-level", "'loud'"]),
+        (["--bogus"], ["unrecognized arguments", "--bogus"]),
+        (["--port"], ["--port", "expected one argument"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_flags_exit_2_naming_the_flag_and_listen_nowhere(args, expected) -> None:
+    port = free_port()
+    # --port first: a bad value later on the line still overrides it.
+    result = run_cli("--port", str(port), *args)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("usage: aioparamsync-node")
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("aioparamsync-node: error: ")
+    for text in expected:
+        assert text in error, error
+    assert_nothing_listens(port)
+
+
+def test_port_in_use_exits_1_without_a_traceback() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--port", str(port))
+        assert result.returncode == 1, result
+        assert result.stdout == ""
+        assert f"aioparamsync-node: cannot listen on 127.0.0.1:{port}" in result.stderr
+        assert "Traceback" not in result.stderr
+        # Our listener is untouched.
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+
+
+# -- --help and --version -------------------------------------------------------------------
+
+
+def test_help_lists_every_flag_and_exits_0() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result
+    assert result.stderr == ""
+    assert result.stdout.startswith("usage: aioparamsync-node")
+    flags = {
+        "-h", "--help", "--host", "--port", "--node-id", "--max-frame-bytes",
+        "--idle-timeout", "--log-level", "--version",
+    }  # fmt: skip
+    declared = {s for a in build_parser()._actions for s in a.option_strings}
+    assert declared == flags, "a flag was added or removed: update this test"
+    for flag in flags:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), flag
+    for choice in ("debug", "info", "warning", "error"):
+        assert choice in result.stdout
+
+
+def test_version_prints_the_version_and_exits_0() -> None:
+    result = run_cli("--version")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"aioparamsync-node {__version__}\n",
+        "",
+    )
+
+
+@pytest.mark.skipif(shutil.which("aioparamsync-node") is None, reason="script not on PATH")
+def test_console_script_is_the_same_cli() -> None:
+    result = subprocess.run(
+        ["aioparamsync-node", "--version"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert (result.returncode, result.stdout) == (0, f"aioparamsync-node {__version__}\n")
+
+
+# -- --idle-timeout -------------------------------------------------------------------------
+
+
+async def test_idle_timeout_closes_silent_connections(spawn) -> None:
+    node = await spawn("--idle-timeout", "0.5")
+    t0 = time.monotonic()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(*node.address), 5)
+    try:
+        async with client_of(node) as client:
+            assert await client.ping() == node.node_id
+            # The raw connection said nothing: the node closes it.
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert time.monotonic() - t0 >= 0.4
+            # The client's connection went silent too and is closed; the client
+            # carries on with a fresh one.
+            await asyncio.sleep(1.0)
+            info = await client.info()
+            assert info.counters["idle_closed"] >= 2
+            assert await client.ping() == node.node_id
+    finally:
+        writer.close()
+    rc, _ = await stop(node)
+    assert rc == 0
+    assert_clean(node.stderr)
