@@ -65,9 +65,31 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # Default number of connections a client keeps to its node.
 DEFAULT_MAX_CONNECTIONS = 4
+# Methods that change a node's state: never retried behind the caller's back.
+WRITES = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
 
 
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+Address = str | tuple[str, int]
+
+
+def parse_addresses(addresses: Address | Iterable[Address]) -> list[tuple[str, int]]:
+    """One address, ``"h1:p1,h2:p2"``, or a list of addresses -> ``[(host, port), ...]``.
+
+    Raises:
+        ValueError: not addresses, or none.
+    """
+    if isinstance(addresses, str):
+        items: list[Address] = [a for a in addresses.split(",") if a.strip()]
+    elif isinstance(addresses, tuple) and len(addresses) == 2 and isinstance(addresses[1], int):
+        items = [addresses]
+    else:
+        items = list(addresses)
+    if not items:
+        raise ValueError("no address given")
+    return [parse_address(a.strip() if isinstance(a, str) else a) for a in items]
+
+
+def parse_address(address: Address) -> tuple[str, int]:
     """``"host:port"``, ``"[::1]:port"`` or ``(host, port)`` -> ``(host, port)``.
 
     Raises:
@@ -207,17 +229,20 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class ParameterClient:
-    """An async client of one node.
+    """An async client of a node (or of the first reachable of several).
 
     Safe to share among many coroutines: calls are pipelined over a small pool
-    of connections. Use it as an async context manager, or call :meth:`close`::
+    of connections. Given several addresses (nodes of one cluster), it uses one
+    node at a time and moves to the next when that one cannot be reached.
+    Use it as an async context manager, or call :meth:`close`::
 
         async with ParameterClient("127.0.0.1:9090") as client:
             versions = await client.update_arrays({"w": weights})
             arrays = await client.get_arrays(["w"])
 
     Args:
-        address: ``"host:port"`` or ``(host, port)``.
+        address: ``"host:port"``, ``(host, port)``, or several of them (a
+            list, or ``"host:port,host:port"``).
         timeout: default deadline of each call in seconds (None: no deadline).
         connect_timeout: deadline of opening a connection.
         max_connections: connections to keep to the node.
@@ -226,7 +251,7 @@ class ParameterClient:
 
     def __init__(
         self,
-        address: str | tuple[str, int],
+        address: Address | Iterable[Address],
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -235,7 +260,8 @@ class ParameterClient:
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
-        self.host, self.port = parse_address(address)
+        self.addresses = parse_addresses(address)
+        self._current = 0  # the node in use: self.addresses[self._current]
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
@@ -243,6 +269,14 @@ class ParameterClient:
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
+
+    @property
+    def host(self) -> str:
+        return self.addresses[self._current][0]
+
+    @property
+    def port(self) -> int:
+        return self.addresses[self._current][1]
 
     def __repr__(self) -> str:
         active = sum(1 for c in self._connections if c.pending)
@@ -270,18 +304,40 @@ class ParameterClient:
     # -- the pool -------------------------------------------------------------------
 
     async def _connect(self) -> _Connection:
+        """Connect to the node in use, or else to the next that answers, in turn."""
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self.max_frame_bytes), self.host, self.port
+        failures: list[ConnectError | ConnectTimeout] = []
+        for attempt in range(len(self.addresses)):
+            index = (self._current + attempt) % len(self.addresses)
+            host, port = self.addresses[index]
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self.max_frame_bytes), host, port
+                    )
+            except TimeoutError:
+                failures.append(
+                    ConnectTimeout(
+                        f"no connection to {host}:{port} within {self.connect_timeout} s"
+                    )
                 )
-        except TimeoutError:
-            raise ConnectTimeout(
-                f"no connection to {self.host}:{self.port} within {self.connect_timeout} s"
-            ) from None
-        except OSError as exc:
-            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+                continue
+            except OSError as exc:
+                failures.append(ConnectError(f"cannot connect to {host}:{port}: {exc}"))
+                continue
+            if index != self._current:
+                log.warning("moving to node %s:%d (%s)", host, port, failures[-1])
+                for old in self._connections:
+                    old.close()  # keep one node per client: reads see one node's state
+                self._connections.clear()
+                self._current = index
+            break
+        else:
+            if len(failures) == 1:
+                raise failures[0]
+            raise ConnectError(
+                "no node is reachable: " + "; ".join(str(f) for f in failures)
+            ) from failures[-1]
         if self._closed:
             conn.close()
             raise ClientClosedError("the client was closed")
@@ -309,12 +365,27 @@ class ParameterClient:
         if not future.cancelled():
             future.exception()  # retrieved here; raised to the callers that await it
 
-    async def _call(self, name: str, timeout: float | EllipsisType | None, **args: Any) -> Any:
+    async def call(
+        self, name: str, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+    ) -> Any:
+        """Call the IDL method ``name`` with its arguments; answer its result.
+
+        The arguments and the result are the IDL's structs (``aioparamsync.thrift``).
+        A read is retried once on a fresh connection if its connection breaks; a
+        write is not (its outcome is then unknown).
+
+        Raises:
+            ValueError: no such method.
+            RequestError: the node refused the call (its ``ParameterError``).
+            ServerError: the node failed, or does not know the method.
+            CallTimeout, NetworkError, ClientClosedError: see :mod:`aioparamsync.errors`.
+        """
         m = method(name)
-        assert m is not None
+        if m is None:
+            raise ValueError(f"the IDL has no method {name!r}")
         deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
         message = m.args(**args)
-        retries = 0 if name in ("push_parameters", "broadcast_update") else 1
+        retries = 0 if name in WRITES else 1
         try:
             async with asyncio.timeout(deadline):
                 while True:
@@ -366,7 +437,7 @@ class ParameterClient:
         if isinstance(names, (str, bytes)):
             raise TypeError("names must be a list of names, not one string")
         request = thrift.ParameterRequest(param_names=list(names), min_version=min_version)
-        return await self._call("pull_parameters", timeout, request=request)
+        return await self.call("pull_parameters", timeout=timeout, request=request)
 
     async def update_parameters(
         self,
@@ -391,7 +462,7 @@ class ParameterClient:
                 not have been applied.
         """
         update = self._update(params, timestamp)
-        result = await self._call("push_parameters", timeout, update=update)
+        result = await self.call("push_parameters", timeout=timeout, update=update)
         return dict(result.versions)
 
     async def broadcast_update(
@@ -406,7 +477,7 @@ class ParameterClient:
         Returns once the update's bytes have left this process; the node
         applies it (to a reader on this client, before any later read).
         """
-        await self._call("broadcast_update", timeout, update=self._update(params, timestamp))
+        await self.call("broadcast_update", timeout=timeout, update=self._update(params, timestamp))
 
     async def get_arrays(
         self,
@@ -433,11 +504,11 @@ class ParameterClient:
 
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
-        return await self._call("ping", timeout)
+        return await self.call("ping", timeout=timeout)
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo``: id, version, parameters, counters."""
-        return await self._call("info", timeout)
+        return await self.call("info", timeout=timeout)
 
     @staticmethod
     def _update(params: Iterable[Any] | Mapping[str, Any], timestamp: int | None) -> Any:

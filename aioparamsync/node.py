@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
+from .client import Address, parse_address, parse_addresses
+from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
 from .server import DEFAULT_IDLE_TIMEOUT, Server, ServerConfig
 from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
-from .wire import DEFAULT_MAX_FRAME_BYTES
+from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
 
 __all__ = ["Node"]
 
@@ -28,7 +31,10 @@ class Node:
     Args:
         host: the address to listen on (loopback by default).
         port: the port; 0 picks a free one (see :attr:`address`).
-        node_id: a stable id for this node; by default ``host:port``.
+        node_id: a stable id for this node; by default its advertised ``host:port``.
+        peers: members of the cluster to join (any one live member will do).
+        advertise: ``host:port`` where peers reach this node (default: where it listens).
+        repair_interval: seconds between anti-entropy rounds with each peer.
         max_frame_bytes: the largest frame (message) accepted.
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
@@ -40,6 +46,9 @@ class Node:
         port: int = 9090,
         *,
         node_id: str | None = None,
+        peers: Iterable[Address] | str = (),
+        advertise: Address | None = None,
+        repair_interval: float = DEFAULT_REPAIR_INTERVAL,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         limits: Limits | None = None,
@@ -47,9 +56,15 @@ class Node:
         self.config = ServerConfig(
             host=host, port=port, max_frame_bytes=max_frame_bytes, idle_timeout=idle_timeout
         )
+        self.seeds = parse_addresses(peers) if peers else []
+        self._advertise = parse_address(advertise) if advertise is not None else None
         self.table = ParameterTable(node_id or "", limits)
         self.store = ParameterStore(self.table)
-        self.service = ParameterService(self.store)
+        # Who this node is, to its peers: known once it listens (port 0).
+        self.cluster = Cluster(
+            self.store, thrift.Member(node_id="", host="", port=0), repair_interval=repair_interval
+        )
+        self.service = ParameterService(self.store, self.cluster)
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
         self._writer: asyncio.Task[None] | None = None
@@ -84,13 +99,17 @@ class Node:
             self.store.close()
             await self._writer
             raise
+        adv_host, adv_port = self._advertise or self.address
         if not self.table.node_id:
-            self.table.node_id = "{}:{}".format(*self.address)
+            self.table.node_id = f"{adv_host}:{adv_port}"
+        self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
+        self.cluster.start(self.seeds)
         log.info("node %s listening on %s:%d", self.node_id, *self.address)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, finish the calls in flight (up to ``grace`` s), stop the writer."""
         await self.server.close(grace)
+        await self.cluster.stop()
         self.store.close()
         if self._writer is not None:
             await self._writer

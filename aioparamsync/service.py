@@ -23,6 +23,7 @@ def to_wire(entry: Entry) -> Any:
         version=entry.version,
         dtype=entry.dtype,
         shape=list(entry.shape) if entry.shape is not None else None,
+        origin=entry.origin,
     )
 
 
@@ -55,13 +56,17 @@ class ParameterService:
 
     Args:
         store: where parameters live; ``ping`` answers its table's node id.
+        cluster: the node's :class:`~aioparamsync.peers.Cluster` (membership calls).
         counters: the server's counters, reported by ``info``.
     """
 
     writes = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
 
-    def __init__(self, store: ParameterStore, counters: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self, store: ParameterStore, cluster: Any = None, counters: Mapping[str, int] | None = None
+    ) -> None:
         self.store = store
+        self.cluster = cluster
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
 
@@ -91,7 +96,11 @@ class ParameterService:
         return _then(future, lambda _: method.result())
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
-        return self.store.submit(*_params(args.update))
+        # From a peer, every parameter carries its origin: merge it, send it on
+        # to no one. From a client: an update like any other.
+        params, timestamp = _params(args.update)
+        replicated = bool(params) and all(p.origin for p in params)
+        return self.store.submit(params, timestamp, replicated=replicated)
 
     # -- the typed methods --------------------------------------------------------
 
@@ -122,5 +131,22 @@ class ParameterService:
             timestamp=table.timestamp,
             uptime_seconds=time.monotonic() - self.started,
             counters=counters,
+            peers=[thrift.PeerInfo(**s) for s in self.cluster.statistics()] if self.cluster else [],
         )
         return method.result(success=info)
+
+    def _announce(self, method: Method, args: Any) -> Any:
+        if self.cluster is None or args.member is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "announce needs a member")
+        return method.result(success=self.cluster.announced(args.member))
+
+    def _digest(self, method: Method, args: Any) -> Any:
+        table = self.store.table
+        digest = []
+        for name in table.names():
+            e = table.entry(name)
+            assert e is not None
+            digest.append(
+                thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
+            )
+        return method.result(success=digest)

@@ -154,7 +154,7 @@ class ParameterTable:
                 found.append(entry)
         return found
 
-    def check(self, params: Sequence[Any]) -> None:
+    def check(self, params: Sequence[Any], *, replicated: bool = False) -> None:
         """Raise :class:`RequestError` if the update ``params`` may not be applied."""
         limits = self.limits
         if len(params) > limits.max_params_per_update:
@@ -180,6 +180,13 @@ class ParameterTable:
             if p.data is None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
             check_layout(name, memoryview(p.data).nbytes, p.dtype, p.shape)
+            if replicated:
+                if not p.origin or not p.version or p.version < 1:
+                    raise RequestError(
+                        ErrorCode.BAD_REQUEST,
+                        f"replicated {name!r} needs an origin and a positive version",
+                    )
+                continue
             current = self._entries.get(name)
             if current is not None and current.version >= MAX_VERSION:
                 raise RequestError(
@@ -205,7 +212,34 @@ class ParameterTable:
                     p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.node_id
                 )
             )
-        # Nothing below can fail: the update is applied whole.
+        return self._store(made, timestamp)
+
+    def merge(self, params: Sequence[Any], timestamp: int) -> Applied:
+        """Apply a replicated update: last writer wins on ``(version, origin)``.
+
+        Each parameter keeps the version and origin it was given where it was
+        first applied, and replaces the stored one only if its
+        ``(version, origin)`` is larger; so every node that sees the same
+        updates, in any order and any number of times, ends with the same
+        entries. Answers the entries that won (maybe none).
+
+        Raises:
+            RequestError: a parameter is malformed (nothing is applied).
+        """
+        self.check(params, replicated=True)
+        entries = self._entries
+        made = []
+        for p in params:
+            current = entries.get(p.name)
+            if current is not None and (current.version, current.origin) >= (p.version, p.origin):
+                continue
+            shape = tuple(p.shape) if p.shape is not None else None
+            made.append(Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin))
+        return self._store(made, timestamp)
+
+    def _store(self, made: list[Entry], timestamp: int) -> Applied:
+        # Nothing here can fail: the update is applied whole.
+        entries = self._entries
         for entry in made:
             old = entries.get(entry.name)
             if old is not None:
@@ -241,13 +275,13 @@ class ParameterStore:
         self.table = table if table is not None else ParameterTable()
         self.max_pending = max_pending
         self.max_batch = max_batch
-        self._queue: collections.deque[tuple[Sequence[Any], int, asyncio.Future]] = (
+        self._queue: collections.deque[tuple[Sequence[Any], int, bool, asyncio.Future]] = (
             collections.deque()
         )
         self._wakeup: asyncio.Event | None = None
         self._room: asyncio.Event | None = None
         self._closed = False
-        self._subscribers: list[Callable[[Sequence[Entry]], None]] = []
+        self._subscribers: list[Callable[[Sequence[Entry], bool], None]] = []
         self.batches = 0
         self.updates_applied = 0
         self.updates_refused = 0
@@ -281,17 +315,24 @@ class ParameterStore:
 
     # -- writing ----------------------------------------------------------------
 
-    def subscribe(self, callback: Callable[[Sequence[Entry]], None]) -> None:
-        """Call ``callback(entries)`` after each batch, with the entries it applied.
+    def subscribe(self, callback: Callable[[Sequence[Entry], bool], None]) -> None:
+        """Call ``callback(entries, replicated)`` after each batch, with the entries it applied.
+
+        ``replicated`` tells entries merged from peers from those this node
+        originated (called once for each kind the batch has).
 
         The callback runs in the writer, so it must not block: it queues work.
         """
         self._subscribers.append(callback)
 
-    def submit(self, params: Sequence[Any], timestamp: int) -> asyncio.Future[Applied]:
+    def submit(
+        self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
+    ) -> asyncio.Future[Applied]:
         """Queue an update; answer a future of its :class:`Applied`.
 
-        Updates are applied in the order they are submitted.
+        Updates are applied in the order they are submitted: with
+        :meth:`ParameterTable.apply`, or :meth:`ParameterTable.merge` where
+        ``replicated`` (an update a peer sends on).
 
         Raises:
             RequestError: (UNAVAILABLE) the queue is full or the store is closed.
@@ -305,19 +346,21 @@ class ParameterStore:
                 f"the node has {len(self._queue)} updates waiting; try again",
             )
         future: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
-        self._queue.append((params, timestamp, future))
+        self._queue.append((params, timestamp, replicated, future))
         if self._wakeup is not None:
             self._wakeup.set()
         return future
 
-    async def update(self, params: Sequence[Any], timestamp: int) -> Applied:
-        """Apply an update, waiting for room in the queue if need be."""
+    async def update(
+        self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
+    ) -> Applied:
+        """Apply an update (see :meth:`submit`), waiting for room in the queue if need be."""
         while len(self._queue) >= self.max_pending and not self._closed:
             if self._room is None:
                 self._room = asyncio.Event()
             self._room.clear()
             await self._room.wait()
-        return await self.submit(params, timestamp)
+        return await self.submit(params, timestamp, replicated=replicated)
 
     async def run(self) -> None:
         """The writer. Runs until :meth:`close`, then applies what was queued and returns."""
@@ -339,13 +382,16 @@ class ParameterStore:
         if self._room is not None:
             self._room.set()
         done: list[tuple[asyncio.Future, Applied]] = []
-        applied_entries: list[Entry] = []
+        fed: tuple[list[Entry], list[Entry]] = ([], [])  # originated here, replicated
         table = self.table
-        for params, timestamp, future in batch:
+        for params, timestamp, replicated, future in batch:
             if future.cancelled():
                 continue  # its caller gave up before it was applied
             try:
-                applied = table.apply(params, timestamp)
+                if replicated:
+                    applied = table.merge(params, timestamp)
+                else:
+                    applied = table.apply(params, timestamp)
             except RequestError as exc:
                 self.updates_refused += 1
                 future.set_exception(exc)
@@ -356,15 +402,17 @@ class ParameterStore:
                 future.set_exception(exc)
                 continue
             done.append((future, applied))
-            applied_entries.extend(applied.entries)
+            fed[replicated].extend(applied.entries)
         self.batches += 1
         self.updates_applied += len(done)
         for future, applied in done:
             future.set_result(applied)
-        if applied_entries:
+        for kind, entries in zip((False, True), fed, strict=True):
+            if not entries:
+                continue
             for callback in self._subscribers:
                 try:
-                    callback(applied_entries)
+                    callback(entries, kind)
                 except Exception:  # one subscriber's bug must not stop the writer
                     log.exception("store subscriber %r failed", callback)
 

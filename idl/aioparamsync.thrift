@@ -25,6 +25,10 @@ struct Parameter {
     4: optional string dtype,
     // The array's shape; absent with a dtype: one dimension.
     5: optional list<i64> shape,
+    // The id of the node where this version was first applied. Set by nodes:
+    // on a replicated update it makes the receiver keep version and origin
+    // (last writer wins on (version, origin)); clients leave it out.
+    6: optional string origin,
 }
 
 struct ParameterUpdate {
@@ -66,6 +70,40 @@ struct UpdateResult {
     2: required i64 timestamp,
 }
 
+// Where a node can be reached, and who it is.
+struct Member {
+    1: required string node_id,
+    2: required string host,
+    3: required i32 port,
+}
+
+// What a node holds of one parameter (anti-entropy compares these).
+struct DigestEntry {
+    1: required string name,
+    2: required i32 version,
+    3: required string origin,
+    4: required i64 nbytes,
+}
+
+// One peer link, as the node that keeps it sees it.
+struct PeerInfo {
+    1: required string node_id,
+    2: required string address,
+    // connecting, up, or backoff (unreachable; retried)
+    3: required string state,
+    // parameters waiting to be sent to the peer (at most one per name)
+    4: required i64 outbox_depth,
+    5: required i64 updates_sent,
+    // updates replaced by newer ones before they were sent
+    6: required i64 updates_coalesced,
+    7: required i64 send_failures,
+    // age of the oldest update waiting for the peer, in seconds
+    8: required double lag_seconds,
+    9: optional string last_error,
+    // parameters pulled from the peer by anti-entropy
+    10: required i64 repaired,
+}
+
 struct NodeInfo {
     1: required string node_id,
     // The aioparamsync version the node runs.
@@ -77,6 +115,7 @@ struct NodeInfo {
     6: required double uptime_seconds,
     // Counters by name: requests, errors, connections, bytes in and out.
     7: required map<string, i64> counters,
+    8: optional list<PeerInfo> peers,
 }
 
 service ParameterSyncService {
@@ -93,4 +132,10 @@ service ParameterSyncService {
     // Answers the node's id.
     string ping(),
     NodeInfo info(),
+
+    // Cluster membership: the caller says who it is; the node adds it to its
+    // peers and answers every member it knows, itself included.
+    list<Member> announce(1: Member member),
+    // (name, version, origin, size) of every parameter the node holds.
+    list<DigestEntry> digest(),
 }

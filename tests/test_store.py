@@ -6,6 +6,8 @@ import asyncio
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioparamsync import ErrorCode, RequestError, to_parameter
 from aioparamsync.store import MAX_VERSION, Limits, ParameterStore, ParameterTable
@@ -148,7 +150,7 @@ def test_numpy_parameters_of_every_layout_are_accepted() -> None:
 async def test_writer_applies_in_order_in_batches_and_feeds_subscribers() -> None:
     store = ParameterStore(ParameterTable("n"), max_batch=64)
     fed: list[list[str]] = []
-    store.subscribe(lambda entries: fed.append([e.name for e in entries]))
+    store.subscribe(lambda entries, replicated: fed.append([e.name for e in entries]))
     futures = [store.submit([P(f"p{i % 3}")], i) for i in range(100)]
     writer = asyncio.create_task(store.run())
     results = await asyncio.gather(*futures)
@@ -206,7 +208,7 @@ async def test_close_applies_what_was_queued_then_refuses() -> None:
 async def test_a_failing_subscriber_does_not_stop_the_writer(caplog) -> None:
     store = ParameterStore()
 
-    def broken(entries):
+    def broken(entries, replicated):
         raise RuntimeError("subscriber bug")
 
     store.subscribe(broken)
@@ -226,5 +228,88 @@ async def test_a_cancelled_update_is_not_applied() -> None:
     writer = asyncio.create_task(store.run())
     await kept
     assert "a" not in store.table and "b" in store.table
+    store.close()
+    await writer
+
+
+# -- merge: last writer wins on (version, origin) -----------------------------------
+
+
+def R(name: str, version: int, origin: str, data: bytes = b"\x00") -> object:
+    return thrift.Parameter(name=name, data=data, version=version, origin=origin)
+
+
+def test_merge_keeps_the_given_version_and_origin() -> None:
+    table = ParameterTable("here")
+    applied = table.merge([R("a", 7, "there", b"x")], 5)
+    assert [(e.version, e.origin) for e in applied.entries] == [(7, "there")]
+    assert table.entry("a").origin == "there" and table.timestamp == 5
+    # A local update after it bumps the version and takes the origin.
+    assert table.apply([P("a")], 6).entries[0].version == 8
+    assert table.entry("a").origin == "here"
+
+
+def test_merge_lets_the_larger_version_then_the_larger_origin_win() -> None:
+    table = ParameterTable()
+    table.merge([R("a", 2, "n1", b"old")], 1)
+    assert table.merge([R("a", 1, "n9", b"older")], 2).entries == ()
+    assert table.merge([R("a", 2, "n0", b"tie, smaller origin")], 3).entries == ()
+    assert table.merge([R("a", 2, "n1", b"duplicate")], 4).entries == ()
+    assert bytes(table.entry("a").data) == b"old"
+    assert len(table.merge([R("a", 2, "n2", b"tie, larger origin")], 5).entries) == 1
+    assert len(table.merge([R("a", 3, "n0", b"newer")], 6).entries) == 1
+    assert bytes(table.entry("a").data) == b"newer"
+
+
+@pytest.mark.parametrize("bad", [R("a", 1, ""), R("a", 0, "n"), R("a", -3, "n")])
+def test_merge_refuses_updates_without_origin_or_version(bad) -> None:
+    with pytest.raises(RequestError) as info:
+        ParameterTable().merge([bad], 1)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.integers(1, 5),
+            st.sampled_from(["n1", "n2", "n3"]),
+            st.binary(max_size=4),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_merge_ends_equal_whatever_the_order_and_duplication(updates, rnd) -> None:
+    # Each (name, version, origin) is written once at its origin, so its bytes are fixed.
+    canonical = {(n, v, o): d for n, v, o, d in updates}
+    messages = [[R(n, v, o, canonical[(n, v, o)])] for n, v, o, _ in updates]
+    shuffled = messages + rnd.sample(messages, len(messages) // 2)  # and some twice
+    rnd.shuffle(shuffled)
+    first, second = ParameterTable(), ParameterTable()
+    for message in messages:
+        first.merge(message, 1)
+    for message in shuffled:
+        second.merge(message, 1)
+    view = lambda t: {  # noqa: E731
+        n: (t.entry(n).version, t.entry(n).origin, bytes(t.entry(n).data)) for n in t.names()
+    }
+    assert view(first) == view(second)
+    for name in view(first):
+        best = max((v, o) for n, v, o, _ in updates if n == name)
+        assert view(first)[name][:2] == best
+
+
+async def test_the_writer_tells_subscribers_what_was_replicated() -> None:
+    store = ParameterStore(ParameterTable("here"))
+    fed: list[tuple[list[str], bool]] = []
+    store.subscribe(lambda entries, replicated: fed.append(([e.name for e in entries], replicated)))
+    local = store.submit([P("a")], 1)
+    merged = store.submit([R("b", 3, "there")], 2, replicated=True)
+    writer = asyncio.create_task(store.run())
+    await asyncio.gather(local, merged)
+    assert sorted(fed) == [(["a"], False), (["b"], True)]
     store.close()
     await writer

@@ -1,0 +1,386 @@
+"""The cluster: membership, per-peer coalescing outboxes, concurrent fan-out, anti-entropy.
+
+Theory of operation. A node keeps one :class:`PeerLink` per other member of
+its cluster (a full mesh). Every update this node applies for a client reaches
+each link's outbox as the store's writer finishes the batch; each link's own
+task sends what its outbox holds to its peer as oneway ``broadcast_update``
+calls over one persistent connection, so the client's reply never waits for
+a peer and the links never wait for each other. An update received from a
+peer carries its version and origin; the receiver merges it (last writer
+wins on ``(version, origin)``, see :meth:`ParameterTable.merge`) and does not
+send it on: the origin has sent it to everyone.
+
+Oneway messages can be lost (a connection that breaks mid-send, a node that
+restarts empty), so links also repair: on every (re)connection, and every
+``repair_interval`` seconds, a link asks its peer for a digest (name ->
+version, origin) and pulls whatever the peer has newer than this node.
+Every node does the same towards each of its peers, so every replica ends
+equal.
+
+Membership: a link's first call announces this node to its peer, which adds
+it to its own links and answers the members it knows; any member new to this
+node gets a link too. So a node started with one live member joins the whole
+cluster. A peer that cannot be reached is retried with capped exponential
+backoff, forever; it is never forgotten, and its state is in ``info``.
+
+Which nodes hold a name is :func:`replicas` (today: every node); it is the
+one place that sharding would change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .client import ParameterClient
+from .errors import ClientClosedError, ErrorCode, ParamSyncError, RequestError
+from .store import Entry, ParameterStore
+from .wire import thrift
+
+__all__ = ["Cluster", "PeerLink", "replicas"]
+
+log = logging.getLogger(__name__)
+
+# First and largest wait before reconnecting to an unreachable peer (seconds).
+BACKOFF_INITIAL = 0.05
+BACKOFF_MAX = 5.0
+# Default period of anti-entropy repair with each peer (seconds).
+DEFAULT_REPAIR_INTERVAL = 10.0
+# Deadline of one call to a peer; a peer that cannot take a message this long
+# (frozen, or its network) is dropped and reconnected (seconds).
+PEER_CALL_TIMEOUT = 10.0
+# Most bytes, and most parameters, in one replication message or one pull.
+BATCH_BYTES = 64 * 1024 * 1024
+BATCH_PARAMS = 1024
+
+
+def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
+    """The peers that hold ``name``: today every one (full replication)."""
+    return members
+
+
+def _to_wire(entry: Entry) -> Any:
+    return thrift.Parameter(
+        name=entry.name,
+        data=entry.data,
+        version=entry.version,
+        dtype=entry.dtype,
+        shape=list(entry.shape) if entry.shape is not None else None,
+        origin=entry.origin,
+    )
+
+
+def _batches(items: Iterable[Any], nbytes: Any) -> Iterable[list[Any]]:
+    """Cut ``items`` into lists of at most BATCH_PARAMS items and about BATCH_BYTES bytes."""
+    batch: list[Any] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if batch and (len(batch) >= BATCH_PARAMS or size + n > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
+
+
+class PeerLink:
+    """This node's link to one peer: its outbox and the task that drains it.
+
+    Backpressure: the outbox holds at most one entry per parameter name, the
+    newest; an update of a name already waiting replaces it (counted as
+    coalesced). Entries are the store's own immutable entries, so a slow or
+    dead peer costs at most one reference per parameter, never a copy, and
+    never delays the client or the other peers.
+
+    Args:
+        cluster: the cluster it belongs to.
+        host, port: where the peer listens.
+        node_id: the peer's id, when known (learned from it otherwise).
+    """
+
+    def __init__(self, cluster: Cluster, host: str, port: int, node_id: str = "") -> None:
+        self.cluster = cluster
+        self.host = host
+        self.port = port
+        self.node_id = node_id
+        self.state = "connecting"
+        self.outbox: dict[str, Entry] = {}
+        self._oldest: float | None = None  # when the oldest waiting entry was queued
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.updates_sent = 0
+        self.updates_coalesced = 0
+        self.send_failures = 0
+        self.repaired = 0
+        self.last_error = ""
+
+    def __repr__(self) -> str:
+        return (
+            f"<PeerLink {self.node_id or '?'} at {self.address} {self.state} "
+            f"[outbox {len(self.outbox)} | sent {self.updates_sent}, coalesced "
+            f"{self.updates_coalesced}, failures {self.send_failures}]>"
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def lag(self) -> float:
+        """Seconds the oldest update waiting for this peer has waited."""
+        return 0.0 if self._oldest is None else time.monotonic() - self._oldest
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "state": self.state,
+            "outbox_depth": len(self.outbox),
+            "updates_sent": self.updates_sent,
+            "updates_coalesced": self.updates_coalesced,
+            "send_failures": self.send_failures,
+            "lag_seconds": self.lag,
+            "last_error": self.last_error,
+            "repaired": self.repaired,
+        }
+
+    def offer(self, entries: Iterable[Entry]) -> None:
+        """Queue entries for the peer (never blocks)."""
+        outbox = self.outbox
+        for entry in entries:
+            old = outbox.get(entry.name)
+            if old is not None:
+                self.updates_coalesced += 1
+                if (old.version, old.origin) > (entry.version, entry.origin):
+                    continue  # keep the newer (a repair may have queued it)
+            outbox[entry.name] = entry
+        if outbox:
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+            self._wakeup.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"aioparamsync-peer-{self.address}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+            self._task = None
+
+    # -- the link's task ----------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_INITIAL
+        while True:
+            client = ParameterClient(
+                (self.host, self.port),
+                timeout=PEER_CALL_TIMEOUT,
+                connect_timeout=PEER_CALL_TIMEOUT,
+                max_connections=1,
+            )
+            try:
+                if self.state != "backoff":  # retries stay "backoff" until one succeeds
+                    self._set_state("connecting")
+                await self._join(client)
+                if self.cluster.redundant(self):
+                    return
+                self._set_state("up")
+                backoff = BACKOFF_INITIAL
+                await self._repair(client)
+                await self._send(client)
+            except (ParamSyncError, OSError) as exc:
+                if isinstance(exc, ClientClosedError):
+                    return
+                self.send_failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._set_state("backoff")
+                log.debug("peer %s: %s; retrying in %.2f s", self.address, exc, backoff)
+            finally:
+                await client.close()
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            level = logging.INFO if state in ("up", "backoff") else logging.DEBUG
+            suffix = f" ({self.last_error})" if state == "backoff" else ""
+            log.log(level, "peer %s at %s: %s%s", self.node_id or "?", self.address, state, suffix)
+            self.state = state
+
+    async def _join(self, client: ParameterClient) -> None:
+        members = await client.call("announce", member=self.cluster.me)
+        if members:
+            self.node_id = members[0].node_id  # a node answers itself first
+        self.cluster.learn(members)
+
+    async def _repair(self, client: ParameterClient) -> None:
+        """Pull what the peer holds newer than this node (anti-entropy)."""
+        digest = await client.call("digest")
+        table = self.cluster.store.table
+        wanted = []
+        for item in digest:
+            mine = table.entry(item.name)
+            if mine is None or (mine.version, mine.origin) < (item.version, item.origin):
+                wanted.append(item)
+        for batch in _batches(wanted, lambda item: item.nbytes):
+            request = thrift.ParameterRequest(param_names=[item.name for item in batch])
+            response = await client.call("pull_parameters", request=request)
+            if response.params:
+                await self.cluster.store.update(
+                    response.params, response.timestamp, replicated=True
+                )
+                self.repaired += len(response.params)
+
+    async def _send(self, client: ParameterClient) -> None:
+        """Send the outbox as it fills; repair every ``repair_interval`` seconds."""
+        loop = asyncio.get_running_loop()
+        interval = self.cluster.repair_interval
+        next_repair = loop.time() + interval
+        while True:
+            if not self.outbox:
+                self._wakeup.clear()
+                try:
+                    async with asyncio.timeout(max(next_repair - loop.time(), 0)):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    pass
+            if loop.time() >= next_repair:
+                await self._repair(client)
+                next_repair = loop.time() + interval
+            if self.outbox:
+                await self._send_outbox(client)
+
+    async def _send_outbox(self, client: ParameterClient) -> None:
+        taken, self.outbox = self.outbox, {}
+        self._oldest = None
+        timestamp = self.cluster.store.timestamp
+        batches = list(_batches(taken.values(), lambda e: e.nbytes))
+        for i, batch in enumerate(batches):
+            update = thrift.ParameterUpdate(
+                params=[_to_wire(e) for e in batch], timestamp=timestamp
+            )
+            try:
+                await client.call("broadcast_update", update=update)
+            except BaseException:
+                # Not sent (or maybe half): keep it for the next connection,
+                # unless a newer version of a name came meanwhile.
+                for rest in batches[i:]:
+                    self.offer_back(rest)
+                raise
+            self.updates_sent += len(batch)
+
+    def offer_back(self, entries: Iterable[Entry]) -> None:
+        outbox = self.outbox
+        for entry in entries:
+            old = outbox.get(entry.name)
+            if old is None or (old.version, old.origin) < (entry.version, entry.origin):
+                outbox[entry.name] = entry
+        if outbox and self._oldest is None:
+            self._oldest = time.monotonic()
+
+
+class Cluster:
+    """This node's view of its cluster: its links, and who it is.
+
+    Args:
+        store: the node's store (its feed of applied updates drives the fan-out).
+        me: this node as its peers reach it (``thrift.Member``).
+        repair_interval: seconds between anti-entropy rounds with each peer.
+    """
+
+    def __init__(
+        self,
+        store: ParameterStore,
+        me: Any,
+        *,
+        repair_interval: float = DEFAULT_REPAIR_INTERVAL,
+    ) -> None:
+        self.store = store
+        self.me = me
+        self.repair_interval = repair_interval
+        self.links: dict[str, PeerLink] = {}  # by address
+        self._started = False
+        store.subscribe(self._applied)
+
+    def __repr__(self) -> str:
+        up = sum(1 for link in self.links.values() if link.state == "up")
+        return f"<Cluster {self.me.node_id} [{up} of {len(self.links)} peers up]>"
+
+    def start(self, seeds: Iterable[tuple[str, int]] = ()) -> None:
+        self._started = True
+        for host, port in seeds:
+            self.add(host, port)
+        for link in self.links.values():
+            if link._task is None:
+                link.start()
+
+    async def stop(self) -> None:
+        self._started = False
+        await asyncio.gather(*(link.stop() for link in self.links.values()))
+
+    def add(self, host: str, port: int, node_id: str = "") -> PeerLink | None:
+        """Add a member (nothing if it is this node or already known)."""
+        if node_id == self.me.node_id or (host, port) == (self.me.host, self.me.port):
+            return None
+        address = f"{host}:{port}"
+        link = self.links.get(address)
+        if link is None:
+            if node_id and any(other.node_id == node_id for other in self.links.values()):
+                return None  # known under another address
+            link = self.links[address] = PeerLink(self, host, port, node_id)
+            log.info("member %s at %s added", node_id or "?", address)
+            if self._started:
+                link.start()
+        elif node_id and not link.node_id:
+            link.node_id = node_id
+        return link
+
+    def redundant(self, link: PeerLink) -> bool:
+        """Drop a link that reached this node itself, or a node another link reaches."""
+        if link.node_id == self.me.node_id or any(
+            other is not link and other.node_id == link.node_id for other in self.links.values()
+        ):
+            self.links.pop(link.address, None)
+            log.info("link to %s dropped: it reaches %s, known already", link.address, link.node_id)
+            return True
+        return False
+
+    def learn(self, members: Iterable[Any]) -> None:
+        for member in members:
+            self.add(member.host, member.port, member.node_id)
+
+    def members(self) -> list[Any]:
+        """Every member known, this node first."""
+        known = [
+            thrift.Member(node_id=link.node_id, host=link.host, port=link.port)
+            for link in self.links.values()
+            if link.node_id
+        ]
+        return [self.me, *known]
+
+    def announced(self, member: Any) -> list[Any]:
+        """A peer announced itself: add it; answer the members this node knows."""
+        if not member.node_id or not member.host or not 0 < member.port < 65536:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"a member needs an id, a host and a port: {member}"
+            )
+        self.add(member.host, member.port, member.node_id)
+        return self.members()
+
+    def _applied(self, entries: Sequence[Entry], replicated: bool) -> None:
+        if replicated:
+            return  # its origin sends it to every peer
+        links = list(self.links.values())
+        for entry in entries:
+            for link in replicas(entry.name, links):
+                link.offer((entry,))
+
+    def statistics(self) -> list[dict[str, Any]]:
+        return [link.statistics() for link in self.links.values()]
