@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .client import parse_address, parse_addresses
 from .node import Node
+from .peers import DEFAULT_REPAIR_INTERVAL
 from .server import DEFAULT_IDLE_TIMEOUT
 from .wire import DEFAULT_MAX_FRAME_BYTES
 from .wire.codec import MAX_I32
@@ -66,6 +68,27 @@ def seconds(text: str) -> float | None:
     return value or None
 
 
+def positive_seconds(text: str) -> float:
+    value = seconds(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
+def address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def addresses(text: str) -> list[tuple[str, int]]:
+    try:
+        return parse_addresses(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aioparamsync-node",
@@ -81,7 +104,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=9090,
         help="port to listen on; 0 picks a free one (default: %(default)s)",
     )
-    parser.add_argument("--node-id", help="a stable id for this node (default: host:port)")
+    parser.add_argument(
+        "--node-id", help="a stable id for this node (default: its advertised host:port)"
+    )
+    parser.add_argument(
+        "--peers",
+        type=addresses,
+        default=[],
+        metavar="HOST:PORT,...",
+        help="members of the cluster to join; any one live member will do",
+    )
+    parser.add_argument(
+        "--advertise",
+        type=address,
+        metavar="HOST:PORT",
+        help="where peers reach this node (default: where it listens)",
+    )
+    parser.add_argument(
+        "--repair-interval",
+        type=positive_seconds,
+        default=DEFAULT_REPAIR_INTERVAL,
+        metavar="SECONDS",
+        help="seconds between anti-entropy rounds with each peer (default: %(default)s)",
+    )
     parser.add_argument(
         "--max-frame-bytes",
         type=frame_size,
@@ -111,6 +156,9 @@ async def serve(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         node_id=args.node_id,
+        peers=args.peers,
+        advertise=args.advertise,
+        repair_interval=args.repair_interval,
         max_frame_bytes=args.max_frame_bytes,
         idle_timeout=args.idle_timeout,
     )

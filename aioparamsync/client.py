@@ -514,4 +514,17 @@ class ParameterClient:
     def _update(params: Iterable[Any] | Mapping[str, Any], timestamp: int | None) -> Any:
         if timestamp is None:
             timestamp = time.time_ns() // 1_000_000
-        return thrift.ParameterUpdate(params=to_parameters(params), timestamp=timestamp)
+        updates = [
+            # An origin marks a peer's replication message (applied with its
+            # version, sent on to no one): a client's update never has one,
+            # even when it sends back what a get answered.
+            p if p.origin is None else _without_origin(p)
+            for p in to_parameters(params)
+        ]
+        return thrift.ParameterUpdate(params=updates, timestamp=timestamp)
+
+
+def _without_origin(p: Any) -> Any:
+    return thrift.Parameter(
+        name=p.name, data=p.data, version=p.version, dtype=p.dtype, shape=p.shape
+    )

@@ -505,6 +505,10 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--idle-timeout", "soon"], ["--idle-timeout", "'soon'"]),
         (["--log-level", "loud"], ["--log-level", "'loud'"]),
         (["--bogus"], ["unrecognized arguments", "--bogus"]),
+        (["--peers", "a:b"], ["--peers", "'b'"]),
+        (["--peers", ","], ["--peers", "no address"]),
+        (["--advertise", "nohost"], ["--advertise", "host:port"]),
+        (["--repair-interval", "0"], ["--repair-interval", "'0'"]),
         (["--port"], ["--port", "expected one argument"]),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
@@ -548,8 +552,8 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     assert result.stderr == ""
     assert result.stdout.startswith("usage: aioparamsync-node")
     flags = {
-        "-h", "--help", "--host", "--port", "--node-id", "--max-frame-bytes",
-        "--idle-timeout", "--log-level", "--version",
+        "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
+        "--repair-interval", "--max-frame-bytes", "--idle-timeout", "--log-level", "--version",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}
     assert declared == flags, "a flag was added or removed: update this test"

@@ -294,3 +294,12 @@ def test_bad_addresses_are_refused(bad) -> None:
 def test_max_connections_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ParameterClient("127.0.0.1:1", max_connections=0)
+
+
+async def test_sending_back_what_a_get_answered_is_a_plain_update(client) -> None:
+    await client.update_arrays({"w": np.zeros(2)})
+    (param,) = (await client.get_parameters(["w"])).params
+    assert param.origin  # the node says where the version was made...
+    await client.broadcast_update([param])  # ...and the client does not pass it on
+    assert (await client.get_parameters(["w"])).params[0].version == 2
+    assert await client.update_parameters([param]) == {"w": 3}
