@@ -24,6 +24,8 @@ __all__ = ["check_layout", "from_parameter", "to_parameter"]
 
 # numpy kinds a parameter may hold: bool, signed, unsigned, float, complex.
 NUMERIC_KINDS = frozenset("biufc")
+# Most dimensions a parameter may have (numpy's own limit).
+MAX_DIMS = 64
 
 
 def _dtype(dtype: str) -> np.dtype:
@@ -42,6 +44,10 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
     Raises:
         RequestError: (SHAPE_MISMATCH) they do not, or the dtype is not numeric.
     """
+    if shape is not None and len(shape) > MAX_DIMS:
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: {len(shape)} dimensions; at most {MAX_DIMS}"
+        )
     if shape is not None and any(d < 0 for d in shape):
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"

@@ -53,6 +53,8 @@ DEFAULT_REPAIR_INTERVAL = 10.0
 # Deadline of one call to a peer; a peer that cannot take a message this long
 # (frozen, or its network) is dropped and reconnected (seconds).
 PEER_CALL_TIMEOUT = 10.0
+# How often the node logs each peer link's state and counters (seconds).
+STATS_LOG_SECONDS = 60.0
 # Most bytes, and most parameters, in one replication message or one pull.
 BATCH_BYTES = 64 * 1024 * 1024
 BATCH_PARAMS = 1024
@@ -307,6 +309,7 @@ class Cluster:
         self.repair_interval = repair_interval
         self.links: dict[str, PeerLink] = {}  # by address
         self._started = False
+        self._reporter: asyncio.Task[None] | None = None
         store.subscribe(self._applied)
 
     def __repr__(self) -> str:
@@ -320,10 +323,33 @@ class Cluster:
         for link in self.links.values():
             if link._task is None:
                 link.start()
+        self._reporter = asyncio.create_task(self._report(), name="aioparamsync-peer-stats")
 
     async def stop(self) -> None:
         self._started = False
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.wait({self._reporter})
         await asyncio.gather(*(link.stop() for link in self.links.values()))
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_LOG_SECONDS)
+            for link in self.links.values():
+                s = link.statistics()
+                log.info(
+                    "peer %s at %s: %s, outbox %d, sent %d, coalesced %d, failures %d, "
+                    "lag %.3f s, repaired %d",
+                    s["node_id"] or "?",
+                    s["address"],
+                    s["state"],
+                    s["outbox_depth"],
+                    s["updates_sent"],
+                    s["updates_coalesced"],
+                    s["send_failures"],
+                    s["lag_seconds"],
+                    s["repaired"],
+                )
 
     def add(self, host: str, port: int, node_id: str = "") -> PeerLink | None:
         """Add a member (nothing if it is this node or already known)."""

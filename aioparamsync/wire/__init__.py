@@ -12,9 +12,9 @@ from .codec import (
     NeedData,
     Protocol,
     Reader,
+    StreamMeasure,
     decode_header,
     encode_message,
-    measure_message,
 )
 from .framing import DEFAULT_MAX_FRAME_BYTES, Frame, Receiver
 from .idl import IDL_PATH, SEED_IDL_PATH, Method, method, thrift
@@ -32,7 +32,7 @@ __all__ = [
     "Receiver",
     "decode_header",
     "encode_message",
-    "measure_message",
+    "StreamMeasure",
     "method",
     "thrift",
 ]

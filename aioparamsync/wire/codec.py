@@ -37,7 +37,7 @@ __all__ = [
     "Reader",
     "decode_header",
     "encode_message",
-    "measure_message",
+    "StreamMeasure",
 ]
 
 # Binary fields at least this long are sent by reference instead of being
@@ -46,6 +46,9 @@ __all__ = [
 ZERO_COPY_MIN_BYTES = 16 * 1024
 # Deepest nesting of structs and containers a message may have.
 MAX_DEPTH = 64
+# Most container elements one message may hold, all containers together: it
+# bounds the time one message can take to decode (about 1 s in Python).
+MAX_ELEMENTS = 2_000_000
 # The largest value a Thrift i32 length may have.
 MAX_I32 = 2**31 - 1
 
@@ -124,7 +127,7 @@ class Reader:
         limit: with ``stream``, the most bytes a message may take.
     """
 
-    __slots__ = ("buf", "depth", "end", "limit", "pos", "stream")
+    __slots__ = ("buf", "depth", "elements", "end", "limit", "pos", "stream")
     # The fewest bytes an element of each wire type takes (refuses counts
     # that cannot fit in what is left before anything is allocated).
     MIN_SIZE: ClassVar[dict[int, int]] = {}
@@ -139,6 +142,7 @@ class Reader:
         self.stream = stream
         self.limit = limit
         self.depth = 0
+        self.elements = 0
 
     # -- bounds -------------------------------------------------------------
 
@@ -173,6 +177,9 @@ class Reader:
             raise RemoteProtocolError(
                 f"container of {count} elements cannot fit in the {room} bytes left"
             )
+        self.elements += count
+        if self.elements > MAX_ELEMENTS:
+            raise RemoteProtocolError(f"message holds more than {MAX_ELEMENTS} container elements")
 
     def _enter(self) -> None:
         self.depth += 1
@@ -375,7 +382,9 @@ class BinaryReader(Reader):
 
     def _field_begin(self) -> tuple[int, int]:
         pos = self.pos
-        if pos < self.end and self.buf[pos] == TType.STOP:
+        if pos >= self.end:
+            self._overrun(1)  # the next byte tells a 1-byte STOP from a 3-byte header
+        if self.buf[pos] == TType.STOP:
             self.pos = pos + 1
             return TType.STOP, 0
         return _S_FIELD.unpack_from(self.buf, self._take(3))
@@ -543,14 +552,20 @@ class CompactReader(Reader):
             return
         super().skip(wire)
 
+    def _read_int(self, max_bytes: int, bits: int) -> int:
+        value = _zigzag(self._varint(max_bytes))
+        if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
+            raise RemoteProtocolError(f"{value} does not fit in i{bits}")
+        return value
+
     def _read_i16(self) -> int:
-        return _zigzag(self._varint(3))
+        return self._read_int(3, 16)
 
     def _read_i32(self) -> int:
-        return _zigzag(self._varint(5))
+        return self._read_int(5, 32)
 
     def _read_i64(self) -> int:
-        return _zigzag(self._varint(10))
+        return self._read_int(10, 64)
 
     def _read_double(self) -> float:
         return _S_DOUBLE_LE.unpack_from(self.buf, self._take(8))[0]
@@ -580,21 +595,113 @@ def decode_header(
     return name, mtype, seqid, reader
 
 
-def measure_message(buf: Any, protocol: Protocol, limit: int) -> int:
-    """Answer how many bytes the message at the start of ``buf`` takes.
+class StreamMeasure:
+    """Finds where an unframed message ends, as its bytes arrive.
 
-    Raises:
-        NeedData: ``buf`` holds only part of the message.
-        RemoteProtocolError: it is not a valid message, or is longer than ``limit``.
+    An unframed message has no length, so it has to be walked to be cut. The
+    walk keeps its place (an explicit stack of the structs and containers it
+    is in) and resumes there when more bytes arrive, so a message costs one
+    walk whatever the number of packets it comes in. Each step reads one
+    field header, one container header or one scalar, and changes the walk's
+    state only once the step's bytes are all there.
+
+    Args:
+        protocol: the stream's protocol.
+        limit: the most bytes a message may take.
     """
-    reader = _READERS[protocol](buf, stream=True, limit=limit)
-    try:
-        reader.read_message_begin()
-        reader.skip(TType.STRUCT)
-        return reader.pos
-    finally:
-        # Let the caller resize ``buf`` (a bytearray) whatever happened here.
-        reader.buf.release()
+
+    def __init__(self, protocol: Protocol, limit: int) -> None:
+        self.protocol = protocol
+        self.limit = limit
+        self.pos = 0  # bytes of the message walked so far
+        self.elements = 0
+        # None until the message header is read; then frames of
+        # ["S", last field id] | ["L", element type, left] | ["M", key, value, left]
+        self._stack: list[list[int | str]] | None = None
+
+    def feed(self, buf: Any) -> int | None:
+        """Walk on through ``buf`` (the message's bytes so far, from its start).
+
+        Returns:
+            The message's length once it is complete, else None.
+
+        Raises:
+            RemoteProtocolError: it is not a valid message, or is longer than ``limit``.
+        """
+        reader = _READERS[self.protocol](buf, stream=True, limit=self.limit)
+        reader.pos = self.pos
+        reader.elements = self.elements
+        try:
+            if self._stack is None:
+                reader.read_message_begin()
+                self.pos = reader.pos
+                self._stack = [["S", 0]]
+            while self._stack:
+                self._step(reader, self._stack)
+                self.pos = reader.pos
+                self.elements = reader.elements
+            if self.pos > self.limit:
+                raise RemoteProtocolError(
+                    f"message of {self.pos} bytes is longer than the limit of {self.limit}"
+                )
+            return self.pos
+        except NeedData:
+            return None
+        finally:
+            # Let the caller resize ``buf`` (a bytearray) whatever happened here.
+            reader.buf.release()
+
+    @staticmethod
+    def _open(reader: Reader, wire: int) -> list[int | str] | None:
+        """Read a container's header: answer its frame (None for a scalar, skipped)."""
+        if wire == TType.STRUCT:
+            return ["S", 0]
+        if wire == TType.LIST or wire == TType.SET:
+            etype, count = reader._list_begin()
+            reader._check_count(count, (etype,))
+            return ["L", etype, count]
+        if wire == TType.MAP:
+            ktype, vtype, count = reader._map_begin()
+            reader._check_count(count, (ktype, vtype))
+            return ["M", ktype, vtype, 2 * count]
+        reader.skip(wire)
+        return None
+
+    def _step(self, reader: Reader, stack: list[list[Any]]) -> None:
+        if len(stack) > MAX_DEPTH:
+            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+        top = stack[-1]
+        if top[0] == "S":
+            if isinstance(reader, CompactReader):
+                reader._last_fid = top[1]
+                reader._bool = None
+            wire, fid = reader._field_begin()
+            if wire == TType.STOP:
+                stack.pop()
+                return
+            if (
+                wire == TType.BOOL
+                and isinstance(reader, CompactReader)
+                and reader._bool is not None
+            ):
+                frame = None  # the value was in the field header
+            else:
+                frame = self._open(reader, wire)
+            top[1] = fid
+        elif top[0] == "L":
+            if top[2] == 0:
+                stack.pop()
+                return
+            frame = self._open(reader, top[1])
+            top[2] -= 1
+        else:
+            if top[3] == 0:
+                stack.pop()
+                return
+            frame = self._open(reader, top[1] if top[3] % 2 == 0 else top[2])
+            top[3] -= 1
+        if frame is not None:
+            stack.append(frame)
 
 
 # ---------------------------------------------------------------------------

@@ -19,10 +19,13 @@ Small frames are read into one scratch buffer and copied out (one cheap
 copy). A frame larger than ``LARGE_FRAME_BYTES`` gets one buffer of its exact
 size that the socket fills directly, and the frame is handed out as a view of
 it, so a 64 MiB parameter is never copied between the kernel and the store.
+That buffer is allocated but not written (``numpy.empty``): its memory is
+taken as the bytes arrive, so a header that promises 256 MiB and sends
+nothing costs nothing, and no time is spent zeroing what the socket fills.
 
-Unframed messages have no length: the receiver measures the message with the
-codec each time enough bytes have arrived for another try (see
-:class:`~aioparamsync.wire.codec.NeedData`).
+Unframed messages have no length: a
+:class:`~aioparamsync.wire.codec.StreamMeasure` walks each one as its bytes
+arrive, resuming where it stopped, to find where it ends.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import RemoteProtocolError
-from .codec import NeedData, Protocol, measure_message
+from .codec import Protocol, StreamMeasure
 
 __all__ = ["DEFAULT_MAX_FRAME_BYTES", "Frame", "Receiver"]
 
@@ -94,10 +99,10 @@ class Receiver:
         self._scratch = bytearray(SCRATCH_BYTES)
         self._start = 0  # unread bytes are _scratch[_start:_end]
         self._end = 0
-        self._large: bytearray | None = None  # a large frame being filled
+        self._large: memoryview | None = None  # a large frame being filled
         self._large_filled = 0
         self._stream = bytearray()  # unframed: bytes of the message(s) so far
-        self._stream_need = 1  # unframed: do not measure before this many
+        self._measure: StreamMeasure | None = None  # unframed: the walk of the message
         self.bytes_received = 0
 
     def __repr__(self) -> str:
@@ -113,7 +118,7 @@ class Receiver:
     def get_buffer(self) -> memoryview:
         """A buffer for the socket to fill (``BufferedProtocol.get_buffer``)."""
         if self._large is not None:
-            return memoryview(self._large)[self._large_filled :]
+            return self._large[self._large_filled :]
         if self._end == len(self._scratch):
             # Move the partial message to the front to make room.
             unread = self._end - self._start
@@ -187,7 +192,7 @@ class Receiver:
             available = self._end - start - 4
             if size > LARGE_FRAME_BYTES and available < size:
                 # Give the socket a buffer of the frame's exact size.
-                self._large = bytearray(size)
+                self._large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
                 self._large[:available] = scratch[start + 4 : self._end]
                 self._large_filled = available
                 self._start = self._end = 0
@@ -201,7 +206,8 @@ class Receiver:
             self._start = self._end = 0
 
     def _finish_large(self) -> Frame:
-        payload = memoryview(self._large).toreadonly()  # type: ignore[arg-type]
+        assert self._large is not None
+        payload = self._large.toreadonly()
         self._large = None
         self._large_filled = 0
         return self._frame(payload)
@@ -223,18 +229,18 @@ class Receiver:
         stream += memoryview(self._scratch)[self._start : self._end]
         self._start = self._end = 0
         assert self.protocol is not None
-        while len(stream) >= self._stream_need:
-            try:
-                size = measure_message(stream, self.protocol, self.max_frame_bytes)
-            except NeedData as need:
-                self._stream_need = need.needed
+        while stream:
+            if self._measure is None:
+                if stream[0] != self.protocol.value:
+                    raise RemoteProtocolError(
+                        f"unframed message starts with byte {stream[0]:#04x}, "
+                        f"not {self.protocol.value:#04x}"
+                    )
+                self._measure = StreamMeasure(self.protocol, self.max_frame_bytes)
+            size = self._measure.feed(stream)
+            if size is None:
                 return
+            self._measure = None
             payload = bytes(stream[:size])
             del stream[:size]
-            self._stream_need = 1
             frames.append(Frame(memoryview(payload), self.protocol, False))
-            if stream and stream[0] != self.protocol.value:
-                raise RemoteProtocolError(
-                    f"unframed message starts with byte {stream[0]:#04x}, "
-                    f"not {self.protocol.value:#04x}"
-                )
