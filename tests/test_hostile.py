@@ -902,7 +902,9 @@ async def test_frame_header_alone_does_not_allocate_the_frame(
 ) -> None:
     node = await node_factory(max_frame_bytes=256 * 2**20)
     with resident_memory_grows_less_than(16 * 2**20):
-        replies, _ = await exchange(node.address, struct.pack("!i", 256 * 2**20) + b"\x80", eof=True)
+        replies, _ = await exchange(
+            node.address, struct.pack("!i", 256 * 2**20) + b"\x80", eof=True
+        )
     assert replies == []
 
 
