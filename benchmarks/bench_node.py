@@ -1,0 +1,1055 @@
+#!/usr/bin/env python3
+"""aioparamsync node vs. a raw asyncio+uvloop socket server (the ceiling), on loopback.
+
+One command measures both, interleaved, each server in a fresh process per
+(variant, size, connections, repetition)::
+
+    python benchmarks/bench_node.py [--sizes 4KiB,1MiB,64MiB] [--conns 1,8]
+                                    [--reps 3] [--seconds 2] [--json out.json]
+
+Variants:
+
+* ``ceiling``: ``serve_ceiling``/``CeilingConnection`` below, a raw length-prefixed protocol on
+  ``asyncio.BufferedProtocol`` under uvloop, doing the node's job without
+  Thrift: it keeps the payloads in a dict, receives a large message into one
+  exact-size buffer, allocated and not zeroed, as the node does (a small one
+  through a 256 KiB scratch buffer and one copy), stores the payload as a view
+  of it and sends it back by reference.
+  Request: ``[u32 n][u8 op][u8 key length][key][payload]`` (n counts what
+  follows it); op ``U`` is answered by a 1-byte ack, op ``G`` by
+  ``[u32 n][payload]``.
+* ``node``: ``python -m aioparamsync --port 0``, driven with the public client:
+  one ``ParameterClient(address, max_connections=1)`` per connection,
+  ``update_parameters([to_parameter(name, array)])`` and
+  ``get_parameters([name])`` (the data stays a zero-copy view).
+
+The client runs in this process under uvloop and drives both the same way:
+``conns`` connections, each with one call in flight, each on its own
+parameter (``p0``, ``p1``, ...), all sending the same array. A run is: start
+the server, two untimed updates and a get per connection (connects, stores the
+parameter and replaces it once, checks the bytes come back equal), an update
+phase, a get phase (each ending at ``--max-calls`` calls or ``--seconds``,
+whichever comes first; calls in flight at the deadline complete and count), then the
+server's peak RSS (VmHWM) is read and the server stopped (SIGTERM to its
+PID, SIGKILL if it does not exit). Every process this script starts is
+stopped in a ``finally``.
+
+glibc malloc: a fresh large buffer comes from mmap and page-faults on first
+touch, which makes results depend on the process's malloc history (see
+shared/research/thriftpy2.md §1.9). With ``--malloc tuned`` (the default)
+both servers, and this driver (it re-executes itself once), run with
+``MALLOC_MMAP_THRESHOLD_=1GiB MALLOC_TRIM_THRESHOLD_=8GiB``: large buffers come
+from the heap and freed memory is kept for reuse. ``--malloc default`` leaves
+the environment alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import select
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+THIS = Path(__file__).resolve()
+HOST = "127.0.0.1"
+VARIANTS = ("ceiling", "node")
+
+# The same tuning for every process of a run (servers and driver).
+MALLOC_TUNED = {
+    "MALLOC_MMAP_THRESHOLD_": str(1024**3),  # above any frame: large buffers come from the heap
+    "MALLOC_TRIM_THRESHOLD_": str(8 * 1024**3),  # and stay there for reuse once freed
+}
+_REEXEC_MARK = "BENCH_NODE_REEXEC"
+
+# Like the node's receiver (aioparamsync/wire/framing.py).
+SCRATCH_BYTES = 256 * 1024
+LARGE_FRAME_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+_U32 = struct.Struct("!I")
+_REQ = struct.Struct("!IBB")  # n, op, key length
+_OP_UPDATE = ord("U")
+_OP_GET = ord("G")
+_ACK = b"\x01"
+
+SERVER_START_TIMEOUT = 30.0
+SERVER_STOP_TIMEOUT = 10.0
+CALL_TIMEOUT = 60.0
+WARMUP_UPDATES = 2  # untimed update rounds before the update phase
+
+
+# ---------------------------------------------------------------------------
+# The ceiling: a raw length-prefixed protocol, server and client
+
+
+class FrameReceiver:
+    """``[u32 n][n bytes]`` frames: small ones via a scratch buffer, large ones in place.
+
+    As the node's receiver (aioparamsync/wire/framing.py): a frame above 64 KiB
+    goes straight into one buffer of its exact size, allocated but not zeroed.
+    """
+
+    def __init__(self) -> None:
+        self.scratch = bytearray(SCRATCH_BYTES)
+        self.start = 0
+        self.end = 0
+        self.large: memoryview | None = None
+        self.filled = 0
+
+    def get_buffer(self) -> memoryview:
+        if self.large is not None:
+            return self.large[self.filled :]
+        if self.end == len(self.scratch):
+            unread = self.end - self.start
+            self.scratch[:unread] = self.scratch[self.start : self.end]
+            self.start, self.end = 0, unread
+        return memoryview(self.scratch)[self.end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.large is not None:
+            self.filled += nbytes
+        else:
+            self.end += nbytes
+
+    def take_byte(self) -> bool:
+        """Consume one byte (an ack) if one has arrived."""
+        if self.large is None and self.end > self.start:
+            self.start += 1
+            if self.start == self.end:
+                self.start = self.end = 0
+            return True
+        return False
+
+    def frames(self) -> list[memoryview]:
+        out: list[memoryview] = []
+        if self.large is not None:
+            if self.filled == len(self.large):
+                out.append(self.large.toreadonly())
+                self.large = None
+                self.filled = 0
+            return out
+        scratch = self.scratch
+        while self.end - self.start >= 4:
+            start = self.start
+            size = _U32.unpack_from(scratch, start)[0]
+            if size > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {size} bytes")
+            available = self.end - start - 4
+            if size > LARGE_FRAME_BYTES and available < size:
+                # Allocated, not zeroed (the node's numpy.empty): the socket fills it.
+                self.large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
+                self.large[:available] = memoryview(scratch)[start + 4 : self.end]
+                self.filled = available
+                self.start = self.end = 0
+                return out
+            if available < size:
+                break
+            out.append(memoryview(bytes(memoryview(scratch)[start + 4 : start + 4 + size])))
+            self.start = start + 4 + size
+        if self.start == self.end:
+            self.start = self.end = 0
+        return out
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class CeilingConnection(asyncio.BufferedProtocol):
+    """One connection of the raw server (same buffering and flow control as the node's)."""
+
+    def __init__(self, store: dict[bytes, memoryview]) -> None:
+        self.store = store
+        self.rx = FrameReceiver()
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        _nodelay(transport)
+        transport.set_write_buffer_limits(high=8 * 1024 * 1024)  # type: ignore[attr-defined]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.rx.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.rx.buffer_updated(nbytes)
+        try:
+            frames = self.rx.frames()
+        except ValueError:
+            self.transport.close()
+            return
+        for frame in frames:
+            op, klen = frame[0], frame[1]
+            key = bytes(frame[2 : 2 + klen])
+            if op == _OP_UPDATE:
+                self.store[key] = frame[2 + klen :]
+                self.transport.write(_ACK)
+            elif op == _OP_GET:
+                payload = self.store.get(key)
+                if payload is None:
+                    self.transport.write(_U32.pack(0))
+                else:
+                    self.transport.writelines([_U32.pack(len(payload)), payload])
+            else:
+                self.transport.close()
+                return
+
+    def pause_writing(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False
+
+
+async def serve_ceiling(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    store: dict[bytes, memoryview] = {}
+    server = await loop.create_server(
+        lambda: CeilingConnection(store), host, port, reuse_address=True, backlog=1024
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    h, p = server.sockets[0].getsockname()[:2]
+    print(f"bench-ceiling {os.getpid()} listening on {h}:{p}", flush=True)
+    await stop.wait()
+    server.close()
+    await server.wait_closed()
+
+
+class CeilingClient(asyncio.BufferedProtocol):
+    """A client connection of the raw protocol, one call in flight."""
+
+    def __init__(self) -> None:
+        self.rx = FrameReceiver()
+        self.transport: Any = None
+        self.waiter: asyncio.Future | None = None
+        self.want_ack = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        _nodelay(transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.rx.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.rx.buffer_updated(nbytes)
+        waiter = self.waiter
+        if self.want_ack:
+            if self.rx.take_byte() and waiter is not None and not waiter.done():
+                self.waiter = None
+                waiter.set_result(None)
+            return
+        frames = self.rx.frames()
+        if frames and waiter is not None and not waiter.done():
+            self.waiter = None
+            waiter.set_result(frames[0])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"ceiling server closed: {exc}"))
+
+    async def update(self, key: bytes, payload: memoryview) -> None:
+        self.want_ack = True
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.writelines(
+            [_REQ.pack(2 + len(key) + len(payload), _OP_UPDATE, len(key)), key, payload]
+        )
+        await self.waiter
+
+    async def get(self, key: bytes) -> memoryview:
+        self.want_ack = False
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(_REQ.pack(2 + len(key), _OP_GET, len(key)) + key)
+        return await self.waiter
+
+
+# ---------------------------------------------------------------------------
+# Workers: one connection each, the same interface for both variants
+
+
+class CeilingWorker:
+    def __init__(self, address: tuple[str, int], index: int, array: Any) -> None:
+        self.address = address
+        self.key = f"p{index}".encode()
+        self.array = array
+        self.payload = memoryview(array.reshape(-1).view("u1"))
+        self.nbytes = array.nbytes
+        self.conn: CeilingClient | None = None
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        _, self.conn = await loop.create_connection(CeilingClient, *self.address)
+
+    async def update(self) -> None:
+        await self.conn.update(self.key, self.payload)  # type: ignore[union-attr]
+
+    async def get(self) -> None:
+        data = await self.conn.get(self.key)  # type: ignore[union-attr]
+        if len(data) != self.nbytes:
+            raise RuntimeError(f"ceiling get: {len(data)} bytes, expected {self.nbytes}")
+
+    async def check(self) -> None:
+        data = await self.conn.get(self.key)  # type: ignore[union-attr]
+        if not np.array_equal(np.frombuffer(data, self.array.dtype), self.array):
+            raise RuntimeError("ceiling get returned other bytes than were stored")
+
+    async def close(self) -> None:
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.close()
+        await asyncio.sleep(0)
+
+
+class NodeWorker:
+    def __init__(self, address: tuple[str, int], index: int, array: Any) -> None:
+        from aioparamsync import ParameterClient
+
+        self.name = f"p{index}"
+        self.array = array
+        self.nbytes = array.nbytes
+        self.client = ParameterClient(address, max_connections=1, timeout=CALL_TIMEOUT)
+
+    async def open(self) -> None:
+        await self.client.ping()
+
+    async def update(self) -> None:
+        from aioparamsync import to_parameter
+
+        await self.client.update_parameters([to_parameter(self.name, self.array)])
+
+    async def get(self) -> None:
+        response = await self.client.get_parameters([self.name])
+        params = response.params
+        if len(params) != 1 or memoryview(params[0].data).nbytes != self.nbytes:
+            raise RuntimeError(f"node get of {self.name!r}: unexpected response")
+
+    async def check(self) -> None:
+        from aioparamsync import from_parameter
+
+        response = await self.client.get_parameters([self.name])
+        if not np.array_equal(from_parameter(response.params[0]), self.array):
+            raise RuntimeError("node get returned other values than were stored")
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+WORKERS = {"ceiling": CeilingWorker, "node": NodeWorker}
+
+
+# ---------------------------------------------------------------------------
+# Server processes
+
+
+NODE_ARGS = ["--host", HOST, "--port", "0", "--log-level", "warning"]
+
+
+def _server_cmd(variant: str, profile: Path | None) -> list[str]:
+    if profile is not None:
+        # In-process, under cProfile timed by CPU time (wall time would count
+        # the waits and the preemptions of a loaded machine).
+        return [sys.executable, str(THIS), "--serve-profiled", str(profile), variant]
+    if variant == "ceiling":
+        return [sys.executable, str(THIS), "--serve-ceiling", "--host", HOST, "--port", "0"]
+    return [sys.executable, "-m", "aioparamsync", *NODE_ARGS]
+
+
+def serve_profiled(out: str, variant: str) -> int:
+    import cProfile
+
+    import uvloop
+
+    profiler = cProfile.Profile(time.process_time)
+    profiler.enable()
+    try:
+        if variant == "ceiling":
+            uvloop.run(serve_ceiling(HOST, 0))
+            return 0
+        from aioparamsync.cli import main as node_main
+
+        return node_main(NODE_ARGS)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(out)
+
+
+def _load_prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl() if sys.platform == "linux" else None  # looked up before any fork
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if this driver dies (even by SIGKILL)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def plan_cpus(pin: str) -> tuple[set[int], set[int]] | None:
+    """(client CPUs, server CPUs): one core each, or None to leave scheduling alone."""
+    if pin == "off" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[0]}, {cpus[1]}
+
+
+class ServerProcess:
+    """A server in a process of its own; stopped by its PID only."""
+
+    #: CPUs the servers are pinned to (None: not pinned)
+    cpus: set[int] | None = None
+
+    def __init__(self, variant: str, env: dict[str, str], profile: Path | None = None) -> None:
+        self.variant = variant
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            _server_cmd(variant, profile),
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            if self.cpus is not None:
+                os.sched_setaffinity(self.proc.pid, self.cpus)
+            self.address = self._wait_listening()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_listening(self) -> tuple[str, int]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        text = b""
+        while b"\n" not in text:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"{self.variant} server did not start within {SERVER_START_TIMEOUT} s"
+                )
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    raise RuntimeError(f"{self.variant} server exited: {self.stderr_tail()}")
+                text += chunk
+        line = text.split(b"\n", 1)[0].decode()
+        match = re.search(r"listening on (\S+):(\d+)$", line)
+        if not match:
+            raise RuntimeError(f"{self.variant} server printed {line!r}")
+        return match.group(1), int(match.group(2))
+
+    def stderr_tail(self, n: int = 2000) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-n:]
+
+    def status(self, key: str) -> int:
+        """A ``VmHWM``-like line of /proc/PID/status, in KiB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        return 0
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        proc = self.proc
+        try:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(SERVER_STOP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(SERVER_STOP_TIMEOUT)
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+            self.stderr.close()
+
+
+# ---------------------------------------------------------------------------
+# One run
+
+
+@dataclass
+class PhaseResult:
+    calls: int = 0
+    seconds: float = 0.0
+    calls_per_s: float = 0.0
+    mb_per_s: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    server_cpu: float = 0.0  # server CPU seconds / wall seconds
+    client_cpu: float = 0.0  # driver CPU seconds / wall seconds
+
+
+@dataclass
+class RunResult:
+    variant: str
+    size: int
+    conns: int
+    rep: int
+    update: PhaseResult = field(default_factory=PhaseResult)
+    get: PhaseResult = field(default_factory=PhaseResult)
+    server_peak_rss_mib: float = 0.0
+    load1: float = 0.0  # the machine's 1-minute load average as the run started
+
+
+def load_average() -> float:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+async def _phase(
+    workers: list[Any],
+    op: Callable[[Any], Awaitable[None]],
+    size: int,
+    seconds: float,
+    max_calls: int,
+    server: ServerProcess,
+) -> PhaseResult:
+    latencies: list[float] = []
+    issued = 0
+    clock = time.perf_counter
+    cpu0, pcpu0 = server.cpu_seconds(), time.process_time()
+    start = clock()
+    deadline = start + seconds
+
+    async def drive(worker: Any) -> None:
+        nonlocal issued
+        while issued < max_calls and clock() < deadline:
+            issued += 1
+            t0 = clock()
+            await op(worker)
+            latencies.append(clock() - t0)
+
+    async with asyncio.timeout(seconds + CALL_TIMEOUT):
+        await asyncio.gather(*(drive(w) for w in workers))
+    elapsed = clock() - start
+    cpu1, pcpu1 = server.cpu_seconds(), time.process_time()
+    latencies.sort()
+    n = len(latencies)
+    return PhaseResult(
+        calls=n,
+        seconds=round(elapsed, 4),
+        calls_per_s=n / elapsed,
+        mb_per_s=n * size / elapsed / 1e6,
+        p50_ms=_percentile(latencies, 50) * 1e3,
+        p99_ms=_percentile(latencies, 99) * 1e3,
+        server_cpu=(cpu1 - cpu0) / elapsed,
+        client_cpu=(pcpu1 - pcpu0) / elapsed,
+    )
+
+
+async def run_once(
+    variant: str,
+    size: int,
+    conns: int,
+    rep: int,
+    array: Any,
+    args: argparse.Namespace,
+    env: dict[str, str],
+) -> RunResult:
+    profile = None
+    if args.profile:
+        profile = Path(args.profile) / f"{variant}-{fmt_size(size)}-c{conns}-r{rep}.prof"
+    load1 = load_average()
+    server = ServerProcess(variant, env, profile)
+    workers: list[Any] = []
+    try:
+        workers = [WORKERS[variant](server.address, i, array) for i in range(conns)]
+        async with asyncio.timeout(CALL_TIMEOUT + 10 * conns):
+            await asyncio.gather(*(w.open() for w in workers))
+            # Untimed: store p0..pN, then replace them once, so that the server
+            # has touched the memory of both generations (old and new buffer)
+            # before the clock starts: the first touch of fresh memory is slow
+            # (page faults, and more so in a VM) and is not the steady state.
+            for _ in range(WARMUP_UPDATES):
+                await asyncio.gather(*(w.update() for w in workers))
+            await asyncio.gather(*(w.check() for w in workers))
+        result = RunResult(variant, size, conns, rep, load1=load1)
+        result.update = await _phase(
+            workers, lambda w: w.update(), size, args.seconds, args.max_calls, server
+        )
+        result.get = await _phase(
+            workers, lambda w: w.get(), size, args.seconds, args.max_calls, server
+        )
+        result.server_peak_rss_mib = server.status("VmHWM") / 1024
+        return result
+    except BaseException:
+        if server.proc.poll() is not None:
+            print(f"{variant} server died: {server.stderr_tail()}", file=sys.stderr)
+        raise
+    finally:
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await w.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------------
+# Summary
+
+
+def fmt_size(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4KiB, 1MiB, 4096)")
+    value = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not 1 <= value <= MAX_FRAME_BYTES - 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be in 1..{MAX_FRAME_BYTES - 1024}")
+    return value
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse_list(text: str) -> list[Any]:
+        return [parse(t) for t in text.split(",") if t.strip()]
+
+    return parse_list
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+PHASE_KEYS = ("calls_per_s", "mb_per_s", "p50_ms", "p99_ms", "server_cpu", "client_cpu")
+
+
+def summarize(runs: list[RunResult]) -> tuple[list[dict], list[dict]]:
+    groups: dict[tuple[str, int, int], list[RunResult]] = {}
+    for r in runs:
+        groups.setdefault((r.variant, r.size, r.conns), []).append(r)
+    rows = []
+    for (variant, size, conns), rs in groups.items():
+        row: dict[str, Any] = {
+            "variant": variant,
+            "size": size,
+            "size_text": fmt_size(size),
+            "conns": conns,
+            "n": len(rs),
+        }
+        for phase in ("update", "get"):
+            for key in PHASE_KEYS:
+                row[f"{phase}_{key}"] = statistics.median(
+                    getattr(getattr(r, phase), key) for r in rs
+                )
+        row["server_peak_rss_mib"] = statistics.median(r.server_peak_rss_mib for r in rs)
+        rows.append(row)
+    index = {(r["variant"], r["size"], r["conns"]): r for r in rows}
+    ratios = []
+    for (variant, size, conns), row in index.items():
+        base = index.get(("ceiling", size, conns))
+        if variant != "node" or base is None:
+            continue
+        ratio: dict[str, Any] = {"size": size, "size_text": fmt_size(size), "conns": conns}
+        for phase in ("update", "get"):
+            b = base[f"{phase}_calls_per_s"]
+            ratio[f"{phase}_throughput"] = row[f"{phase}_calls_per_s"] / b if b else 0.0
+            b = base[f"{phase}_p50_ms"]
+            ratio[f"{phase}_p50_latency"] = row[f"{phase}_p50_ms"] / b if b else 0.0
+        b = base["server_peak_rss_mib"]
+        ratio["server_peak_rss"] = row["server_peak_rss_mib"] / b if b else 0.0
+        ratios.append(ratio)
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    rows.sort(key=lambda r: (r["size"], r["conns"], order.get(r["variant"], 9)))
+    ratios.sort(key=lambda r: (r["size"], r["conns"]))
+    return rows, ratios
+
+
+def print_table(rows: list[dict], ratios: list[dict], out: Any = sys.stdout) -> None:
+    head = (
+        "size",
+        "conns",
+        "variant",
+        "n",
+        "upd calls/s",
+        "upd MB/s",
+        "upd p50 ms",
+        "upd p99 ms",
+        "get calls/s",
+        "get MB/s",
+        "get p50 ms",
+        "get p99 ms",
+        "srv CPU u/g",
+        "cli CPU u/g",
+        "srv peak RSS MiB",
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            (
+                r["size_text"],
+                str(r["conns"]),
+                r["variant"],
+                str(r["n"]),
+                f"{r['update_calls_per_s']:.1f}",
+                f"{r['update_mb_per_s']:.1f}",
+                f"{r['update_p50_ms']:.3f}",
+                f"{r['update_p99_ms']:.3f}",
+                f"{r['get_calls_per_s']:.1f}",
+                f"{r['get_mb_per_s']:.1f}",
+                f"{r['get_p50_ms']:.3f}",
+                f"{r['get_p99_ms']:.3f}",
+                f"{r['update_server_cpu']:.2f}/{r['get_server_cpu']:.2f}",
+                f"{r['update_client_cpu']:.2f}/{r['get_client_cpu']:.2f}",
+                f"{r['server_peak_rss_mib']:.0f}",
+            )
+        )
+    _print_md(head, lines, out)
+    if ratios:
+        print(
+            "\nnode / ceiling (medians; throughput > 1: faster than the ceiling; "
+            "latency > 1: slower)",
+            file=out,
+        )
+        head2 = (
+            "size",
+            "conns",
+            "update throughput",
+            "get throughput",
+            "update p50 latency",
+            "get p50 latency",
+            "peak RSS",
+        )
+        lines2 = [
+            (
+                r["size_text"],
+                str(r["conns"]),
+                f"{r['update_throughput']:.2f}",
+                f"{r['get_throughput']:.2f}",
+                f"{r['update_p50_latency']:.2f}",
+                f"{r['get_p50_latency']:.2f}",
+                f"{r['server_peak_rss']:.2f}",
+            )
+            for r in ratios
+        ]
+        _print_md(head2, lines2, out)
+
+
+def _print_md(head: Sequence[str], lines: Sequence[Sequence[str]], out: Any) -> None:
+    widths = [
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+        for i, h in enumerate(head)
+    ]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |", file=out)
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|", file=out)
+    for line in lines:
+        print(
+            "| " + " | ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) + " |",
+            file=out,
+        )
+
+
+def git_state() -> str:
+    """The commit measured, and the package's files changed since it (if any)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "aioparamsync"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return commit + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
+
+
+def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    import numpy
+    import thriftpy2
+    import uvloop
+
+    import aioparamsync
+
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "git": git_state(),
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "libc": " ".join(platform.libc_ver()),
+        "uvloop": uvloop.__version__,
+        "numpy": numpy.__version__,
+        "thriftpy2": thriftpy2.__version__,
+        "aioparamsync": aioparamsync.__version__,
+        "malloc": args.malloc,
+        "client_cpus": sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+        "server_cpus": sorted(ServerProcess.cpus) if ServerProcess.cpus is not None else None,
+        "malloc_env": {k: v for k, v in env.items() if k.startswith("MALLOC_")},
+        "seconds": args.seconds,
+        "max_calls": args.max_calls,
+        "reps": args.reps,
+        "sizes": args.sizes,
+        "conns": args.conns,
+        "variants": args.variants,
+        "mb": "10^6 bytes",
+    }
+
+
+# ---------------------------------------------------------------------------
+# Main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    p.add_argument(
+        "--sizes",
+        type=_list_of(parse_size),
+        default=_list_of(parse_size)("4KiB,1MiB,64MiB"),
+        help="payload bytes per parameter, comma separated (default: 4KiB,1MiB,64MiB)",
+    )
+    p.add_argument(
+        "--conns",
+        type=_list_of(_positive_int),
+        default=[1, 8],
+        help="concurrent connections, one call in flight each (default: 1,8)",
+    )
+    p.add_argument(
+        "--reps", type=_positive_int, default=3, help="repetitions (default: %(default)s)"
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="deadline of each phase, update and get (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-calls",
+        type=_positive_int,
+        default=200_000,
+        help="most calls of one phase, all connections together (default: %(default)s)",
+    )
+    p.add_argument(
+        "--variants",
+        type=_list_of(str),
+        default=list(VARIANTS),
+        help="which of ceiling,node to run (default: both)",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("tuned", "default"),
+        default="tuned",
+        help="glibc malloc settings of every process (default: %(default)s; see the docstring)",
+    )
+    p.add_argument(
+        "--pin",
+        choices=("auto", "off"),
+        default="off",
+        help="auto: pin this driver (the client) to one CPU and each server to another, "
+        "so that each side has one core, as between two hosts; on a machine that other "
+        "work keeps busy, pinning makes results worse (default: %(default)s)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write every run and the medians to PATH")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run the servers under cProfile (CPU time), one .prof per run in DIR",
+    )
+    p.add_argument("--serve-ceiling", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-profiled", nargs=2, metavar=("OUT", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+async def amain(args: argparse.Namespace, env: dict[str, str]) -> int:
+    arrays = {}
+    for size in args.sizes:
+        if size % 4 == 0:
+            arrays[size] = np.random.default_rng(size).random(size // 4, dtype=np.float32)
+        else:
+            arrays[size] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    plan = []
+    for rep in range(args.reps):
+        for size in args.sizes:
+            for conns in args.conns:
+                k = rep % len(args.variants)
+                for variant in args.variants[k:] + args.variants[:k]:  # rotate the order each rep
+                    plan.append((variant, size, conns, rep))
+    # SIGTERM cancels the run, so the finally clauses stop the servers.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    load_before = load_average()
+    if load_before > 0.5:
+        print(
+            f"note: load average {load_before:.2f} before the first run: other processes compete "
+            "for the CPUs, expect noise",
+            file=sys.stderr,
+        )
+    runs: list[RunResult] = []
+    t_start = time.monotonic()
+    for i, (variant, size, conns, rep) in enumerate(plan, 1):
+        r = await run_once(variant, size, conns, rep, arrays[size], args, env)
+        runs.append(r)
+        print(
+            f"[{i}/{len(plan)} {time.monotonic() - t_start:6.1f}s] {variant:7s} "
+            f"{fmt_size(size):>6s} x{conns} rep{rep}: "
+            f"update {r.update.calls_per_s:9.1f}/s {r.update.mb_per_s:8.1f} MB/s "
+            f"| get {r.get.calls_per_s:9.1f}/s {r.get.mb_per_s:8.1f} MB/s | peak RSS "
+            f"{r.server_peak_rss_mib:.0f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows, ratios = summarize(runs)
+    info = machine_info(args, env)
+    info["load1_before"] = load_before
+    info["load1_after"] = load_average()
+    print(f"\naioparamsync at {info['git']}")
+    print(
+        f"{info['cpus']} CPUs ({info['cpu_model']}), Python {info['python']}, "
+        f"uvloop {info['uvloop']}, "
+        f"client on CPUs {info['client_cpus']}, servers on {info['server_cpus'] or 'any'}; "
+        f"malloc {info['malloc']} {info['malloc_env']}; load average {load_before:.2f} before, "
+        f"{info['load1_after']:.2f} after; medians of {args.reps} reps, "
+        f"{args.seconds} s per phase, MB = 10^6 bytes; client and servers share the CPUs\n"
+    )
+    print_table(rows, ratios)
+    if args.json:
+        doc = {"meta": info, "rows": rows, "ratios": ratios, "runs": [asdict(r) for r in runs]}
+        with open(args.json, "w") as f:  # noqa: ASYNC230 - after the last run
+            f.write(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.serve_profiled:
+        sys.path.insert(0, str(REPO))
+        return serve_profiled(*args.serve_profiled)
+    if args.serve_ceiling:
+        import uvloop
+
+        uvloop.run(serve_ceiling(args.host, args.port))
+        return 0
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        print(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.seconds <= 0:
+        print("--seconds must be positive", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if args.malloc == "tuned":
+        env.update(MALLOC_TUNED)
+        if argv is None and any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
+            if os.environ.get(_REEXEC_MARK):
+                print("cannot set the malloc environment (re-exec loop)", file=sys.stderr)
+                return 2
+            # glibc reads MALLOC_* at start-up: run the driver (the client) with them too.
+            env[_REEXEC_MARK] = "1"
+            sys.stdout.flush()
+            os.execve(sys.executable, [sys.executable, str(THIS), *sys.argv[1:]], env)
+    env.pop(_REEXEC_MARK, None)
+    pythonpath = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pythonpath if pythonpath else "")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    pinned = plan_cpus(args.pin)
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[0])
+        ServerProcess.cpus = pinned[1]
+    import uvloop
+
+    try:
+        return uvloop.run(amain(args, env))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print("interrupted; the servers started were stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
