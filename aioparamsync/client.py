@@ -269,6 +269,7 @@ class ParameterClient:
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
+        self.connects = 0  # connections opened so far (a new one means a new session)
 
     @property
     def host(self) -> str:
@@ -342,6 +343,7 @@ class ParameterClient:
             conn.close()
             raise ClientClosedError("the client was closed")
         self._connections.append(conn)
+        self.connects += 1
         return conn
 
     async def _acquire(self) -> _Connection:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from .client import Address, parse_address, parse_addresses
@@ -102,6 +103,11 @@ class Node:
         adv_host, adv_port = self._advertise or self.address
         if not self.table.node_id:
             self.table.node_id = f"{adv_host}:{adv_port}"
+        # The origin of this run's writes: the id and when the run started, so
+        # that a node restarted empty (under its old id) never makes a
+        # (version, origin) its last run made with other bytes, and its newer
+        # writes win ties.
+        self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
         self.cluster.start(self.seeds)
         log.info("node %s listening on %s:%d", self.node_id, *self.address)

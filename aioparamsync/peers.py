@@ -30,6 +30,7 @@ one place that sharding would change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -115,6 +116,7 @@ class PeerLink:
         self.outbox: dict[str, Entry] = {}
         self._oldest: float | None = None  # when the oldest waiting entry was queued
         self._wakeup = asyncio.Event()
+        self._poked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.updates_sent = 0
         self.updates_coalesced = 0
@@ -197,6 +199,7 @@ class PeerLink:
                 backoff = BACKOFF_INITIAL
                 await self._repair(client)
                 await self._send(client)
+                continue  # the connection was replaced: the peer may be new; join again
             except (ParamSyncError, OSError) as exc:
                 if isinstance(exc, ClientClosedError):
                     return
@@ -206,8 +209,15 @@ class PeerLink:
                 log.debug("peer %s: %s; retrying in %.2f s", self.address, exc, backoff)
             finally:
                 await client.close()
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            self._poked.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff * random.uniform(0.5, 1.0)):
+                    await self._poked.wait()  # or sooner, when the peer announces itself
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def poke(self) -> None:
+        """The peer is (back) up: cut short the wait before the next try."""
+        self._poked.set()
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
@@ -241,11 +251,16 @@ class PeerLink:
                 self.repaired += len(response.params)
 
     async def _send(self, client: ParameterClient) -> None:
-        """Send the outbox as it fills; repair every ``repair_interval`` seconds."""
+        """Send the outbox as it fills; repair every ``repair_interval`` seconds.
+
+        Returns when the client had to open a new connection: the peer may have
+        restarted (empty, without seeds), so the link joins it again.
+        """
         loop = asyncio.get_running_loop()
         interval = self.cluster.repair_interval
         next_repair = loop.time() + interval
-        while True:
+        session = client.connects
+        while client.connects == session:
             if not self.outbox:
                 self._wakeup.clear()
                 try:
@@ -310,6 +325,7 @@ class Cluster:
         self.links: dict[str, PeerLink] = {}  # by address
         self._started = False
         self._reporter: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Future[None]] = set()  # links being stopped
         store.subscribe(self._applied)
 
     def __repr__(self) -> str:
@@ -351,22 +367,45 @@ class Cluster:
                     s["repaired"],
                 )
 
-    def add(self, host: str, port: int, node_id: str = "") -> PeerLink | None:
-        """Add a member (nothing if it is this node or already known)."""
+    def add(
+        self, host: str, port: int, node_id: str = "", *, itself: bool = False
+    ) -> PeerLink | None:
+        """Add a member (nothing if it is this node or already known).
+
+        Args:
+            itself: the member says so itself (it announced): where it is known
+                under another address, it moved there, and its link follows it.
+        """
         if node_id == self.me.node_id or (host, port) == (self.me.host, self.me.port):
             return None
         address = f"{host}:{port}"
         link = self.links.get(address)
         if link is None:
-            if node_id and any(other.node_id == node_id for other in self.links.values()):
-                return None  # known under another address
+            moved = next((o for o in self.links.values() if node_id and o.node_id == node_id), None)
+            if moved is not None:
+                if not itself:
+                    return None  # known under another address; only it can say it moved
+                self._relink(moved)
             link = self.links[address] = PeerLink(self, host, port, node_id)
             log.info("member %s at %s added", node_id or "?", address)
+            if moved is not None:
+                link.offer_back(moved.outbox.values())
             if self._started:
                 link.start()
-        elif node_id and not link.node_id:
-            link.node_id = node_id
+        else:
+            if node_id and not link.node_id:
+                link.node_id = node_id
+            if itself:
+                link.poke()
         return link
+
+    def _relink(self, old: PeerLink) -> None:
+        """Drop the link to a member's old address (it announced a new one)."""
+        del self.links[old.address]
+        log.info("member %s moved from %s", old.node_id, old.address)
+        task = asyncio.ensure_future(old.stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     def redundant(self, link: PeerLink) -> bool:
         """Drop a link that reached this node itself, or a node another link reaches."""
@@ -397,7 +436,7 @@ class Cluster:
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"a member needs an id, a host and a port: {member}"
             )
-        self.add(member.host, member.port, member.node_id)
+        self.add(member.host, member.port, member.node_id, itself=True)
         return self.members()
 
     def _applied(self, entries: Sequence[Entry], replicated: bool) -> None:

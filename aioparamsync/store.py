@@ -96,16 +96,29 @@ class ParameterTable:
     """Every parameter and the rules of changing them (no asyncio; one caller at a time).
 
     Args:
-        node_id: recorded as the origin of the versions this node applies.
+        node_id: this node's id.
+        origin: recorded as the origin of the versions this node applies
+            (default: ``node_id``; a node adds its incarnation, see :class:`Node`).
         limits: what one request may hold.
     """
 
-    def __init__(self, node_id: str = "", limits: Limits | None = None) -> None:
+    def __init__(
+        self, node_id: str = "", limits: Limits | None = None, *, origin: str = ""
+    ) -> None:
         self.node_id = node_id
+        self._origin = origin
         self.limits = limits or Limits()
         self.timestamp = 0
         self._entries: dict[str, Entry] = {}
         self._nbytes = 0
+
+    @property
+    def origin(self) -> str:
+        return self._origin or self.node_id
+
+    @origin.setter
+    def origin(self, value: str) -> None:
+        self._origin = value
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -209,7 +222,7 @@ class ParameterTable:
             shape = tuple(p.shape) if p.shape is not None else None
             made.append(
                 Entry(
-                    p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.node_id
+                    p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.origin
                 )
             )
         return self._store(made, timestamp)

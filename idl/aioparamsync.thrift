@@ -25,9 +25,10 @@ struct Parameter {
     4: optional string dtype,
     // The array's shape; absent with a dtype: one dimension.
     5: optional list<i64> shape,
-    // The id of the node where this version was first applied. Set by nodes:
-    // on a replicated update it makes the receiver keep version and origin
-    // (last writer wins on (version, origin)); clients leave it out.
+    // Where this version was first applied: the node's id and its run
+    // ("id@start-ms"). Set by nodes: on a replicated update it makes the
+    // receiver keep version and origin (last writer wins on (version,
+    // origin)); clients leave it out.
     6: optional string origin,
 }
 

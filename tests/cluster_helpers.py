@@ -1,0 +1,334 @@
+"""Helpers of ``test_cluster.py``: in-process clusters, node processes, bounded polls.
+
+Everything listens on 127.0.0.1 and a port the kernel picks (port 0), and every
+wait is bounded by a deadline. Node processes are killed by PID at cleanup,
+and a process that was SIGSTOPped is SIGCONTed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from aioparamsync import NetworkError, Node, ParameterClient
+
+LOOPBACK = "127.0.0.1"
+# Default bound of a wait for the cluster to converge (seconds): generous, as
+# a peer in backoff may wait up to peers.BACKOFF_MAX (5 s) before it retries.
+CONVERGE_TIMEOUT = 15.0
+POLL_INTERVAL = 0.02
+
+NODE_COMMAND = [sys.executable, "-m", "aioparamsync"]
+LISTENING = re.compile(
+    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)$"
+)
+# The first start imports numpy and thriftpy2: generous, but bounded.
+START_TIMEOUT = 30.0
+EXIT_TIMEOUT = 10.0
+CALL_TIMEOUT = 15.0
+
+# name -> (version, origin, bytes): what a replica holds.
+State = dict[str, tuple[int, str, bytes]]
+
+
+# -- polling -------------------------------------------------------------------------------
+
+
+async def eventually(
+    check: Callable[[], Any],
+    *,
+    timeout: float = CONVERGE_TIMEOUT,
+    interval: float = POLL_INTERVAL,
+    retry_on: tuple[type[BaseException], ...] = (AssertionError,),
+) -> Any:
+    """Call ``check`` until it returns without raising one of ``retry_on``; answer its value.
+
+    ``check`` may be a plain or an async function; it asserts what it waits for.
+    Past ``timeout`` seconds, its last error is raised.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        except retry_on as exc:
+            if loop.time() >= deadline:
+                raise AssertionError(f"not so within {timeout} s: {exc}") from exc
+        await asyncio.sleep(interval)
+
+
+def free_port() -> int:
+    """A port nothing listens on (it was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def address_text(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+# -- in-process nodes --------------------------------------------------------------------
+
+
+def table_state(node: Node) -> State:
+    """What ``node``'s table holds, read directly."""
+    state = {}
+    for name in node.table.names():
+        entry = node.table.entry(name)
+        assert entry is not None
+        state[name] = (entry.version, entry.origin, bytes(entry.data))
+    return state
+
+
+def assert_same_tables(nodes: Iterable[Node], expected: State | None = None) -> State:
+    """Every node holds the same names with the same (version, origin, bytes)."""
+    nodes = list(nodes)
+    first = table_state(nodes[0])
+    for node in nodes[1:]:
+        other = table_state(node)
+        assert set(other) == set(first), (
+            f"{node.node_id} holds {sorted(other)}, {nodes[0].node_id} holds {sorted(first)}"
+        )
+        for name, value in first.items():
+            assert other[name] == value, _differ(
+                name, node.node_id, other[name], nodes[0].node_id, value
+            )
+    if expected is not None:
+        assert first == expected, f"the replicas agree on {first}, expected {expected}"
+    return first
+
+
+def _differ(name: str, who: str, got: Any, other: str, value: Any) -> str:
+    """Why two replicas of ``name`` differ: (version, origin), or the bytes alone."""
+    if got[:2] == value[:2]:
+        return f"{name!r}: {who} and {other} both have {value[:2]} but different bytes"
+    return f"{name!r}: {who} has {got[:2]}, {other} has {value[:2]}"
+
+
+def assert_mesh(nodes: Iterable[Node]) -> None:
+    """Each node has exactly one link to each other node, up, knowing its id."""
+    nodes = list(nodes)
+    for node in nodes:
+        others = {address_text(o.address): o.node_id for o in nodes if o is not node}
+        links = node.cluster.links
+        assert set(links) == set(others), f"{node.node_id} links to {sorted(links)}"
+        for address, link in links.items():
+            assert link.state == "up", f"{node.node_id} -> {address}: {link!r}"
+            assert link.node_id == others[address], f"{node.node_id} -> {address}: {link!r}"
+
+
+class LocalCluster:
+    """Nodes in this process; :meth:`close` stops those still running."""
+
+    def __init__(self, repair_interval: float = 0.2) -> None:
+        self.repair_interval = repair_interval
+        self.running: list[Node] = []
+
+    async def start(
+        self, *, peers: Iterable[Node | tuple[str, int]] = (), port: int = 0, **kwargs: Any
+    ) -> Node:
+        kwargs.setdefault("repair_interval", self.repair_interval)
+        seeds = [p.address if isinstance(p, Node) else p for p in peers]
+        node = Node(LOOPBACK, port, peers=seeds, **kwargs)
+        await node.start()
+        self.running.append(node)
+        return node
+
+    async def stop(self, node: Node) -> None:
+        self.running.remove(node)
+        await node.stop()
+
+    async def close(self) -> None:
+        while self.running:
+            await self.stop(self.running[-1])
+
+    async def formed(self, nodes: Iterable[Node], timeout: float = CONVERGE_TIMEOUT) -> None:
+        nodes = list(nodes)
+        await eventually(lambda: assert_mesh(nodes), timeout=timeout)
+
+    async def converged(
+        self,
+        nodes: Iterable[Node],
+        expected: State | None = None,
+        timeout: float = CONVERGE_TIMEOUT,
+    ) -> State:
+        nodes = list(nodes)
+        return await eventually(lambda: assert_same_tables(nodes, expected), timeout=timeout)
+
+
+# -- node processes --------------------------------------------------------------------------
+
+
+class NodeProcess:
+    """One ``python -m aioparamsync`` child process, its output pumped into lists."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self._changed = asyncio.Event()
+        assert proc.stdout is not None and proc.stderr is not None
+        self._pumps = [
+            asyncio.ensure_future(self._pump(proc.stdout, self.stdout_lines)),
+            asyncio.ensure_future(self._pump(proc.stderr, self.stderr_lines)),
+        ]
+        self.node_id = ""
+        self.host = ""
+        self.port = 0
+        self.stopped = False  # SIGSTOPped and not SIGCONTed since
+
+    def __repr__(self) -> str:
+        return f"<NodeProcess {self.pid} {self.node_id or '?'}>"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def address_text(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    async def _pump(self, stream: asyncio.StreamReader, lines: list[str]) -> None:
+        while line := await stream.readline():
+            lines.append(line.decode(errors="replace"))
+            self._changed.set()
+        self._changed.set()
+
+    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait for the listening line; learn the node's id, host and port from it."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.stdout_lines and not all(p.done() for p in self._pumps):
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(
+                f"node {self.pid}: no listening line within {timeout} s; stderr:\n{self.stderr}"
+            ) from None
+        assert self.stdout_lines, f"node {self.pid} exited before listening:\n{self.stderr}"
+        match = LISTENING.match(self.stdout_lines[0].rstrip("\n"))
+        assert match, f"unparseable first line: {self.stdout_lines[0]!r}"
+        self.node_id = match["node_id"]
+        self.host = match["host"]
+        self.port = int(match["port"])
+
+    def signal(self, sig: int) -> None:
+        if sig == signal.SIGSTOP:
+            self.stopped = True
+        self.proc.send_signal(sig)
+        if sig == signal.SIGCONT:
+            self.stopped = False
+
+    async def kill(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """SIGKILL (after SIGCONT, if stopped) and reap; answer the exit code."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                if self.stopped:
+                    self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+        self.stopped = False
+        async with asyncio.timeout(timeout):
+            rc = await self.proc.wait()
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        return rc
+
+    def client(self, **kwargs: Any) -> ParameterClient:
+        kwargs.setdefault("timeout", CALL_TIMEOUT)
+        kwargs.setdefault("connect_timeout", 5.0)
+        return ParameterClient(self.address, **kwargs)
+
+
+class ProcessCluster:
+    """Starts node processes; :meth:`close` kills (by PID) every one still running."""
+
+    def __init__(self, repair_interval: float = 0.5) -> None:
+        self.repair_interval = repair_interval
+        self.started: list[NodeProcess] = []
+
+    async def spawn(
+        self, *, peers: Iterable[NodeProcess] = (), port: int = 0, extra: Iterable[str] = ()
+    ) -> NodeProcess:
+        flags = ["--port", str(port), "--repair-interval", str(self.repair_interval)]
+        peers = list(peers)
+        if peers:
+            flags += ["--peers", ",".join(p.address_text for p in peers)]
+        proc = await asyncio.create_subprocess_exec(
+            *NODE_COMMAND,
+            *flags,
+            *extra,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        node = NodeProcess(proc)
+        self.started.append(node)
+        await node.wait_listening()
+        return node
+
+    async def close(self) -> None:
+        for node in self.started:
+            with contextlib.suppress(TimeoutError):
+                await node.kill()
+        # Last resort, should the wait above have timed out: the PID is not
+        # reaped yet (returncode None), so it is still ours.
+        for node in self.started:
+            if node.proc.returncode is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(node.pid, sig)
+
+
+async def wire_state(client: ParameterClient) -> State:
+    """What a node holds, over the wire: its digest, then every parameter's bytes."""
+    digest = await client.call("digest")
+    response = await client.get_parameters([d.name for d in digest])
+    return {p.name: (p.version, p.origin, bytes(p.data)) for p in response.params}
+
+
+async def assert_same_wire_states(
+    clients: Iterable[ParameterClient], expected_names: Iterable[str] | None = None
+) -> State:
+    states = [await wire_state(c) for c in clients]
+    first = states[0]
+    if expected_names is not None:
+        assert set(first) == set(expected_names), f"holds {sorted(first)}"
+    for i, other in enumerate(states[1:], 1):
+        assert set(other) == set(first), f"node #{i} holds {sorted(other)}, #0 {sorted(first)}"
+        for name, value in first.items():
+            assert other[name] == value, _differ(name, f"node #{i}", other[name], "node #0", value)
+    return first
+
+
+async def assert_mesh_over_wire(nodes: Iterable[NodeProcess]) -> None:
+    """Each node's info() shows every other node (id and address) up, and nothing else."""
+    nodes = list(nodes)
+    for node in nodes:
+        async with node.client() as client:
+            info = await client.info()
+        others = {o.node_id: o.address_text for o in nodes if o is not node}
+        peers = {p.node_id: (p.address, p.state) for p in info.peers or []}
+        assert peers == {i: (a, "up") for i, a in others.items()}, f"{node.node_id} sees {peers}"
+
+
+# Network errors while a node (re)starts are expected in a poll: retry them.
+RETRY_WIRE = (AssertionError, NetworkError)
