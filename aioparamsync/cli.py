@@ -15,6 +15,7 @@ from . import __version__
 from .client import parse_address, parse_addresses
 from .node import Node
 from .peers import DEFAULT_REPAIR_INTERVAL
+from .persistence import FSYNC_MODES, PersistenceError
 from .server import DEFAULT_IDLE_TIMEOUT
 from .wire import DEFAULT_MAX_FRAME_BYTES
 from .wire.codec import MAX_I32
@@ -128,6 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between anti-entropy rounds with each peer (default: %(default)s)",
     )
     parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="keep a write-ahead log and snapshots here, and recover from them on start "
+        "(default: in memory only)",
+    )
+    parser.add_argument(
+        "--fsync",
+        choices=FSYNC_MODES,
+        default="batch",
+        help="with --data-dir: 'always' syncs before each answer (survives a machine crash); "
+        "'batch' syncs every 50 ms (an answered update survives kill -9; a machine crash may "
+        "lose the last 50 ms); 'never' leaves it to the OS (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ignore-corrupt-snapshot",
+        action="store_true",
+        help="start even if the newest snapshot is damaged, from what the log still holds "
+        "(losing what only that snapshot held)",
+    )
+    parser.add_argument(
         "--max-frame-bytes",
         type=frame_size,
         default=DEFAULT_MAX_FRAME_BYTES,
@@ -159,11 +180,17 @@ async def serve(args: argparse.Namespace) -> int:
         peers=args.peers,
         advertise=args.advertise,
         repair_interval=args.repair_interval,
+        data_dir=args.data_dir,
+        fsync=args.fsync,
+        ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
         max_frame_bytes=args.max_frame_bytes,
         idle_timeout=args.idle_timeout,
     )
     try:
         await node.start()
+    except PersistenceError as exc:
+        print(f"aioparamsync-node: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(
             f"aioparamsync-node: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr

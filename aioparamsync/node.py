@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Iterable
 
 from .client import Address, parse_address, parse_addresses
 from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
+from .persistence import DataDir
 from .server import DEFAULT_IDLE_TIMEOUT, Server, ServerConfig
 from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
@@ -36,6 +38,9 @@ class Node:
         peers: members of the cluster to join (any one live member will do).
         advertise: ``host:port`` where peers reach this node (default: where it listens).
         repair_interval: seconds between anti-entropy rounds with each peer.
+        data_dir: where to keep the write-ahead log and snapshots (None: in memory).
+        fsync: ``always``, ``batch`` or ``never`` (see :mod:`aioparamsync.persistence`).
+        ignore_corrupt_snapshot: start even if the newest snapshot is damaged.
         max_frame_bytes: the largest frame (message) accepted.
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
@@ -50,6 +55,9 @@ class Node:
         peers: Iterable[Address] | str = (),
         advertise: Address | None = None,
         repair_interval: float = DEFAULT_REPAIR_INTERVAL,
+        data_dir: str | os.PathLike[str] | None = None,
+        fsync: str = "batch",
+        ignore_corrupt_snapshot: bool = False,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         limits: Limits | None = None,
@@ -60,7 +68,12 @@ class Node:
         self.seeds = parse_addresses(peers) if peers else []
         self._advertise = parse_address(advertise) if advertise is not None else None
         self.table = ParameterTable(node_id or "", limits)
-        self.store = ParameterStore(self.table)
+        self.data_dir = (
+            DataDir(data_dir, fsync=fsync, ignore_corrupt_snapshot=ignore_corrupt_snapshot)
+            if data_dir is not None
+            else None
+        )
+        self.store = ParameterStore(self.table, data_dir=self.data_dir)
         # Who this node is, to its peers: known once it listens (port 0).
         self.cluster = Cluster(
             self.store, thrift.Member(node_id="", host="", port=0), repair_interval=repair_interval
@@ -92,13 +105,30 @@ class Node:
         return self.address[1]
 
     async def start(self) -> None:
-        """Start the store's writer and listen."""
+        """Recover the data directory (if any), start the store's writer, and listen.
+
+        Raises:
+            PersistenceError: the data directory is damaged.
+            OSError: the address cannot be listened on.
+        """
+        if self.data_dir is not None:
+            found = await asyncio.to_thread(self.data_dir.recover, self.table)
+            log.info(
+                "recovered %d parameters from %s (snapshot %s, %d log records, %d torn bytes cut)",
+                len(self.table),
+                self.data_dir.path,
+                found.snapshot,
+                found.records,
+                found.torn_bytes,
+            )
         self._writer = asyncio.create_task(self.store.run(), name="aioparamsync-store-writer")
         try:
             await self.server.start()
         except BaseException:
             self.store.close()
             await self._writer
+            if self.data_dir is not None:
+                self.data_dir.close()
             raise
         adv_host, adv_port = self._advertise or self.address
         if not self.table.node_id:
@@ -118,8 +148,10 @@ class Node:
         await self.cluster.stop()
         self.store.close()
         if self._writer is not None:
-            await self._writer
+            await self._writer  # applies what was queued; writes the last snapshot
             self._writer = None
+        if self.data_dir is not None:
+            self.data_dir.close()
 
     async def __aenter__(self) -> Node:
         await self.start()

@@ -38,6 +38,8 @@ MAX_PENDING = 10_000
 MAX_BATCH = 256
 # The largest version a parameter may have (Thrift's i32).
 MAX_VERSION = 2**31 - 1
+# Batches larger than this are written to the log from a worker thread (bytes).
+INLINE_LOG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +286,14 @@ class ParameterStore:
         *,
         max_pending: int = MAX_PENDING,
         max_batch: int = MAX_BATCH,
+        data_dir: Any = None,
     ) -> None:
         self.table = table if table is not None else ParameterTable()
         self.max_pending = max_pending
         self.max_batch = max_batch
+        self.data_dir = data_dir  # a persistence.DataDir, or None: in memory only
+        self._failure: Exception | None = None  # the log could not be written
+        self._snapshots: set[asyncio.Future[Any]] = set()
         self._queue: collections.deque[tuple[Sequence[Any], int, bool, asyncio.Future]] = (
             collections.deque()
         )
@@ -352,6 +358,12 @@ class ParameterStore:
         """
         if self._closed:
             raise RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+        if self._failure is not None:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"the node cannot write its log ({self._failure}); it takes no more "
+                "updates until restarted",
+            )
         if len(self._queue) >= self.max_pending:
             self.updates_refused += 1
             raise RequestError(
@@ -376,20 +388,71 @@ class ParameterStore:
         return await self.submit(params, timestamp, replicated=replicated)
 
     async def run(self) -> None:
-        """The writer. Runs until :meth:`close`, then applies what was queued and returns."""
+        """The writer. Runs until :meth:`close`, then applies what was queued and returns.
+
+        With a data directory, a batch is written to the log (and synced, as its
+        ``fsync`` mode says) before its callers are answered; at the end a
+        snapshot is written.
+        """
         self._wakeup = asyncio.Event()
         while True:
             if not self._queue:
                 if self._closed:
-                    return
+                    break
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._apply_batch()
+            done, fed = self._apply_batch()
+            if self.data_dir is not None and (fed[0] or fed[1]):
+                await self._log(done, fed)
+            self._finish_batch(done, fed)
             # Let readers and the network run between batches.
             await asyncio.sleep(0)
+        if self._snapshots:
+            await asyncio.wait(self._snapshots)
+        if self.data_dir is not None and self._failure is None:
+            await self._snapshot()
 
-    def _apply_batch(self) -> None:
+    async def _log(
+        self, done: list[tuple[asyncio.Future, Applied]], fed: tuple[list[Entry], list[Entry]]
+    ) -> None:
+        data_dir = self.data_dir
+        entries = fed[0] + fed[1]
+        try:
+            if sum(e.nbytes for e in entries) > INLINE_LOG_BYTES:
+                await asyncio.to_thread(data_dir.append, entries, self.table.timestamp)
+            else:
+                data_dir.append(entries, self.table.timestamp)
+            if data_dir.sync_due():
+                await asyncio.to_thread(data_dir.sync)
+        except OSError as exc:
+            # Applied in memory, not on disk: answer so, and take no more writes.
+            log.critical("cannot write the log: %s; refusing further updates", exc)
+            self._failure = exc
+            error = RequestError(ErrorCode.UNAVAILABLE, f"the update could not be logged: {exc}")
+            for future, _ in done:
+                if not future.done():
+                    future.set_exception(error)
+            done.clear()
+            return
+        if data_dir.snapshot_due():
+            task = asyncio.ensure_future(self._snapshot())
+            self._snapshots.add(task)
+            task.add_done_callback(self._snapshots.discard)
+
+    async def _snapshot(self) -> None:
+        """Cut the log and write a snapshot of this moment (in a worker thread)."""
+        data_dir = self.data_dir
+        n = data_dir.start_snapshot()
+        entries = [e for name in self.table.names() if (e := self.table.entry(name))]
+        try:
+            await asyncio.to_thread(data_dir.write_snapshot, n, entries, self.table.timestamp)
+        except OSError as exc:
+            log.error("snapshot %d failed: %s (the log still holds everything)", n, exc)
+
+    def _apply_batch(
+        self,
+    ) -> tuple[list[tuple[asyncio.Future, Applied]], tuple[list[Entry], list[Entry]]]:
         queue = self._queue
         batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
         if self._room is not None:
@@ -418,8 +481,15 @@ class ParameterStore:
             fed[replicated].extend(applied.entries)
         self.batches += 1
         self.updates_applied += len(done)
+        return done, fed
+
+    def _finish_batch(
+        self, done: list[tuple[asyncio.Future, Applied]], fed: tuple[list[Entry], list[Entry]]
+    ) -> None:
+        """Answer the batch's callers; hand its entries to the subscribers."""
         for future, applied in done:
-            future.set_result(applied)
+            if not future.done():
+                future.set_result(applied)
         for kind, entries in zip((False, True), fed, strict=True):
             if not entries:
                 continue

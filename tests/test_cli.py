@@ -509,6 +509,7 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--peers", ","], ["--peers", "no address"]),
         (["--advertise", "nohost"], ["--advertise", "host:port"]),
         (["--repair-interval", "0"], ["--repair-interval", "'0'"]),
+        (["--fsync", "sometimes"], ["--fsync", "'sometimes'"]),
         (["--port"], ["--port", "expected one argument"]),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
@@ -553,13 +554,14 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     assert result.stdout.startswith("usage: aioparamsync-node")
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
-        "--repair-interval", "--max-frame-bytes", "--idle-timeout", "--log-level", "--version",
+        "--repair-interval", "--data-dir", "--fsync", "--ignore-corrupt-snapshot",
+        "--max-frame-bytes", "--idle-timeout", "--log-level", "--version",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}
     assert declared == flags, "a flag was added or removed: update this test"
     for flag in flags:
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), flag
-    for choice in ("debug", "info", "warning", "error"):
+    for choice in ("debug", "info", "warning", "error", "always", "batch", "never"):
         assert choice in result.stdout
 
 

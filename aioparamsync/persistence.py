@@ -1,0 +1,445 @@
+"""Durability: a write-ahead log of every applied batch, snapshots, and recovery.
+
+Theory of operation. With ``--data-dir DIR`` the store's writer, after it
+applies a batch and before it answers the callers, appends the batch's
+entries to the write-ahead log (one record a batch: group commit) and, as
+``--fsync`` says, flushes it to disk:
+
+- ``always``: ``fsync`` before answering. An acknowledged update survives a
+  crash of the process and of the machine.
+- ``batch`` (the default): ``fsync`` at most every ``FSYNC_BATCH_SECONDS``.
+  An acknowledged update is in the operating system's cache when it is
+  answered, so it survives a crash of the process (``kill -9``); a crash of
+  the machine may lose the last ``FSYNC_BATCH_SECONDS`` of updates.
+- ``never``: the operating system writes when it likes; as ``batch`` for a
+  crash of the process.
+
+A record is ``[u32 length][u32 crc32][payload]``, the payload a
+``ParameterUpdate`` in Thrift's binary protocol whose parameters carry their
+version and origin, so replaying it is a merge (last writer wins): replay is
+idempotent. The log is cut into segments (``wal-00000001.log``, ...).
+
+A snapshot (``snapshot-N.safetensors``, readable by
+``safetensors.numpy.load_file``, with ``snapshot-N.json`` beside it: each
+parameter's version, origin, dtype, shape and crc32) holds the state at the
+moment segment N began; once written, older segments and snapshots are
+deleted. Snapshots are taken when the log has grown by
+``snapshot_wal_bytes``, and at shutdown.
+
+Recovery loads the newest snapshot and replays the segments from its number
+on. A record cut short or failing its checksum at the end of the last
+segment is a torn write: it is cut off, with a warning. Damage anywhere else,
+or a snapshot that fails its checks, is an error: the node refuses to start
+rather than lose data silently (``ignore_corrupt_snapshot`` overrides for a
+snapshot: then it starts from what the log still holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ParamSyncError
+from .store import Entry, ParameterTable
+from .wire import thrift
+from .wire.codec import BinaryReader, BinaryWriter
+
+__all__ = ["DataDir", "FSYNC_MODES", "PersistenceError"]
+
+log = logging.getLogger(__name__)
+
+FSYNC_MODES = ("always", "batch", "never")
+# With --fsync batch: the longest an acknowledged update waits for fsync (seconds).
+FSYNC_BATCH_SECONDS = 0.05
+# Log bytes after which a snapshot is taken (and the log cut).
+DEFAULT_SNAPSHOT_WAL_BYTES = 1024 * 1024 * 1024
+# How often loading a snapshot reports its progress (seconds).
+PROGRESS_SECONDS = 2.0
+
+_RECORD = struct.Struct("!II")  # length, crc32
+_SEGMENT = re.compile(r"wal-(\d{8})\.log")
+_SNAPSHOT = re.compile(r"snapshot-(\d{8})\.json")
+# numpy dtype strings that safetensors has a name for (little-endian only).
+_SAFETENSORS_DTYPES = {
+    "<f8": "F64",
+    "<f4": "F32",
+    "<f2": "F16",
+    "<i8": "I64",
+    "<u8": "U64",
+    "<i4": "I32",
+    "<u4": "U32",
+    "<i2": "I16",
+    "<u2": "U16",
+    "|i1": "I8",
+    "|u1": "U8",
+    "|b1": "BOOL",
+    "<c8": "C64",
+}
+
+
+class PersistenceError(ParamSyncError):
+    """The data directory cannot be used as it is (damaged, or not ours)."""
+
+
+@dataclass
+class Recovered:
+    """What recovery found."""
+
+    snapshot: int | None = None
+    parameters: int = 0
+    records: int = 0
+    torn_bytes: int = 0
+
+
+def _segment_name(n: int) -> str:
+    return f"wal-{n:08d}.log"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _to_wire(entry: Entry) -> Any:
+    return thrift.Parameter(
+        name=entry.name,
+        data=entry.data,
+        version=entry.version,
+        dtype=entry.dtype,
+        shape=list(entry.shape) if entry.shape is not None else None,
+        origin=entry.origin,
+    )
+
+
+class DataDir:
+    """A node's data directory: its log and snapshots.
+
+    Args:
+        path: the directory (made if missing).
+        fsync: ``always``, ``batch`` or ``never`` (see the module's docstring).
+        snapshot_wal_bytes: log bytes after which :meth:`snapshot_due` says so.
+        ignore_corrupt_snapshot: start without a snapshot that fails its checks.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: str = "batch",
+        snapshot_wal_bytes: int = DEFAULT_SNAPSHOT_WAL_BYTES,
+        ignore_corrupt_snapshot: bool = False,
+    ) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
+        self.path = Path(path)
+        self.fsync = fsync
+        self.snapshot_wal_bytes = snapshot_wal_bytes
+        self.ignore_corrupt_snapshot = ignore_corrupt_snapshot
+        self.segment = 0  # the segment being written
+        self._fd: int | None = None
+        self.wal_bytes = 0  # bytes in the log since the last snapshot
+        self._last_sync = 0.0
+        self._dirty = False
+        self.records_written = 0
+
+    def __repr__(self) -> str:
+        return f"<DataDir {str(self.path)!r} segment {self.segment}, fsync={self.fsync}>"
+
+    # -- recovery -----------------------------------------------------------------
+
+    def recover(self, table: ParameterTable) -> Recovered:
+        """Load the newest snapshot and replay the log into ``table``; open the log.
+
+        Raises:
+            PersistenceError: the directory is damaged (see the module's docstring).
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PersistenceError(f"cannot use {self.path} as a data directory: {exc}") from exc
+        if not os.access(self.path, os.W_OK):
+            raise PersistenceError(f"data directory {self.path} is not writable")
+        found = Recovered()
+        snapshots = sorted(
+            (int(m[1]) for p in self.path.iterdir() if (m := _SNAPSHOT.fullmatch(p.name))),
+            reverse=True,
+        )
+        start = 0
+        for n in snapshots:
+            try:
+                found.parameters = self._load_snapshot(n, table)
+            except PersistenceError as exc:
+                if not self.ignore_corrupt_snapshot:
+                    raise PersistenceError(
+                        f"{exc}; the node will not start without it (to start from what "
+                        "the log still holds, losing what only the snapshot held, pass "
+                        "--ignore-corrupt-snapshot)"
+                    ) from exc
+                log.error("%s: ignored, as asked", exc)
+                continue
+            found.snapshot = start = n
+            break
+        segments = sorted(
+            int(m[1]) for p in self.path.iterdir() if (m := _SEGMENT.fullmatch(p.name))
+        )
+        segments = [n for n in segments if n >= start]
+        for i, n in enumerate(segments):
+            last = i == len(segments) - 1
+            records, torn = self._replay(n, table, last=last)
+            found.records += records
+            found.torn_bytes += torn
+        self.segment = max([start, *segments], default=0) or 1
+        self._open_segment(self.segment)
+        return found
+
+    def _replay(self, n: int, table: ParameterTable, *, last: bool) -> tuple[int, int]:
+        path = self.path / _segment_name(n)
+        records = 0
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            problem = ""
+            if pos + _RECORD.size > len(data):
+                problem = "a record header cut short"
+            else:
+                length, crc = _RECORD.unpack_from(data, pos)
+                end = pos + _RECORD.size + length
+                if end > len(data):
+                    problem = f"a record of {length} bytes cut short"
+                else:
+                    payload = memoryview(data)[pos + _RECORD.size : end]
+                    if zlib.crc32(payload) != crc:
+                        problem = "a record failing its checksum"
+            if problem:
+                if not last:
+                    raise PersistenceError(
+                        f"{path} is damaged at byte {pos} ({problem}) and later segments "
+                        "follow it: not a torn write; the node will not start"
+                    )
+                torn = len(data) - pos
+                log.warning(
+                    "%s: cutting %d bytes at its end (%s: a write torn by a crash)",
+                    path,
+                    torn,
+                    problem,
+                )
+                with open(path, "r+b") as f:
+                    f.truncate(pos)
+                    os.fsync(f.fileno())
+                self.wal_bytes += pos
+                return records, torn
+            try:
+                # A copy per record: the entries it leaves must not keep the segment alive.
+                update = BinaryReader(bytes(payload)).read_struct(thrift.ParameterUpdate)
+                table.merge(update.params, update.timestamp)
+            except ParamSyncError as exc:
+                raise PersistenceError(
+                    f"{path}: record at byte {pos} passes its checksum but cannot be applied: {exc}"
+                ) from exc
+            records += 1
+            pos = end
+        self.wal_bytes += pos
+        return records, 0
+
+    def _load_snapshot(self, n: int, table: ParameterTable) -> int:
+        meta_path = self.path / f"snapshot-{n:08d}.json"
+        data_path = self.path / f"snapshot-{n:08d}.safetensors"
+        try:
+            meta = json.loads(meta_path.read_text())
+            params = meta["parameters"]
+            timestamp = int(meta["timestamp"])
+            with open(data_path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PersistenceError(f"snapshot {data_path} cannot be read: {exc}") from exc
+        view = memoryview(mapped)
+        try:
+            (header_len,) = struct.unpack_from("<Q", view, 0)
+            header = json.loads(bytes(view[8 : 8 + header_len]))
+        except (struct.error, ValueError) as exc:
+            raise PersistenceError(f"snapshot {data_path}: bad header: {exc}") from exc
+        base = 8 + header_len
+        total = sum(int(p["nbytes"]) for p in params.values()) or 1
+        loaded = 0
+        last_report = time.monotonic()
+        wire = []
+        for name, p in params.items():
+            info = header.get(name)
+            if info is None:
+                raise PersistenceError(f"snapshot {data_path} lacks {name!r}")
+            start, end = (base + int(x) for x in info["data_offsets"])
+            if not base <= start <= end <= len(view) or end - start != int(p["nbytes"]):
+                raise PersistenceError(f"snapshot {data_path}: {name!r} lies outside the file")
+            data = view[start:end]
+            if zlib.crc32(data) != p["crc32"]:
+                raise PersistenceError(f"snapshot {data_path}: {name!r} fails its checksum")
+            wire.append(
+                thrift.Parameter(
+                    name=name,
+                    data=data,
+                    version=p["version"],
+                    dtype=p["dtype"],
+                    shape=p["shape"],
+                    origin=p["origin"],
+                )
+            )
+            loaded += end - start
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_SECONDS:
+                log.info(
+                    "loading %s: %d%% (%d of %d MiB)",
+                    data_path.name,
+                    100 * loaded // total,
+                    loaded >> 20,
+                    total >> 20,
+                )
+                last_report = now
+        try:
+            table.merge(wire, timestamp)
+        except ParamSyncError as exc:
+            raise PersistenceError(f"snapshot {data_path}: {exc}") from exc
+        log.info("loaded %s: %d parameters, %d MiB", data_path.name, len(wire), loaded >> 20)
+        return len(wire)
+
+    # -- the log ------------------------------------------------------------------
+
+    def _open_segment(self, n: int) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        path = self.path / _segment_name(n)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        _fsync_dir(self.path)
+        self.segment = n
+
+    def append(self, entries: Sequence[Entry], timestamp: int) -> None:
+        """Write one record of ``entries`` (call from a worker thread for large ones)."""
+        assert self._fd is not None, "recover() opens the log"
+        writer = BinaryWriter()
+        update = thrift.ParameterUpdate(params=[_to_wire(e) for e in entries], timestamp=timestamp)
+        writer.write_struct(update)
+        parts, size = writer.getvalue()
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        buffers = [_RECORD.pack(size, crc), *parts]
+        total = _RECORD.size + size
+        written = os.writev(self._fd, buffers)
+        while written < total:  # a short write: write the rest
+            rest = b"".join(bytes(b) for b in buffers)[written:]
+            written += os.write(self._fd, rest)
+        self.wal_bytes += total
+        self.records_written += 1
+        self._dirty = True
+
+    def sync_due(self) -> bool:
+        """Whether :meth:`sync` should run before the batch is answered."""
+        if not self._dirty or self.fsync == "never":
+            return False
+        if self.fsync == "always":
+            return True
+        return time.monotonic() - self._last_sync >= FSYNC_BATCH_SECONDS
+
+    def sync(self) -> None:
+        if self._fd is not None and self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+        self._last_sync = time.monotonic()
+
+    # -- snapshots ----------------------------------------------------------------
+
+    def snapshot_due(self) -> bool:
+        return self.wal_bytes >= self.snapshot_wal_bytes
+
+    def start_snapshot(self) -> int:
+        """Cut the log: later records go to a new segment. Answer the snapshot's number.
+
+        Call between batches, capturing the table's entries at the same moment.
+        """
+        self.sync()
+        self._open_segment(self.segment + 1)
+        self.wal_bytes = 0
+        return self.segment
+
+    def write_snapshot(self, n: int, entries: Iterable[Entry], timestamp: int) -> Path:
+        """Write snapshot ``n`` of ``entries`` (from a worker thread), then drop older files."""
+        entries = list(entries)
+        header: dict[str, Any] = {}
+        params: dict[str, Any] = {}
+        offset = 0
+        for e in entries:
+            dtype = _SAFETENSORS_DTYPES.get(e.dtype or "")
+            shape = list(e.shape) if e.shape is not None else None
+            if dtype is None or shape is None:
+                dtype, st_shape = "U8", [e.nbytes]  # other layouts: their bytes
+            else:
+                st_shape = shape
+            header[e.name] = {
+                "dtype": dtype,
+                "shape": st_shape,
+                "data_offsets": [offset, offset + e.nbytes],
+            }
+            params[e.name] = {
+                "version": e.version,
+                "origin": e.origin,
+                "dtype": e.dtype,
+                "shape": shape,
+                "nbytes": e.nbytes,
+                "crc32": zlib.crc32(e.data),
+            }
+            offset += e.nbytes
+        header["__metadata__"] = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+        data_path = self.path / f"snapshot-{n:08d}.safetensors"
+        meta_path = self.path / f"snapshot-{n:08d}.json"
+        tmp = data_path.with_suffix(".safetensors.tmp")
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for e in entries:
+                f.write(e.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, data_path)
+        meta = {"format": 1, "timestamp": timestamp, "parameters": params}
+        tmp = meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, meta_path)  # the snapshot exists from here on
+        _fsync_dir(self.path)
+        self._drop_before(n)
+        log.info(
+            "snapshot %s written: %d parameters, %d MiB", data_path.name, len(entries), offset >> 20
+        )
+        return data_path
+
+    def _drop_before(self, n: int) -> None:
+        for p in self.path.iterdir():
+            m = _SEGMENT.fullmatch(p.name) or _SNAPSHOT.fullmatch(p.name)
+            if m and int(m[1]) < n:
+                p.unlink()
+                if p.suffix == ".json":
+                    with contextlib.suppress(FileNotFoundError):
+                        p.with_suffix(".safetensors").unlink()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
