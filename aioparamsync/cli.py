@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -16,7 +17,9 @@ from .client import parse_address, parse_addresses
 from .node import Node
 from .peers import DEFAULT_REPAIR_INTERVAL
 from .persistence import FSYNC_MODES, PersistenceError
-from .server import DEFAULT_IDLE_TIMEOUT
+from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from .store import Limits
+from .tls import client_context, server_context
 from .wire import DEFAULT_MAX_FRAME_BYTES
 from .wire.codec import MAX_I32
 
@@ -28,6 +31,7 @@ log = logging.getLogger("aioparamsync")
 # written alone or with "iB" or "B" (64k = 64KiB = 64KB = 65536).
 _SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+DEFAULT_LIMITS = Limits()
 # The smallest --max-frame-bytes worth running with.
 MIN_FRAME_BYTES = 1024
 
@@ -88,6 +92,16 @@ def addresses(text: str) -> list[tuple[str, int]]:
         return parse_addresses(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +177,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="close connections silent this long; 0: never (default: %(default)s)",
     )
     parser.add_argument(
+        "--request-timeout",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="fail a call not answered within this time (default: no deadline)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="client connections served at once; more are refused (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-names-per-request",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_names_per_request,
+        metavar="N",
+        help="names one get may ask for (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-params-per-update",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_params_per_update,
+        metavar="N",
+        help="parameters one update may hold (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-name-bytes",
+        type=positive_int,
+        default=DEFAULT_LIMITS.max_name_bytes,
+        metavar="N",
+        help="longest parameter name, in UTF-8 bytes (default: %(default)s)",
+    )
+    tls = parser.add_argument_group("TLS (for client and peer links)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="the node's certificate chain: serve TLS")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key (if not in --tls-cert)")
+    tls.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="CA certificates: require clients to present a certificate they signed, and "
+        "verify peers with them",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -172,7 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tls_contexts(
+    args: argparse.Namespace,
+) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(server context, peer-link context) from the TLS flags."""
+    if not args.tls_cert:
+        if args.tls_key or args.tls_ca:
+            raise ValueError("--tls-key and --tls-ca need --tls-cert")
+        return None, None
+    server = server_context(args.tls_cert, args.tls_key, args.tls_ca)
+    peers = client_context(args.tls_ca, args.tls_cert, args.tls_key)
+    return server, peers
+
+
 async def serve(args: argparse.Namespace) -> int:
+    try:
+        server_ssl, peer_ssl = tls_contexts(args)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        print(f"aioparamsync-node: TLS: {exc}", file=sys.stderr)
+        return 1
     node = Node(
         args.host,
         args.port,
@@ -185,6 +261,15 @@ async def serve(args: argparse.Namespace) -> int:
         ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
         max_frame_bytes=args.max_frame_bytes,
         idle_timeout=args.idle_timeout,
+        request_timeout=args.request_timeout,
+        max_connections=args.max_connections,
+        limits=Limits(
+            max_name_bytes=args.max_name_bytes,
+            max_params_per_update=args.max_params_per_update,
+            max_names_per_request=args.max_names_per_request,
+        ),
+        ssl=server_ssl,
+        peer_ssl=peer_ssl,
     )
     try:
         await node.start()

@@ -13,9 +13,9 @@ A connection that breaks fails its calls in flight with
 next call opens a fresh one. Reads are retried once on a fresh connection;
 writes are not (their outcome is unknown: the error says so).
 
-Flow control: a connection sends a message only once the previous one has
-left its buffer, so eight concurrent 64 MiB updates queue no more than one
-message in user space per connection. Arrays are sent by reference, without a
+Flow control: a connection sends a message only while less than
+``WRITE_HIGH_BYTES`` wait in its buffer, so eight concurrent 64 MiB updates
+queue about one message in user space per connection. Arrays are sent by reference, without a
 copy: do not change an array until the call sending it has returned.
 """
 
@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import ssl as ssl_module
 import time
 from collections.abc import Iterable, Mapping
 from types import EllipsisType
@@ -65,6 +66,8 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # Default number of connections a client keeps to its node.
 DEFAULT_MAX_CONNECTIONS = 4
+# Unsent bytes above which a connection's next send waits.
+WRITE_HIGH_BYTES = 1024 * 1024
 # Methods that change a node's state: never retried behind the caller's back.
 WRITES = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
 
@@ -111,6 +114,17 @@ def parse_address(address: Address) -> tuple[str, int]:
     return str(host), int(port)
 
 
+def _ping_method() -> Method:
+    m = method("ping")
+    assert m is not None, "the IDL has ping"
+    return m
+
+
+# A ping follows each oneway call on its connection (see _Connection.call).
+_PING = _ping_method()
+_PING_ARGS = _PING.args()
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One connection: pipelined calls matched to replies by seqid."""
 
@@ -139,9 +153,8 @@ class _Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Pause as soon as anything is left unsent: a send waits for the one
-        # before it, and a oneway call can wait until its bytes are gone.
-        transport.set_write_buffer_limits(high=0)
+        # A send waits while more than this is unsent (flow control).
+        transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.receiver.get_buffer()
@@ -211,9 +224,10 @@ class _Connection(asyncio.BufferedProtocol):
         parts, _ = encode_message(m.name, mtype, seqid, args)
         if m.oneway:
             self.transport.writelines(parts)
-            await self._writable.wait()  # our buffers are out of user space
-            if self.lost is not None:
-                raise ConnectionLostError(f"the connection broke during the call: {self.lost}")
+            # A ping behind it: its reply comes once the node has read (and,
+            # read-your-writes, applied) the oneway message, so our buffers are
+            # free again and a broken connection is not taken for a sent message.
+            await self.call(_PING, _PING_ARGS)
             return None
         future = asyncio.get_running_loop().create_future()
         self.pending[seqid] = future
@@ -247,6 +261,7 @@ class ParameterClient:
         connect_timeout: deadline of opening a connection.
         max_connections: connections to keep to the node.
         max_frame_bytes: the largest reply accepted.
+        ssl: an ``ssl.SSLContext`` to reach TLS nodes with (see :mod:`aioparamsync.tls`).
     """
 
     def __init__(
@@ -257,6 +272,7 @@ class ParameterClient:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        ssl: ssl_module.SSLContext | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
@@ -266,6 +282,7 @@ class ParameterClient:
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
+        self.ssl = ssl
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
@@ -314,7 +331,7 @@ class ParameterClient:
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(self.max_frame_bytes), host, port
+                        lambda: _Connection(self.max_frame_bytes), host, port, ssl=self.ssl
                     )
             except TimeoutError:
                 failures.append(
@@ -474,10 +491,11 @@ class ParameterClient:
         timestamp: int | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> None:
-        """Send an update oneway: no reply, no error from the node.
+        """Send an update oneway: no reply, and no error from the node if it refuses it.
 
-        Returns once the update's bytes have left this process; the node
-        applies it (to a reader on this client, before any later read).
+        Returns once the node has read and applied it (a ``ping`` follows it on
+        the connection, and the node answers reads in order), so the arrays may
+        change again and a later read on any client sees it.
         """
         await self.call("broadcast_update", timeout=timeout, update=self._update(params, timestamp))
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl as ssl_module
 import time
 from collections.abc import Iterable
 
 from .client import Address, parse_address, parse_addresses
 from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
 from .persistence import DataDir
-from .server import DEFAULT_IDLE_TIMEOUT, Server, ServerConfig
+from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
 from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
@@ -41,6 +42,10 @@ class Node:
         data_dir: where to keep the write-ahead log and snapshots (None: in memory).
         fsync: ``always``, ``batch`` or ``never`` (see :mod:`aioparamsync.persistence`).
         ignore_corrupt_snapshot: start even if the newest snapshot is damaged.
+        ssl: an ``ssl.SSLContext`` to serve TLS with (see :mod:`aioparamsync.tls`).
+        peer_ssl: the ``ssl.SSLContext`` peer links connect with.
+        max_connections: client connections open at once; more are refused.
+        request_timeout: seconds after which a call not yet answered fails.
         max_frame_bytes: the largest frame (message) accepted.
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
@@ -61,9 +66,19 @@ class Node:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         limits: Limits | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        peer_ssl: ssl_module.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        request_timeout: float | None = None,
     ) -> None:
         self.config = ServerConfig(
-            host=host, port=port, max_frame_bytes=max_frame_bytes, idle_timeout=idle_timeout
+            host=host,
+            port=port,
+            max_frame_bytes=max_frame_bytes,
+            idle_timeout=idle_timeout,
+            max_connections=max_connections,
+            request_timeout=request_timeout,
+            ssl=ssl,
         )
         self.seeds = parse_addresses(peers) if peers else []
         self._advertise = parse_address(advertise) if advertise is not None else None
@@ -76,7 +91,10 @@ class Node:
         self.store = ParameterStore(self.table, data_dir=self.data_dir)
         # Who this node is, to its peers: known once it listens (port 0).
         self.cluster = Cluster(
-            self.store, thrift.Member(node_id="", host="", port=0), repair_interval=repair_interval
+            self.store,
+            thrift.Member(node_id="", host="", port=0),
+            repair_interval=repair_interval,
+            ssl=peer_ssl,
         )
         self.service = ParameterService(self.store, self.cluster)
         self.server = Server(self.service, self.config)

@@ -188,6 +188,7 @@ class PeerLink:
                 timeout=PEER_CALL_TIMEOUT,
                 connect_timeout=PEER_CALL_TIMEOUT,
                 max_connections=1,
+                ssl=self.cluster.ssl,
             )
             try:
                 if self.state != "backoff":  # retries stay "backoff" until one succeeds
@@ -310,6 +311,7 @@ class Cluster:
         store: the node's store (its feed of applied updates drives the fan-out).
         me: this node as its peers reach it (``thrift.Member``).
         repair_interval: seconds between anti-entropy rounds with each peer.
+        ssl: the ``ssl.SSLContext`` links connect with (None: plain TCP).
     """
 
     def __init__(
@@ -318,10 +320,12 @@ class Cluster:
         me: Any,
         *,
         repair_interval: float = DEFAULT_REPAIR_INTERVAL,
+        ssl: Any = None,
     ) -> None:
         self.store = store
         self.me = me
         self.repair_interval = repair_interval
+        self.ssl = ssl
         self.links: dict[str, PeerLink] = {}  # by address
         self._started = False
         self._reporter: asyncio.Task[None] | None = None

@@ -30,6 +30,7 @@ import asyncio
 import collections
 import logging
 import socket
+import ssl as ssl_module
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,7 +38,7 @@ from typing import Protocol as TypingProtocol
 
 from thriftpy2.thrift import TApplicationException
 
-from .errors import LocalProtocolError, RemoteProtocolError, RequestError
+from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
 from .wire import (
     DEFAULT_MAX_FRAME_BYTES,
     Frame,
@@ -61,6 +62,8 @@ MAX_PIPELINE = 256
 WRITE_HIGH_BYTES = 8 * 1024 * 1024
 # A connection with nothing in flight and silent this long is closed (seconds).
 DEFAULT_IDLE_TIMEOUT = 600.0
+# Client connections a node serves at once; more are refused.
+DEFAULT_MAX_CONNECTIONS = 10_000
 # After its last reply and EOF, how long a closing connection may keep sending
 # before it is aborted (seconds; see ServerConnection._maybe_finish).
 LINGER_SECONDS = 5.0
@@ -82,7 +85,11 @@ class ServerConfig:
     port: int = 9090
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
-    max_connections: int = 10_000
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # A call not answered within this many seconds gets an UNAVAILABLE error
+    # (the work may still complete); None: no deadline.
+    request_timeout: float | None = None
+    ssl: ssl_module.SSLContext | None = None
 
 
 class _Call:
@@ -250,9 +257,21 @@ class ServerConnection(asyncio.BufferedProtocol):
             return None
         if isinstance(outcome, asyncio.Future):
             outcome.add_done_callback(lambda fut: self._settle_future(call, fut))
+            deadline = self.server.config.request_timeout
+            if deadline is not None and not call.method.oneway:
+                asyncio.get_running_loop().call_later(deadline, self._expire, call, deadline)
         else:
             self._settle(call, outcome, None)
         return outcome
+
+    def _expire(self, call: _Call, deadline: float) -> None:
+        if call.reply is None:
+            self.server.counters["timeouts"] += 1
+            error = RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"{call.method.name} not done within {deadline} s; it may still complete",
+            )
+            self._settle(call, None, error)
 
     def _settle_future(self, call: _Call, future: asyncio.Future) -> None:
         if future.cancelled():
@@ -262,6 +281,8 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._settle(call, None if exc else future.result(), exc)
 
     def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
+        if call.reply is not None:
+            return  # answered already (its deadline passed)
         m = call.method
         if exc is None:
             if m.oneway:
@@ -451,6 +472,7 @@ class Server:
             self.config.port,
             reuse_address=True,
             backlog=1024,
+            ssl=self.config.ssl,
         )
 
     def _register(self, conn: ServerConnection) -> bool:

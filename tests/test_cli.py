@@ -510,6 +510,8 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--advertise", "nohost"], ["--advertise", "host:port"]),
         (["--repair-interval", "0"], ["--repair-interval", "'0'"]),
         (["--fsync", "sometimes"], ["--fsync", "'sometimes'"]),
+        (["--max-connections", "0"], ["--max-connections", "'0'"]),
+        (["--max-name-bytes", "many"], ["--max-name-bytes", "'many'"]),
         (["--port"], ["--port", "expected one argument"]),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
@@ -556,6 +558,8 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
         "--repair-interval", "--data-dir", "--fsync", "--ignore-corrupt-snapshot",
         "--max-frame-bytes", "--idle-timeout", "--log-level", "--version",
+        "--request-timeout", "--max-connections", "--max-names-per-request",
+        "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}
     assert declared == flags, "a flag was added or removed: update this test"
