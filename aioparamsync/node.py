@@ -161,8 +161,14 @@ class Node:
         log.info("node %s listening on %s:%d", self.node_id, *self.address)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting, finish the calls in flight (up to ``grace`` s), stop the writer."""
+        """Stop gracefully: what was acknowledged is sent on and kept.
+
+        Stops accepting, finishes the calls in flight and sends the peer outboxes
+        (up to ``grace`` s each), then applies what is queued, writes a snapshot
+        (with a data directory) and closes the log.
+        """
         await self.server.close(grace)
+        await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
         await self.cluster.stop()
         self.store.close()
         if self._writer is not None:

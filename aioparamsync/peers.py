@@ -117,6 +117,8 @@ class PeerLink:
         self._oldest: float | None = None  # when the oldest waiting entry was queued
         self._wakeup = asyncio.Event()
         self._poked = asyncio.Event()
+        self._drained = asyncio.Event()  # set while nothing waits to be sent
+        self._drained.set()
         self._task: asyncio.Task[None] | None = None
         self.updates_sent = 0
         self.updates_coalesced = 0
@@ -167,6 +169,7 @@ class PeerLink:
         if outbox:
             if self._oldest is None:
                 self._oldest = time.monotonic()
+            self._drained.clear()
             self._wakeup.set()
 
     def start(self) -> None:
@@ -293,6 +296,8 @@ class PeerLink:
                     self.offer_back(rest)
                 raise
             self.updates_sent += len(batch)
+        if not self.outbox:
+            self._drained.set()
 
     def offer_back(self, entries: Iterable[Entry]) -> None:
         outbox = self.outbox
@@ -344,6 +349,26 @@ class Cluster:
             if link._task is None:
                 link.start()
         self._reporter = asyncio.create_task(self._report(), name="aioparamsync-peer-stats")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until every link that is up has sent its outbox.
+
+        Links that are down cannot drain: anti-entropy will repair those peers.
+        Answers whether everything was sent.
+        """
+        waits = [
+            asyncio.ensure_future(link._drained.wait())
+            for link in self.links.values()
+            if link.state == "up" and not link._drained.is_set()
+        ]
+        if not waits:
+            return True
+        _, pending = await asyncio.wait(waits, timeout=timeout)
+        for wait in pending:
+            wait.cancel()
+        if pending:
+            log.warning("%d peer outboxes not drained within %.1f s", len(pending), timeout)
+        return not pending
 
     async def stop(self) -> None:
         self._started = False

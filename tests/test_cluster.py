@@ -582,3 +582,25 @@ async def test_a_sigstopped_peer_neither_slows_the_others_nor_grows_their_outbox
             await eventually(
                 lambda: assert_same_wire_states([ca, cb, cc], names), retry_on=RETRY_WIRE
             )
+
+
+async def test_a_node_stopped_gracefully_first_sends_its_outboxes(cluster: LocalCluster) -> None:
+    # No periodic repair: only the stopping node's outbox can bring b the writes.
+    a = await cluster.start(repair_interval=3600)
+    b = await cluster.start(peers=[a], repair_interval=3600)
+    await cluster.formed([a, b])
+    big = np.arange(1 << 19, dtype=np.int64)  # 4 MiB: sending takes a while
+    async with ParameterClient(a.address, timeout=30) as client:
+        await asyncio.gather(*(client.update_arrays({f"g{i}": big + i}) for i in range(16)))
+    expected = {
+        name: (e.version, e.origin, bytes(e.data))
+        for name in a.table.names()
+        if (e := a.table.entry(name))
+    }
+    await cluster.stop(a)  # at once: its links still hold what they have not sent
+    got = {
+        name: (e.version, e.origin, bytes(e.data))
+        for name in b.table.names()
+        if (e := b.table.entry(name))
+    }
+    assert got == expected
