@@ -427,16 +427,27 @@ def plan_cpus(pin: str) -> tuple[set[int], set[int]] | None:
 
 
 class ServerProcess:
-    """A server in a process of its own; stopped by its PID only."""
+    """A server in a process of its own; stopped by its PID only.
+
+    ``variant`` names it in errors; ``cmd``, when given, is the command to run
+    instead of the variant's (it must print ``... listening on HOST:PORT`` first).
+    """
 
     #: CPUs the servers are pinned to (None: not pinned)
     cpus: set[int] | None = None
 
-    def __init__(self, variant: str, env: dict[str, str], profile: Path | None = None) -> None:
+    def __init__(
+        self,
+        variant: str,
+        env: dict[str, str],
+        profile: Path | None = None,
+        *,
+        cmd: Sequence[str] | None = None,
+    ) -> None:
         self.variant = variant
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            _server_cmd(variant, profile),
+            _server_cmd(variant, profile) if cmd is None else list(cmd),
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -839,7 +850,8 @@ def git_state() -> str:
     return commit + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
-def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+def machine() -> dict[str, Any]:
+    """The commit, the CPUs and the versions measured."""
     import numpy
     import thriftpy2
     import uvloop
@@ -862,6 +874,12 @@ def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any
         "numpy": numpy.__version__,
         "thriftpy2": thriftpy2.__version__,
         "aioparamsync": aioparamsync.__version__,
+    }
+
+
+def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    return {
+        **machine(),
         "malloc": args.malloc,
         "client_cpus": sorted(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
@@ -1004,6 +1022,30 @@ async def amain(args: argparse.Namespace, env: dict[str, str]) -> int:
     return 0
 
 
+def run_environment(malloc: str, script: Path, *, reexec: bool) -> dict[str, str] | None:
+    """The environment of every process of a run (servers, and the driver ``script``).
+
+    With ``malloc == "tuned"`` and ``reexec``, a driver started without the
+    tuning re-executes itself once with it (this call then does not return).
+    None: the environment cannot be set (re-exec loop; printed).
+    """
+    env = dict(os.environ)
+    if malloc == "tuned":
+        env.update(MALLOC_TUNED)
+        if reexec and any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
+            if os.environ.get(_REEXEC_MARK):
+                print("cannot set the malloc environment (re-exec loop)", file=sys.stderr)
+                return None
+            # glibc reads MALLOC_* at start-up: run the driver (the client) with them too.
+            env[_REEXEC_MARK] = "1"
+            sys.stdout.flush()
+            os.execve(sys.executable, [sys.executable, str(script), *sys.argv[1:]], env)
+    env.pop(_REEXEC_MARK, None)
+    pythonpath = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pythonpath if pythonpath else "")
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.serve_profiled:
@@ -1021,20 +1063,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds <= 0:
         print("--seconds must be positive", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    if args.malloc == "tuned":
-        env.update(MALLOC_TUNED)
-        if argv is None and any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
-            if os.environ.get(_REEXEC_MARK):
-                print("cannot set the malloc environment (re-exec loop)", file=sys.stderr)
-                return 2
-            # glibc reads MALLOC_* at start-up: run the driver (the client) with them too.
-            env[_REEXEC_MARK] = "1"
-            sys.stdout.flush()
-            os.execve(sys.executable, [sys.executable, str(THIS), *sys.argv[1:]], env)
-    env.pop(_REEXEC_MARK, None)
-    pythonpath = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pythonpath if pythonpath else "")
+    env = run_environment(args.malloc, THIS, reexec=argv is None)
+    if env is None:
+        return 2
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
