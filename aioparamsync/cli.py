@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .client import parse_address, parse_addresses
+from .metrics import MetricsBindError
 from .node import Node
 from .peers import DEFAULT_REPAIR_INTERVAL
 from .persistence import FSYNC_MODES, PersistenceError
@@ -211,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="longest parameter name, in UTF-8 bytes (default: %(default)s)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host; 0 picks a free "
+        "port (logged); needs prometheus-client: pip install 'aioparamsync[metrics]' "
+        "(default: no metrics)",
+    )
     tls = parser.add_argument_group("TLS (for client and peer links)")
     tls.add_argument("--tls-cert", metavar="PEM", help="the node's certificate chain: serve TLS")
     tls.add_argument("--tls-key", metavar="PEM", help="its private key (if not in --tls-cert)")
@@ -270,11 +279,17 @@ async def serve(args: argparse.Namespace) -> int:
         ),
         ssl=server_ssl,
         peer_ssl=peer_ssl,
+        metrics_port=args.metrics_port,
     )
     try:
         await node.start()
-    except PersistenceError as exc:
+    except (PersistenceError, MetricsBindError) as exc:
         print(f"aioparamsync-node: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:
+        if exc.name != "prometheus_client":
+            raise
+        print(f"aioparamsync-node: --metrics-port: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(

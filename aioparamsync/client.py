@@ -68,6 +68,9 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_MAX_CONNECTIONS = 4
 # Unsent bytes above which a connection's next send waits.
 WRITE_HIGH_BYTES = 1024 * 1024
+# A call's deadline may be met this early (seconds): the loop's timers are
+# not more precise than that.
+TIMER_SLACK = 0.001
 # Methods that change a node's state: never retried behind the caller's back.
 WRITES = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
 
@@ -136,6 +139,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self.lost: BaseException | None = None
+        # Per-call deadlines share one timer, armed at the earliest of them:
+        # cheaper than an asyncio.timeout (a timer and a cancellation) per call.
+        self._deadlines: dict[int, float] = {}  # seqid -> loop time
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "open"
@@ -205,6 +213,10 @@ class _Connection(asyncio.BufferedProtocol):
             if isinstance(exc, RemoteProtocolError):
                 log.warning("closing a connection: the node sent an invalid message: %s", exc)
         pending, self.pending = self.pending, {}
+        self._deadlines.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for future in pending.values():
             if not future.done():
                 error = ConnectionLostError(f"the connection broke during the call: {self.lost}")
@@ -213,9 +225,38 @@ class _Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def call(self, m: Method, args: Any) -> Any:
-        """Send one call; answer its result struct (None for oneway calls)."""
-        await self._writable.wait()
+    def _watch(self, seqid: int, when: float) -> None:
+        """Fail the call ``seqid`` with TimeoutError if it is not answered by ``when``."""
+        self._deadlines[seqid] = when
+        if self._timer is None or when < self._timer_when:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+            self._timer_when = when
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time() + TIMER_SLACK
+        deadlines = self._deadlines
+        for seqid in [s for s, when in deadlines.items() if when <= now]:
+            del deadlines[seqid]
+            future = self.pending.pop(seqid, None)  # a late reply is dropped
+            if future is not None and not future.done():
+                future.set_exception(TimeoutError())
+        if deadlines:
+            when = min(deadlines.values())
+            self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+            self._timer_when = when
+
+    async def call(self, m: Method, args: Any, when: float | None = None) -> Any:
+        """Send one call; answer its result struct (None for oneway calls).
+
+        Raises:
+            TimeoutError: not answered by the loop time ``when`` (None: no deadline).
+        """
+        if not self._writable.is_set():
+            async with asyncio.timeout_at(when):
+                await self._writable.wait()
         if not self.usable:
             raise ConnectionLostError(f"the connection is closed: {self.lost}")
         assert self.transport is not None
@@ -227,15 +268,19 @@ class _Connection(asyncio.BufferedProtocol):
             # A ping behind it: its reply comes once the node has read (and,
             # read-your-writes, applied) the oneway message, so our buffers are
             # free again and a broken connection is not taken for a sent message.
-            await self.call(_PING, _PING_ARGS)
+            await self.call(_PING, _PING_ARGS, when)
             return None
         future = asyncio.get_running_loop().create_future()
         self.pending[seqid] = future
+        if when is not None:
+            self._watch(seqid, when)
         try:
             self.transport.writelines(parts)
             return await future
         finally:
             self.pending.pop(seqid, None)
+            if when is not None:
+                self._deadlines.pop(seqid, None)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -364,20 +409,35 @@ class ParameterClient:
         return conn
 
     async def _acquire(self) -> _Connection:
+        conn = self._acquire_now()
+        if conn is not None:
+            return conn
+        assert self._connecting is not None
+        return await asyncio.shield(self._connecting)
+
+    def _acquire_now(self) -> _Connection | None:
+        """The connection to send on, or None to wait for ``_connecting``.
+
+        Opens another connection while every open one is busy (and the pool has room).
+        """
         if self._closed:
             raise ClientClosedError("the client is closed")
-        self._connections = [c for c in self._connections if c.usable]
-        best = min(self._connections, key=lambda c: len(c.pending), default=None)
-        if best is not None and (
-            not best.pending or len(self._connections) >= self.max_connections
-        ):
+        connections = self._connections
+        if len(connections) == 1:  # the common case, without a new list
+            best: _Connection | None = connections[0]
+            assert best is not None
+            if not best.usable:
+                connections.clear()
+                best = None
+        else:
+            connections = self._connections = [c for c in connections if c.usable]
+            best = min(connections, key=lambda c: len(c.pending), default=None)
+        if best is not None and (not best.pending or len(connections) >= self.max_connections):
             return best
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)
-        if best is not None:
-            return best  # pipeline on a busy connection while another opens
-        return await asyncio.shield(self._connecting)
+        return best  # a busy one: pipeline on it while another opens
 
     def _connected(self, future: asyncio.Future) -> None:
         self._connecting = None
@@ -405,17 +465,20 @@ class ParameterClient:
         deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
         message = m.args(**args)
         retries = 0 if name in WRITES else 1
+        when = None if deadline is None else asyncio.get_running_loop().time() + deadline
         try:
-            async with asyncio.timeout(deadline):
-                while True:
-                    conn = await self._acquire()
-                    try:
-                        result = await conn.call(m, message)
-                        break
-                    except ConnectionLostError:
-                        if retries == 0 or self._closed:
-                            raise
-                        retries -= 1
+            while True:
+                conn = self._acquire_now()
+                if conn is None:  # none open: wait for one, within the deadline
+                    async with asyncio.timeout_at(when):
+                        conn = await self._acquire()
+                try:
+                    result = await conn.call(m, message, when)
+                    break
+                except ConnectionLostError:
+                    if retries == 0 or self._closed:
+                        raise
+                    retries -= 1
         except TimeoutError:
             raise CallTimeout(f"{name} did not complete within {deadline} s") from None
         if result is None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 
 from .client import Address, parse_address, parse_addresses
+from .metrics import NodeMetrics
 from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
 from .persistence import DataDir
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
@@ -49,6 +50,10 @@ class Node:
         max_frame_bytes: the largest frame (message) accepted.
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
+        metrics_port: serve Prometheus metrics on this port of ``host`` (0: a free
+            one, see :attr:`metrics_address`; None: no metrics). Needs the
+            ``prometheus-client`` package (``aioparamsync[metrics]``); see
+            :mod:`aioparamsync.metrics`.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class Node:
         peer_ssl: ssl_module.SSLContext | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -100,6 +106,8 @@ class Node:
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
         self._writer: asyncio.Task[None] | None = None
+        self.metrics_port = metrics_port
+        self.metrics: NodeMetrics | None = None
 
     def __repr__(self) -> str:
         state = f"listening on {self.host}:{self.port}" if self._writer else "stopped"
@@ -115,6 +123,11 @@ class Node:
         return self.server.address
 
     @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) the metrics endpoint listens on; None without metrics."""
+        return self.metrics.address if self.metrics is not None else None
+
+    @property
     def host(self) -> str:
         return self.address[0]
 
@@ -128,6 +141,8 @@ class Node:
         Raises:
             PersistenceError: the data directory is damaged.
             OSError: the address cannot be listened on.
+            MetricsBindError: (an OSError) the metrics port cannot be listened on.
+            ImportError: metrics were asked for without ``prometheus-client``.
         """
         if self.data_dir is not None:
             found = await asyncio.to_thread(self.data_dir.recover, self.table)
@@ -139,10 +154,17 @@ class Node:
                 found.records,
                 found.torn_bytes,
             )
+        if self.metrics_port is not None:
+            metrics = NodeMetrics(self)
+            metrics.start(self.config.host, self.metrics_port)
+            self.metrics = metrics
         self._writer = asyncio.create_task(self.store.run(), name="aioparamsync-store-writer")
         try:
             await self.server.start()
         except BaseException:
+            if self.metrics is not None:
+                await self.metrics.close()
+                self.metrics = None
             self.store.close()
             await self._writer
             if self.data_dir is not None:
@@ -167,15 +189,20 @@ class Node:
         (up to ``grace`` s each), then applies what is queued, writes a snapshot
         (with a data directory) and closes the log.
         """
-        await self.server.close(grace)
-        await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
-        await self.cluster.stop()
-        self.store.close()
-        if self._writer is not None:
-            await self._writer  # applies what was queued; writes the last snapshot
-            self._writer = None
-        if self.data_dir is not None:
-            self.data_dir.close()
+        try:
+            await self.server.close(grace)
+            await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
+            await self.cluster.stop()
+            self.store.close()
+            if self._writer is not None:
+                await self._writer  # applies what was queued; writes the last snapshot
+                self._writer = None
+            if self.data_dir is not None:
+                self.data_dir.close()
+        finally:
+            if self.metrics is not None:  # last: it can be scraped while the node drains
+                await self.metrics.close()
+                self.metrics = None
 
     async def __aenter__(self) -> Node:
         await self.start()

@@ -140,7 +140,8 @@ class PeerLink:
     @property
     def lag(self) -> float:
         """Seconds the oldest update waiting for this peer has waited."""
-        return 0.0 if self._oldest is None else time.monotonic() - self._oldest
+        oldest = self._oldest  # read once: a metrics scrape may call this from a thread
+        return 0.0 if oldest is None else time.monotonic() - oldest
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -149,6 +149,7 @@ class DataDir:
         self.fsync = fsync
         self.snapshot_wal_bytes = snapshot_wal_bytes
         self.ignore_corrupt_snapshot = ignore_corrupt_snapshot
+        self.sync_interval = FSYNC_BATCH_SECONDS  # with fsync=batch
         self.segment = 0  # the segment being written
         self._fd: int | None = None
         self.wal_bytes = 0  # bytes in the log since the last snapshot
@@ -173,6 +174,12 @@ class DataDir:
             raise PersistenceError(f"cannot use {self.path} as a data directory: {exc}") from exc
         if not os.access(self.path, os.W_OK):
             raise PersistenceError(f"data directory {self.path} is not writable")
+        try:
+            return self._recover(table)
+        except OSError as exc:
+            raise PersistenceError(f"cannot use {self.path} as a data directory: {exc}") from exc
+
+    def _recover(self, table: ParameterTable) -> Recovered:
         found = Recovered()
         snapshots = sorted(
             (int(m[1]) for p in self.path.iterdir() if (m := _SNAPSHOT.fullmatch(p.name))),
@@ -209,27 +216,36 @@ class DataDir:
     def _replay(self, n: int, table: ParameterTable, *, last: bool) -> tuple[int, int]:
         path = self.path / _segment_name(n)
         records = 0
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise PersistenceError(f"cannot read {path}: {exc}") from exc
         pos = 0
         while pos < len(data):
             problem = ""
+            end = len(data)
             if pos + _RECORD.size > len(data):
                 problem = "a record header cut short"
             else:
                 length, crc = _RECORD.unpack_from(data, pos)
                 end = pos + _RECORD.size + length
-                if end > len(data):
+                if length == 0:
+                    problem = "an empty record (zeroed bytes)"  # never written: not a record
+                elif end > len(data):
                     problem = f"a record of {length} bytes cut short"
                 else:
                     payload = memoryview(data)[pos + _RECORD.size : end]
                     if zlib.crc32(payload) != crc:
                         problem = "a record failing its checksum"
             if problem:
-                if not last:
+                # A torn write damages only the last record, and may leave zeroed
+                # bytes after it (a power cut): any other damage is not one.
+                rest_is_zeros = not data[max(end, pos + _RECORD.size) :].strip(b"\0")
+                if not last or not (end >= len(data) or rest_is_zeros):
                     raise PersistenceError(
-                        f"{path} is damaged at byte {pos} ({problem}) and later segments "
-                        "follow it: not a torn write; the node will not start"
+                        f"{path} is damaged at byte {pos} ({problem}) and records follow "
+                        "it: not a torn write; the node will not start"
                     )
                 torn = len(data) - pos
                 log.warning(
@@ -263,10 +279,29 @@ class DataDir:
             meta = json.loads(meta_path.read_text())
             params = meta["parameters"]
             timestamp = int(meta["timestamp"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PersistenceError(f"snapshot {meta_path} cannot be read: {exc!r}") from exc
+        try:
             with open(data_path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             raise PersistenceError(f"snapshot {data_path} cannot be read: {exc}") from exc
+        try:
+            return self._merge_snapshot(meta_path, data_path, mapped, params, timestamp, table)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PersistenceError(
+                f"snapshot {meta_path} does not describe {data_path}: {exc!r}"
+            ) from exc
+
+    def _merge_snapshot(
+        self,
+        meta_path: Path,
+        data_path: Path,
+        mapped: mmap.mmap,
+        params: dict[str, Any],
+        timestamp: int,
+        table: ParameterTable,
+    ) -> int:
         view = memoryview(mapped)
         try:
             (header_len,) = struct.unpack_from("<Q", view, 0)
@@ -352,12 +387,17 @@ class DataDir:
             return False
         if self.fsync == "always":
             return True
-        return time.monotonic() - self._last_sync >= FSYNC_BATCH_SECONDS
+        return time.monotonic() - self._last_sync >= self.sync_interval
+
+    @property
+    def dirty(self) -> bool:
+        """Whether records were written since the last :meth:`sync`."""
+        return self._dirty
 
     def sync(self) -> None:
         if self._fd is not None and self._dirty:
+            self._dirty = False  # before: a record written meanwhile stays dirty
             os.fsync(self._fd)
-            self._dirty = False
         self._last_sync = time.monotonic()
 
     # -- snapshots ----------------------------------------------------------------

@@ -31,6 +31,7 @@ import collections
 import logging
 import socket
 import ssl as ssl_module
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -95,13 +96,14 @@ class ServerConfig:
 class _Call:
     """A call awaiting its reply, in its connection's order."""
 
-    __slots__ = ("frame", "method", "reply", "seqid")
+    __slots__ = ("frame", "method", "reply", "seqid", "started")
 
     def __init__(self, method_: Method, seqid: int, frame: Frame) -> None:
         self.method = method_
         self.seqid = seqid
         self.frame = frame
         self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
+        self.started = 0.0  # time.perf_counter() at dispatch, when calls are observed
 
 
 # Where a closing connection's incoming bytes go (they are dropped).
@@ -235,6 +237,8 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._protocol_failure(exc, frame, name=name, seqid=seqid)
             return
         call = _Call(m, seqid, frame)
+        if self.server.call_observer is not None:
+            call.started = time.perf_counter()
         if not m.oneway:
             self._calls.append(call)
         handler = self.server.handler
@@ -283,6 +287,8 @@ class ServerConnection(asyncio.BufferedProtocol):
     def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
         if call.reply is not None:
             return  # answered already (its deadline passed)
+        if call.started and (observe := self.server.call_observer) is not None:
+            observe(call.method.name, time.perf_counter() - call.started, exc)
         m = call.method
         if exc is None:
             if m.oneway:
@@ -452,6 +458,8 @@ class Server:
         self.counters: collections.Counter[str] = collections.Counter()
         self._server: asyncio.Server | None = None
         self._on_idle: Callable[[], None] | None = None
+        # Told (method, seconds, error or None) as each call is settled (see metrics.py).
+        self.call_observer: Callable[[str, float, BaseException | None], None] | None = None
 
     def __repr__(self) -> str:
         where = f"{self.address[0]}:{self.address[1]}" if self._server else "not listening"

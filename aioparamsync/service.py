@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import __version__
@@ -25,24 +25,6 @@ def to_wire(entry: Entry) -> Any:
         shape=list(entry.shape) if entry.shape is not None else None,
         origin=entry.origin,
     )
-
-
-def _then(future: asyncio.Future, fn: Callable[[Any], Any]) -> asyncio.Future:
-    """A future of ``fn(future's result)``, failing as ``future`` fails."""
-    out = future.get_loop().create_future()
-
-    def done(f: asyncio.Future) -> None:
-        if out.done():
-            return
-        if f.cancelled():
-            out.cancel()
-        elif (exc := f.exception()) is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(fn(f.result()))
-
-    future.add_done_callback(done)
-    return out
 
 
 def _params(update: Any) -> tuple[Sequence[Any], int]:
@@ -92,8 +74,8 @@ class ParameterService:
         return method.result(success=self._read(args.request))
 
     def _update_parameters(self, method: Method, args: Any) -> asyncio.Future:
-        future = self.store.submit(*_params(args.update))
-        return _then(future, lambda _: method.result())
+        # The store's writer makes the reply as it answers the batch.
+        return self.store.submit(*_params(args.update), then=lambda _: method.result())
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
         # From a peer, every parameter carries its origin: merge it, send it on
@@ -114,7 +96,7 @@ class ParameterService:
                 success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
             )
 
-        return _then(self.store.submit(*_params(args.update)), result)
+        return self.store.submit(*_params(args.update), then=result)
 
     def _ping(self, method: Method, args: Any) -> Any:
         return method.result(success=self.node_id)

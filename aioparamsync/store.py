@@ -84,6 +84,11 @@ class Applied:
     timestamp: int
 
 
+# An applied update awaiting its answer: (the caller's future, what was
+# applied, the caller's ``then`` or None).
+_Done = tuple[asyncio.Future, Applied, Callable[[Applied], Any] | None]
+
+
 def _readonly(data: Any) -> memoryview:
     view = data if isinstance(data, memoryview) else memoryview(data)
     if view.ndim != 1 or view.format != "B":
@@ -294,9 +299,9 @@ class ParameterStore:
         self.data_dir = data_dir  # a persistence.DataDir, or None: in memory only
         self._failure: Exception | None = None  # the log could not be written
         self._snapshots: set[asyncio.Future[Any]] = set()
-        self._queue: collections.deque[tuple[Sequence[Any], int, bool, asyncio.Future]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[
+            tuple[Sequence[Any], int, bool, asyncio.Future, Callable[[Applied], Any] | None]
+        ] = collections.deque()
         self._wakeup: asyncio.Event | None = None
         self._room: asyncio.Event | None = None
         self._closed = False
@@ -345,13 +350,24 @@ class ParameterStore:
         self._subscribers.append(callback)
 
     def submit(
-        self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
-    ) -> asyncio.Future[Applied]:
+        self,
+        params: Sequence[Any],
+        timestamp: int,
+        *,
+        replicated: bool = False,
+        then: Callable[[Applied], Any] | None = None,
+    ) -> asyncio.Future[Any]:
         """Queue an update; answer a future of its :class:`Applied`.
 
         Updates are applied in the order they are submitted: with
         :meth:`ParameterTable.apply`, or :meth:`ParameterTable.merge` where
         ``replicated`` (an update a peer sends on).
+
+        With ``then``, the future is of ``then(applied)``, made by the writer
+        as it answers the batch: a caller that turns the outcome into a reply
+        gets the reply itself, one hop of the event loop sooner than through a
+        future chained to this one. ``then`` must be quick; its exception
+        fails that one future.
 
         Raises:
             RequestError: (UNAVAILABLE) the queue is full or the store is closed.
@@ -370,8 +386,8 @@ class ParameterStore:
                 ErrorCode.UNAVAILABLE,
                 f"the node has {len(self._queue)} updates waiting; try again",
             )
-        future: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
-        self._queue.append((params, timestamp, replicated, future))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((params, timestamp, replicated, future, then))
         if self._wakeup is not None:
             self._wakeup.set()
         return future
@@ -395,6 +411,9 @@ class ParameterStore:
         snapshot is written.
         """
         self._wakeup = asyncio.Event()
+        syncer = None
+        if self.data_dir is not None and self.data_dir.fsync == "batch":
+            syncer = asyncio.ensure_future(self._sync_periodically())
         while True:
             if not self._queue:
                 if self._closed:
@@ -402,20 +421,49 @@ class ParameterStore:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if self._failure is not None:
+                self._refuse_queued()  # not applied: they could not be kept
+                continue
             done, fed = self._apply_batch()
             if self.data_dir is not None and (fed[0] or fed[1]):
                 await self._log(done, fed)
             self._finish_batch(done, fed)
-            # Let readers and the network run between batches.
-            await asyncio.sleep(0)
+            if self._queue:
+                # Let readers and the network run between batches (with
+                # nothing queued, waiting for the next update does that).
+                await asyncio.sleep(0)
+        if syncer is not None:
+            syncer.cancel()
+            await asyncio.wait({syncer})
         if self._snapshots:
             await asyncio.wait(self._snapshots)
         if self.data_dir is not None and self._failure is None:
             await self._snapshot()
 
-    async def _log(
-        self, done: list[tuple[asyncio.Future, Applied]], fed: tuple[list[Entry], list[Entry]]
-    ) -> None:
+    async def _sync_periodically(self) -> None:
+        """With ``fsync=batch``: sync what was logged, also when no batch follows it."""
+        data_dir = self.data_dir
+        while True:
+            await asyncio.sleep(data_dir.sync_interval)
+            if data_dir.dirty and self._failure is None:
+                try:
+                    await asyncio.to_thread(data_dir.sync)
+                except OSError as exc:
+                    log.critical("cannot sync the log: %s; refusing further updates", exc)
+                    self._failure = exc
+
+    def _refuse_queued(self) -> None:
+        error = RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"the node cannot write its log ({self._failure}); it takes no more updates "
+            "until restarted",
+        )
+        while self._queue:
+            future = self._queue.popleft()[3]
+            if not future.done():
+                future.set_exception(error)
+
+    async def _log(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:
         data_dir = self.data_dir
         entries = fed[0] + fed[1]
         try:
@@ -430,7 +478,7 @@ class ParameterStore:
             log.critical("cannot write the log: %s; refusing further updates", exc)
             self._failure = exc
             error = RequestError(ErrorCode.UNAVAILABLE, f"the update could not be logged: {exc}")
-            for future, _ in done:
+            for future, _, _ in done:
                 if not future.done():
                     future.set_exception(error)
             done.clear()
@@ -450,17 +498,15 @@ class ParameterStore:
         except OSError as exc:
             log.error("snapshot %d failed: %s (the log still holds everything)", n, exc)
 
-    def _apply_batch(
-        self,
-    ) -> tuple[list[tuple[asyncio.Future, Applied]], tuple[list[Entry], list[Entry]]]:
+    def _apply_batch(self) -> tuple[list[_Done], tuple[list[Entry], list[Entry]]]:
         queue = self._queue
         batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
         if self._room is not None:
             self._room.set()
-        done: list[tuple[asyncio.Future, Applied]] = []
+        done: list[_Done] = []
         fed: tuple[list[Entry], list[Entry]] = ([], [])  # originated here, replicated
         table = self.table
-        for params, timestamp, replicated, future in batch:
+        for params, timestamp, replicated, future, then in batch:
             if future.cancelled():
                 continue  # its caller gave up before it was applied
             try:
@@ -477,19 +523,27 @@ class ParameterStore:
                 self.updates_refused += 1
                 future.set_exception(exc)
                 continue
-            done.append((future, applied))
+            done.append((future, applied, then))
             fed[replicated].extend(applied.entries)
         self.batches += 1
         self.updates_applied += len(done)
         return done, fed
 
-    def _finish_batch(
-        self, done: list[tuple[asyncio.Future, Applied]], fed: tuple[list[Entry], list[Entry]]
-    ) -> None:
+    def _finish_batch(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:
         """Answer the batch's callers; hand its entries to the subscribers."""
-        for future, applied in done:
-            if not future.done():
+        for future, applied, then in done:
+            if future.done():
+                continue
+            if then is None:
                 future.set_result(applied)
+                continue
+            try:
+                result = then(applied)
+            except Exception as exc:  # the caller's bug fails its own update only
+                log.exception("answering an applied update failed")
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
         for kind, entries in zip((False, True), fed, strict=True):
             if not entries:
                 continue

@@ -86,6 +86,26 @@ _S_FIELD = struct.Struct("!bh")
 _S_LIST = struct.Struct("!bi")
 _S_MAP = struct.Struct("!bbi")
 
+_unpack_i16 = _S_I16.unpack_from
+_unpack_i32 = _S_I32.unpack_from
+_unpack_i64 = _S_I64.unpack_from
+_pack_i32 = _S_I32.pack
+_pack_i64 = _S_I64.pack
+
+# TType's values, as plain ints (the walk compares them a lot).
+_T_STOP = TType.STOP
+_T_BOOL = TType.BOOL
+_T_I32 = TType.I32
+_T_I64 = TType.I64
+_T_STRING = TType.STRING
+_T_BINARY = TType.BINARY
+_T_STRUCT = TType.STRUCT
+_T_LIST = TType.LIST
+_T_SET = TType.SET
+_T_MAP = TType.MAP
+_T_BYTES = frozenset((_T_STRING, _T_BINARY))  # both are strings on the wire
+_T_SEQUENCES = frozenset((_T_LIST, _T_SET))
+
 _BINARY_VERSION = 0x80010000
 _COMPACT_VERSION = 1
 
@@ -114,6 +134,88 @@ def _field_sub_spec(field: tuple) -> Any:
 
 
 # ---------------------------------------------------------------------------
+# Plans: what the walk needs of a struct class, worked out once per class
+#
+# A spec's sub-specs come in several shapes (a bare type or a (type, sub)
+# pair, enums in the sub-spec's place...). A plan normalises them once, so
+# the walk never looks at a spec again:
+#   LIST / SET -> (element type, element sub, element wire type)
+#   MAP        -> (key type, key sub, key wire, value type, value sub, value wire)
+#   STRUCT     -> the struct class
+#   otherwise  -> None
+
+
+def _norm_sub(ttype: int, sub: Any) -> Any:
+    if ttype == TType.LIST or ttype == TType.SET:
+        etype, esub = _split_spec(sub)
+        return etype, _norm_sub(etype, esub), _wire_type(etype)
+    if ttype == TType.MAP:
+        (ktype, ksub), (vtype, vsub) = _split_spec(sub[0]), _split_spec(sub[1])
+        return (
+            ktype,
+            _norm_sub(ktype, ksub),
+            _wire_type(ktype),
+            vtype,
+            _norm_sub(vtype, vsub),
+            _wire_type(vtype),
+        )
+    if ttype == TType.STRUCT:
+        return sub
+    return None
+
+
+class _Plan:
+    """A struct class's fields, ready for the walk.
+
+    Attributes:
+        by_id: field id -> (wire type, name, type, normalised sub-spec), for reading.
+        in_order: (name, type, normalised sub-spec, required, binary field
+            header or None) by field id, for writing.
+        required: names of the required fields.
+    """
+
+    __slots__ = ("by_id", "in_order", "required")
+
+    def __init__(self, cls: Any) -> None:
+        self.by_id: dict[int, tuple[int, str, int, Any]] = {}
+        in_order = []
+        for fid, field in sorted(cls.thrift_spec.items()):
+            ttype, name = field[0], field[1]
+            sub = _norm_sub(ttype, _field_sub_spec(field))
+            wire = _wire_type(ttype)
+            is_required = field[-1] is True
+            self.by_id[fid] = (wire, name, ttype, sub)
+            # None: not a valid binary field header (refused when written)
+            header = (
+                _S_FIELD.pack(wire, fid) if -128 <= wire < 128 and -(2**15) <= fid < 2**15 else None
+            )
+            in_order.append((name, fid, ttype, sub, is_required, header))
+        self.in_order: tuple[tuple[str, int, int, Any, bool, bytes | None], ...] = tuple(in_order)
+        # in the spec's order, so that the first one missing is named
+        self.required: tuple[str, ...] = tuple(
+            f[1] for f in cls.thrift_spec.values() if f[-1] is True
+        )
+
+
+_PLANS: dict[Any, _Plan] = {}
+
+
+def _plan(cls: Any) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _Plan(cls)
+    return plan
+
+
+def _build(cls: Any, plan: _Plan, values: dict[str, Any]) -> Any:
+    """The decoded struct, once its required fields are known to be there."""
+    for name in plan.required:
+        if name not in values:
+            raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
+    return cls(**values)
+
+
+# ---------------------------------------------------------------------------
 # Reading
 
 
@@ -131,12 +233,19 @@ class Reader:
     # The fewest bytes an element of each wire type takes (refuses counts
     # that cannot fit in what is left before anything is allocated).
     MIN_SIZE: ClassVar[dict[int, int]] = {}
+    # Wire types whose list elements all take the same bytes (a walk that
+    # only measures steps over many at once).
+    FIXED_SIZE: ClassVar[dict[int, int]] = {}
 
     def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
-        view = memoryview(buf)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        self.buf = view.toreadonly()
+        if type(buf) is memoryview and buf.readonly and buf.format == "B" and buf.ndim == 1:
+            self.buf = buf  # a frame's payload: already what we need
+        else:
+            view = memoryview(buf)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+            self.buf = view.toreadonly()
+        view = self.buf
         self.pos = 0
         self.end = len(view)
         self.stream = stream
@@ -169,11 +278,17 @@ class Reader:
         )
 
     def _check_count(self, count: int, elem_types: tuple[int, ...]) -> None:
+        least = 0
+        for t in elem_types:
+            least += self.MIN_SIZE.get(t, 1)
+        self._check_count_of(count, least)
+
+    def _check_count_of(self, count: int, least: int) -> None:
+        """Refuse ``count`` elements of at least ``least`` bytes each that cannot fit."""
         if count < 0:
             raise RemoteProtocolError(f"negative container size {count}")
-        least = count * sum(self.MIN_SIZE.get(t, 1) for t in elem_types)
         room = (self.limit if self.stream else self.end) - self.pos
-        if least > room:
+        if count * least > room:
             raise RemoteProtocolError(
                 f"container of {count} elements cannot fit in the {room} bytes left"
             )
@@ -244,25 +359,24 @@ class Reader:
 
     def read_struct(self, cls: Any) -> Any:
         """Decode a struct of the thriftpy2 class ``cls``."""
-        spec = cls.thrift_spec
+        plan = _PLANS.get(cls) or _plan(cls)
+        by_id = plan.by_id
         values: dict[str, Any] = {}
         self._struct_begin()
         while True:
             wire, fid = self._field_begin()
             if wire == TType.STOP:
                 break
-            field = spec.get(fid)
-            if field is None or _wire_type(field[0]) != wire:
+            field = by_id.get(fid)
+            if field is None or field[0] != wire:
                 self.skip(wire)  # a field of a newer IDL, or of another type
                 continue
-            values[field[1]] = self._read_value(field[0], _field_sub_spec(field))
+            values[field[1]] = self._read_value(field[2], field[3])
         self._struct_end()
-        for field in spec.values():
-            if field[-1] is True and field[1] not in values:
-                raise RemoteProtocolError(f"required field {cls.__name__}.{field[1]} is missing")
-        return cls(**values)
+        return _build(cls, plan, values)
 
     def _read_value(self, ttype: int, sub: Any) -> Any:
+        """Read a value of spec type ``ttype`` (``sub``: its normalised sub-spec)."""
         if ttype == TType.BINARY:
             return self._read_bytes_view()
         if ttype == TType.STRING:
@@ -288,9 +402,9 @@ class Reader:
         raise RemoteProtocolError(f"unsupported type {ttype}")
 
     def _read_list(self, ttype: int, sub: Any) -> Any:
-        etype, esub = _split_spec(sub)
+        etype, esub, ewire = sub
         wire, count = self._list_begin()
-        if count and wire != _wire_type(etype):
+        if count and wire != ewire:
             raise RemoteProtocolError(f"list of type {wire} where {etype} was expected")
         self._check_count(count, (wire,))
         self._enter()
@@ -299,9 +413,9 @@ class Reader:
         return set(items) if ttype == TType.SET else items
 
     def _read_map(self, sub: Any) -> dict:
-        (ktype, ksub), (vtype, vsub) = _split_spec(sub[0]), _split_spec(sub[1])
+        ktype, ksub, kwire_want, vtype, vsub, vwire_want = sub
         kwire, vwire, count = self._map_begin()
-        if count and (kwire != _wire_type(ktype) or vwire != _wire_type(vtype)):
+        if count and (kwire != kwire_want or vwire != vwire_want):
             raise RemoteProtocolError(f"map of types {kwire}, {vwire} is not the expected one")
         self._check_count(count, (kwire, vwire))
         self._enter()
@@ -371,6 +485,14 @@ class BinaryReader(Reader):
         TType.SET: 5,
         TType.MAP: 6,
     }
+    FIXED_SIZE: ClassVar[dict[int, int]] = {
+        TType.BOOL: 1,
+        TType.BYTE: 1,
+        TType.I16: 2,
+        TType.I32: 4,
+        TType.I64: 8,
+        TType.DOUBLE: 8,
+    }
 
     def read_message_begin(self) -> tuple[str, int, int]:
         word = _S_BIN_MSG.unpack_from(self.buf, self._take(4))[0]
@@ -395,22 +517,174 @@ class BinaryReader(Reader):
     def _map_begin(self) -> tuple[int, int, int]:
         return _S_MAP.unpack_from(self.buf, self._take(6))
 
+    # The primitives below are _take inlined: the same checks, in the same order.
+
     def _read_bool(self) -> bool:
-        return self.buf[self._take(1)] != 0
+        pos = self.pos
+        if pos + 1 > self.end:
+            self._overrun(1)
+        self.pos = pos + 1
+        return self.buf[pos] != 0
 
     def _read_i16(self) -> int:
-        return _S_I16.unpack_from(self.buf, self._take(2))[0]
+        pos = self.pos
+        if pos + 2 > self.end:
+            self._overrun(2)
+        self.pos = pos + 2
+        return _unpack_i16(self.buf, pos)[0]
 
     def _read_i32(self) -> int:
-        return _S_I32.unpack_from(self.buf, self._take(4))[0]
+        pos = self.pos
+        if pos + 4 > self.end:
+            self._overrun(4)
+        self.pos = pos + 4
+        return _unpack_i32(self.buf, pos)[0]
 
     def _read_i64(self) -> int:
-        return _S_I64.unpack_from(self.buf, self._take(8))[0]
+        pos = self.pos
+        if pos + 8 > self.end:
+            self._overrun(8)
+        self.pos = pos + 8
+        return _unpack_i64(self.buf, pos)[0]
 
     def _read_double(self) -> float:
-        return _S_DOUBLE.unpack_from(self.buf, self._take(8))[0]
+        pos = self.pos
+        if pos + 8 > self.end:
+            self._overrun(8)
+        self.pos = pos + 8
+        return _S_DOUBLE.unpack_from(self.buf, pos)[0]
 
     _read_length = _read_i32
+
+    def _read_bytes_view(self) -> memoryview:
+        pos = self.pos
+        end = self.end
+        if pos + 4 > end:
+            self._overrun(4)
+        n = _unpack_i32(self.buf, pos)[0]
+        self.pos = pos = pos + 4
+        if n < 0:
+            raise RemoteProtocolError(f"negative length {n} at byte {pos}")
+        if pos + n > end:
+            self._overrun(n)
+        self.pos = pos + n
+        return self.buf[pos : pos + n]
+
+    # -- the walk, specialised ---------------------------------------------------
+    #
+    # Reader's walk with the hot primitives inlined (field headers, strings,
+    # binaries, i32, i64): every bounds check is still made before the bytes
+    # are read, with self.pos where _take would have it, so running out
+    # raises what it raises anywhere else.
+
+    def read_struct(self, cls: Any) -> Any:
+        plan = _PLANS.get(cls) or _plan(cls)
+        by_id = plan.by_id
+        buf = self.buf
+        end = self.end
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+        values: dict[str, Any] = {}
+        pos = self.pos
+        while True:
+            if pos + 3 > end:  # room for a STOP only, or not even that
+                if pos < end and buf[pos] == _T_STOP:
+                    pos += 1
+                    break
+                self.pos = pos
+                self._overrun(1 if pos >= end else 3)
+            wire = buf[pos]
+            if wire == _T_STOP:
+                pos += 1
+                break
+            field = by_id.get(_unpack_i16(buf, pos + 1)[0])
+            pos += 3
+            if field is None or field[0] != wire:
+                # a field of a newer IDL, or of another type (as a signed byte)
+                self.pos = pos
+                self.skip(wire - 256 if wire > 127 else wire)
+                pos = self.pos
+                continue
+            ttype = field[2]
+            if ttype in _T_BYTES:
+                if pos + 4 > end:
+                    self.pos = pos
+                    self._overrun(4)
+                n = _unpack_i32(buf, pos)[0]
+                pos += 4
+                if n < 0:
+                    raise RemoteProtocolError(f"negative length {n} at byte {pos}")
+                if pos + n > end:
+                    self.pos = pos
+                    self._overrun(n)
+                if ttype == _T_BINARY:
+                    values[field[1]] = buf[pos : pos + n]
+                else:
+                    try:
+                        values[field[1]] = str(buf[pos : pos + n], "utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise RemoteProtocolError(f"string is not valid UTF-8: {exc}") from None
+                pos += n
+            elif ttype == _T_I64:
+                if pos + 8 > end:
+                    self.pos = pos
+                    self._overrun(8)
+                values[field[1]] = _unpack_i64(buf, pos)[0]
+                pos += 8
+            elif ttype == _T_I32:
+                if pos + 4 > end:
+                    self.pos = pos
+                    self._overrun(4)
+                values[field[1]] = _unpack_i32(buf, pos)[0]
+                pos += 4
+            elif ttype == _T_STRUCT:
+                self.pos = pos
+                values[field[1]] = self.read_struct(field[3])
+                pos = self.pos
+            elif ttype == _T_LIST:
+                self.pos = pos
+                values[field[1]] = self._read_list(ttype, field[3])
+                pos = self.pos
+            else:
+                self.pos = pos
+                values[field[1]] = self._read_value(ttype, field[3])
+                pos = self.pos
+        self.pos = pos
+        self.depth -= 1
+        for name in plan.required:
+            if name not in values:
+                raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
+        return cls(**values)
+
+    def _read_list(self, ttype: int, sub: Any) -> Any:
+        etype, esub, ewire = sub
+        pos = self.pos
+        if pos + 5 > self.end:
+            self._overrun(5)
+        wire, count = _S_LIST.unpack_from(self.buf, pos)
+        self.pos = pos + 5
+        if count and wire != ewire:
+            raise RemoteProtocolError(f"list of type {wire} where {etype} was expected")
+        self._check_count_of(count, self.MIN_SIZE.get(wire, 1))
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+        if not count:
+            items: list[Any] = []
+        elif etype == _T_STRUCT:
+            read_struct = self.read_struct
+            items = [read_struct(esub) for _ in range(count)]
+        elif etype == _T_I64:  # in one go (the count fits: checked above)
+            items = list(struct.unpack_from(f"!{count}q", self.buf, self._take(8 * count)))
+        elif etype == _T_STRING:
+            read_string = self._read_string
+            items = [read_string() for _ in range(count)]
+        else:
+            read_value = self._read_value
+            items = [read_value(etype, esub) for _ in range(count)]
+        self.depth -= 1
+        return set(items) if ttype == _T_SET else items
 
 
 # Compact protocol type ids and the TType each stands for.
@@ -452,6 +726,7 @@ class CompactReader(Reader):
 
     __slots__ = ("_bool", "_fid_stack", "_last_fid")
     MIN_SIZE: ClassVar[dict[int, int]] = {TType.DOUBLE: 8}
+    FIXED_SIZE: ClassVar[dict[int, int]] = {TType.BYTE: 1, TType.DOUBLE: 8}
 
     def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
         super().__init__(buf, stream=stream, limit=limit)
@@ -649,7 +924,8 @@ class StreamMeasure:
             return None
         finally:
             # Let the caller resize ``buf`` (a bytearray) whatever happened here.
-            reader.buf.release()
+            if reader.buf is not buf:
+                reader.buf.release()
 
     @staticmethod
     def _open(reader: Reader, wire: int) -> list[int | str] | None:
@@ -692,6 +968,14 @@ class StreamMeasure:
             if top[2] == 0:
                 stack.pop()
                 return
+            size = reader.FIXED_SIZE.get(top[1])
+            if size:
+                # Step over every element that has arrived (at least one:
+                # NeedData until it has). They were counted when the list opened.
+                n = min(top[2], max((reader.end - reader.pos) // size, 1))
+                reader._take(n * size)
+                top[2] -= n
+                return
             frame = self._open(reader, top[1])
             top[2] -= 1
         else:
@@ -715,17 +999,9 @@ def _as_bytes_view(value: Any) -> memoryview:
             view = view.cast("B")
         except TypeError as exc:
             raise LocalProtocolError(f"binary value must be a C-contiguous buffer: {exc}") from None
+    elif not view.c_contiguous:
+        raise LocalProtocolError("binary value must be a C-contiguous buffer")
     return view
-
-
-_FIELD_ORDER: dict[Any, list[tuple[int, tuple]]] = {}
-
-
-def _fields(cls: Any) -> list[tuple[int, tuple]]:
-    order = _FIELD_ORDER.get(cls)
-    if order is None:
-        order = _FIELD_ORDER[cls] = sorted(cls.thrift_spec.items())
-    return order
 
 
 class Writer:
@@ -790,21 +1066,22 @@ class Writer:
 
     def write_struct(self, obj: Any) -> None:
         cls = type(obj)
+        plan = _PLANS.get(cls) or _plan(cls)
         self._struct_begin()
-        for fid, field in _fields(cls):
-            value = getattr(obj, field[1], None)
+        for name, fid, ttype, sub, required, _ in plan.in_order:
+            value = getattr(obj, name, None)
             if value is None:
-                if field[-1] is True:
-                    raise LocalProtocolError(f"required field {cls.__name__}.{field[1]} is missing")
+                if required:
+                    raise LocalProtocolError(f"required field {cls.__name__}.{name} is missing")
                 continue
-            ttype = field[0]
             if not self._field_begin(ttype, fid, value):
-                self._write_value(ttype, _field_sub_spec(field), value)
+                self._write_value(ttype, sub, value)
         self._field_stop()
         self._struct_end()
 
     def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
-        if ttype == TType.BINARY or ttype == TType.STRING:
+        """Write a value of spec type ``ttype`` (``sub``: its normalised sub-spec)."""
+        if ttype in _T_BYTES:
             if isinstance(value, str):
                 value = value.encode("utf-8")
             view = _as_bytes_view(value)
@@ -812,17 +1089,17 @@ class Writer:
                 raise LocalProtocolError(f"a value of {len(view)} bytes exceeds Thrift's 2 GiB")
             self._write_length(len(view))
             self._write_view(view)
-        elif ttype == TType.STRUCT:
+        elif ttype == _T_STRUCT:
             self.write_struct(value)
-        elif ttype == TType.LIST or ttype == TType.SET:
-            etype, esub = _split_spec(sub)
+        elif ttype in _T_SEQUENCES:
+            etype, esub, ewire = sub
             items = list(value)
-            self._list_begin(_wire_type(etype), len(items))
+            self._list_begin(ewire, len(items))
             for item in items:
                 self._write_value(etype, esub, item)
-        elif ttype == TType.MAP:
-            (ktype, ksub), (vtype, vsub) = _split_spec(sub[0]), _split_spec(sub[1])
-            self._map_begin(_wire_type(ktype), _wire_type(vtype), len(value))
+        elif ttype == _T_MAP:
+            ktype, ksub, kwire, vtype, vsub, vwire = sub
+            self._map_begin(kwire, vwire, len(value))
             for key, item in value.items():
                 self._write_value(ktype, ksub, key)
                 self._write_value(vtype, vsub, item)
@@ -830,13 +1107,28 @@ class Writer:
             self._write_scalar(ttype, value)
 
 
+# Binary message headers up to the seqid, by (name, message type); bounded,
+# as error replies echo names that clients made up.
+_BIN_MSG_PREFIX: dict[tuple[str, int], bytes] = {}
+_BIN_MSG_PREFIX_MAX = 256
+
+
 class BinaryWriter(Writer):
     __slots__ = ()
 
     def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
-        self.out += _S_BIN_MSG.pack(_BINARY_VERSION | mtype)
-        self._write_value(TType.STRING, None, name)
-        self.out += _S_I32.pack(seqid)
+        key = (name, mtype)
+        prefix = _BIN_MSG_PREFIX.get(key)
+        if prefix is None:
+            self.out += _S_BIN_MSG.pack(_BINARY_VERSION | mtype)
+            self._write_value(TType.STRING, None, name)
+            if len(_BIN_MSG_PREFIX) < _BIN_MSG_PREFIX_MAX and isinstance(name, str):
+                written = len(self.out)
+                size = 8 + len(name.encode("utf-8"))
+                _BIN_MSG_PREFIX[key] = bytes(self.out[written - size :])
+        else:
+            self.out += prefix
+        self.out += _pack_i32(seqid)
 
     def _field_begin(self, ttype: int, fid: int, value: Any) -> bool:
         self.out += _S_FIELD.pack(_wire_type(ttype), fid)
@@ -852,13 +1144,13 @@ class BinaryWriter(Writer):
         self.out += _S_MAP.pack(ktype, vtype, count)
 
     def _write_length(self, n: int) -> None:
-        self.out += _S_I32.pack(n)
+        self.out += _pack_i32(n)
 
     def _write_scalar(self, ttype: int, value: Any) -> None:
         if ttype == TType.I32:
-            self.out += _S_I32.pack(value)
+            self.out += _pack_i32(value)
         elif ttype == TType.I64:
-            self.out += _S_I64.pack(value)
+            self.out += _pack_i64(value)
         elif ttype == TType.BOOL:
             self.out.append(1 if value else 0)
         elif ttype == TType.BYTE:
@@ -869,6 +1161,93 @@ class BinaryWriter(Writer):
             self.out += _S_DOUBLE.pack(value)
         else:
             raise LocalProtocolError(f"unsupported type {ttype}")
+
+    # -- the walk, specialised ---------------------------------------------------
+    #
+    # Writer's walk with field headers packed once per class and the hot
+    # values (strings, binaries, i32, i64, lists of i64) inlined. A binary of
+    # ZERO_COPY_MIN_BYTES or more still goes by reference (_write_view), which
+    # starts a new ``out``: hence ``out = self.out`` after anything that may.
+
+    def _write_bytes(self, value: Any) -> None:
+        if isinstance(value, str):
+            value = value.encode("utf-8")
+        if type(value) is not bytes:
+            value = _as_bytes_view(value)
+        n = len(value)
+        if n >= ZERO_COPY_MIN_BYTES:
+            if n > MAX_I32:
+                raise LocalProtocolError(f"a value of {n} bytes exceeds Thrift's 2 GiB")
+            self.out += _pack_i32(n)
+            self._write_view(value if type(value) is memoryview else memoryview(value))
+        else:
+            out = self.out
+            out += _pack_i32(n)
+            out += value
+
+    def write_struct(self, obj: Any) -> None:
+        cls = type(obj)
+        plan = _PLANS.get(cls) or _plan(cls)
+        out = self.out
+        for name, _, ttype, sub, required, header in plan.in_order:
+            value = getattr(obj, name, None)
+            if value is None:
+                if required:
+                    raise LocalProtocolError(f"required field {cls.__name__}.{name} is missing")
+                continue
+            if header is None:
+                raise LocalProtocolError(f"field {cls.__name__}.{name}: no binary field header")
+            out += header
+            if ttype in _T_BYTES:
+                if type(value) is bytes and len(value) < ZERO_COPY_MIN_BYTES:
+                    out += _pack_i32(len(value))
+                    out += value
+                else:
+                    self._write_bytes(value)
+                    out = self.out
+            elif ttype == _T_I64:
+                out += _pack_i64(value)
+            elif ttype == _T_I32:
+                out += _pack_i32(value)
+            else:
+                self._write_value(ttype, sub, value)
+                out = self.out
+        out.append(_T_STOP)
+
+    def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
+        if ttype in _T_BYTES:
+            self._write_bytes(value)
+        elif ttype == _T_STRUCT:
+            self.write_struct(value)
+        elif ttype in _T_SEQUENCES:
+            etype, esub, ewire = sub
+            items = value if type(value) is list else list(value)
+            count = len(items)
+            if etype == _T_I64 and count:
+                self.out += struct.pack(f"!bi{count}q", ewire, count, *items)
+                return
+            self.out += _S_LIST.pack(ewire, count)
+            if etype == _T_STRUCT:
+                write_struct = self.write_struct
+                for item in items:
+                    write_struct(item)
+            elif etype in _T_BYTES:
+                write_bytes = self._write_bytes
+                for item in items:
+                    write_bytes(item)
+            else:
+                write_value = self._write_value
+                for item in items:
+                    write_value(etype, esub, item)
+        elif ttype == _T_MAP:
+            ktype, ksub, kwire, vtype, vsub, vwire = sub
+            self.out += _S_MAP.pack(kwire, vwire, len(value))
+            write_value = self._write_value
+            for key, item in value.items():
+                write_value(ktype, ksub, key)
+                write_value(vtype, vsub, item)
+        else:
+            self._write_scalar(ttype, value)
 
 
 def _varint(n: int) -> bytes:
@@ -975,12 +1354,14 @@ def encode_message(
     """Encode one message; answer (buffers for ``writelines``, total bytes).
 
     Large ``binary`` values are in the list by reference: they must not change
-    until the buffers are written.
+    until the buffers are written. A message without any is one buffer.
 
     Raises:
         LocalProtocolError: a value the protocol cannot carry.
     """
     writer = _WRITERS[protocol]()
+    if framed:
+        writer.out += b"\0\0\0\0"  # the frame's length, known at the end
     try:
         writer.write_message_begin(name, mtype, seqid)
         writer.write_struct(body)
@@ -990,8 +1371,7 @@ def encode_message(
         raise LocalProtocolError(f"cannot encode {name}: {exc}") from None
     parts, size = writer.getvalue()
     if framed:
-        if size > MAX_I32:
-            raise LocalProtocolError(f"message of {size} bytes exceeds Thrift's 2 GiB frame")
-        parts.insert(0, _S_I32.pack(size))
-        size += 4
+        if size - 4 > MAX_I32:
+            raise LocalProtocolError(f"message of {size - 4} bytes exceeds Thrift's 2 GiB frame")
+        _S_I32.pack_into(parts[0], 0, size - 4)  # parts[0] starts with the 4 bytes
     return parts, size

@@ -1,0 +1,389 @@
+"""Prometheus metrics for a node: ``Node(metrics_port=...)``, ``aioparamsync-node --metrics-port``.
+
+Needs the ``prometheus-client`` package (``pip install 'aioparamsync[metrics]'``);
+it is imported only when a node's metrics are enabled, so ``import aioparamsync``
+never loads it.
+
+Theory of operation. Each node has its own ``CollectorRegistry`` (never the
+process-wide default one, so several nodes in one process do not clash), with
+one custom collector that reads, at scrape time, what the node counts anyway:
+the server's ``counters`` and open connections, the store's ``statistics()``
+and each peer link's state and counters. The only thing measured for metrics
+alone is each call's latency: while :attr:`Server.call_observer` is set, the
+server stamps a call with ``time.perf_counter()`` as it dispatches it and, as
+the call is settled, hands ``(method, seconds, error)`` to :class:`CallStats`,
+which keeps per-method histograms and error counts in plain lists and
+counters (a few hundred nanoseconds a call; nothing at all when metrics are
+off but one attribute test).
+
+The endpoint is ``prometheus_client``'s own HTTP server, whose thread (and one
+thread per scrape) runs off the event loop, so a scrape never delays a call.
+The collector therefore reads the node's state from another thread: every read
+is a single attribute, ``len()``, ``dict.get`` or copy of a list or dict, each
+atomic under the GIL, so a scrape never sees a half-changed structure, though
+its values may come from slightly different moments.
+
+Metrics (every name starts with ``aioparamsync_``):
+
+- calls: ``requests_total{method}`` (calls answered, or failed),
+  ``request_duration_seconds{method}`` (histogram, from dispatch to the reply
+  being ready, including a read's wait for the writes before it),
+  ``request_errors_total{method,code}`` (refused with an ``ErrorCode``; a
+  call past ``request_timeout`` counts as ``UNAVAILABLE``),
+  ``internal_errors_total{method}`` (failed otherwise, or cancelled at
+  shutdown);
+- the server: ``messages_received_total`` (every whole message read, valid
+  or not; bytes that are not even one are a protocol error),
+  ``errors_total`` (every error reply, unknown methods included),
+  ``protocol_errors_total``, ``request_timeouts_total``,
+  ``received_bytes_total``, ``sent_bytes_total``, ``open_connections``,
+  ``connections_opened_total``, ``connections_refused_total``,
+  ``connections_idle_closed_total``;
+- the store: ``parameters``, ``parameter_bytes``, ``pending_updates``,
+  ``batches_total``, ``updates_applied_total``, ``updates_refused_total``;
+- each peer (label ``peer``, its ``host:port``): ``peer_outbox_depth``,
+  ``peer_updates_sent_total``, ``peer_updates_coalesced_total``,
+  ``peer_send_failures_total``, ``peer_repaired_total``,
+  ``peer_lag_seconds`` (how long the oldest update waiting for it has
+  waited), ``peer_state{peer,state}`` (1 for its state, 0 for the others),
+  ``peer_info{peer,node_id}``;
+- ``node_info{node_id,version}``, and the ``process_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .errors import ErrorCode, RequestError
+from .wire import method, thrift
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.registry import CollectorRegistry
+
+    from .node import Node
+
+__all__ = ["LATENCY_BUCKETS", "CallStats", "MetricsBindError", "NodeMetrics"]
+
+log = logging.getLogger(__name__)
+
+# Upper bounds of the latency histograms' buckets (seconds).
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# Every state a peer link can be in (see PeerLink).
+PEER_STATES = ("connecting", "up", "backoff")
+PREFIX = "aioparamsync_"
+
+MISSING = (
+    "metrics need the prometheus-client package: pip install 'aioparamsync[metrics]' "
+    "(or pip install prometheus-client)"
+)
+
+
+class MetricsBindError(OSError):
+    """The metrics endpoint cannot listen on its address (e.g. the port is in use)."""
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _MethodStats:
+    __slots__ = ("counts", "seconds")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets  # per bucket, not cumulative; the last is +Inf
+        self.seconds = 0.0
+
+
+class CallStats:
+    """Per-method call latencies and errors, fed by the server's call observer.
+
+    Written only from the event loop's thread (:meth:`observe`); read from any
+    (:meth:`snapshot`).
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(sorted(buckets))
+        self.methods: dict[str, _MethodStats] = {}
+        self.request_errors: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.internal_errors: collections.Counter[str] = collections.Counter()
+        # Every method of the IDL, from 0: rates work from the first scrape.
+        for name in thrift.ParameterSyncService.thrift_services:
+            if method(name) is not None:
+                self.methods[name] = _MethodStats(len(self.bounds) + 1)
+
+    def observe(self, name: str, seconds: float, exc: BaseException | None) -> None:
+        """One call of ``name`` took ``seconds`` and failed with ``exc`` (None: it succeeded)."""
+        stats = self.methods.get(name)
+        if stats is None:
+            stats = self.methods[name] = _MethodStats(len(self.bounds) + 1)
+        stats.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        stats.seconds += seconds
+        if exc is not None:
+            if isinstance(exc, RequestError):
+                code = exc.code.name if isinstance(exc.code, ErrorCode) else str(exc.code)
+                self.request_errors[name, code] += 1
+            else:
+                self.internal_errors[name] += 1
+
+    def snapshot(
+        self,
+    ) -> tuple[list[tuple[str, list[int], float]], dict[tuple[str, str], int], dict[str, int]]:
+        """(method, counts per bucket, seconds in all) of each method; the errors by kind."""
+        methods = [(name, list(s.counts), s.seconds) for name, s in list(self.methods.items())]
+        return methods, dict(self.request_errors), dict(self.internal_errors)
+
+
+class _NodeCollector:
+    """Reads a node's live counters at scrape time (see the module's docstring)."""
+
+    def __init__(self, node: Node, calls: CallStats) -> None:
+        self.node = node
+        self.calls = calls
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check for clashes: the registry is this node's alone
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            InfoMetricFamily,
+        )
+        from prometheus_client.utils import floatToGoString
+
+        node = self.node
+
+        def counter(name: str, doc: str, value: float) -> Any:
+            return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> Any:
+            return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+        info = InfoMetricFamily(PREFIX + "node", "This node.")
+        info.add_metric([], {"node_id": node.node_id, "version": __version__})
+        yield info
+
+        # -- calls ------------------------------------------------------------------
+        methods, request_errors, internal_errors = self.calls.snapshot()
+        requests = CounterMetricFamily(
+            PREFIX + "requests", "Calls answered (or failed), by method.", labels=["method"]
+        )
+        latency = HistogramMetricFamily(
+            PREFIX + "request_duration_seconds",
+            "Seconds from a call's dispatch to its reply being ready, by method.",
+            labels=["method"],
+        )
+        bounds = [*map(floatToGoString, self.calls.bounds), "+Inf"]
+        for name, counts, seconds in methods:
+            cumulative, buckets = 0, []
+            for le, n in zip(bounds, counts, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            requests.add_metric([name], cumulative)
+            latency.add_metric([name], buckets, sum_value=seconds)
+        yield requests
+        yield latency
+        refused = CounterMetricFamily(
+            PREFIX + "request_errors",
+            "Calls refused with an error code (ParameterError), by method and code.",
+            labels=["method", "code"],
+        )
+        for (name, code), n in sorted(request_errors.items()):
+            refused.add_metric([name, code], n)
+        yield refused
+        failed = CounterMetricFamily(
+            PREFIX + "internal_errors",
+            "Calls that failed in the node (or were cancelled at shutdown), by method.",
+            labels=["method"],
+        )
+        for name, n in sorted(internal_errors.items()):
+            failed.add_metric([name], n)
+        yield failed
+
+        # -- the server -------------------------------------------------------------
+        server = node.server
+        c = server.counters
+        yield counter(
+            "messages_received", "Whole messages received, valid or not.", c.get("requests", 0)
+        )
+        yield counter(
+            "errors", "Error replies (every kind, unknown methods included).", c.get("errors", 0)
+        )
+        yield counter(
+            "protocol_errors",
+            "Bytes that were not valid messages (each closes its connection).",
+            c.get("protocol_errors", 0),
+        )
+        yield counter(
+            "request_timeouts",
+            "Calls not answered within the request timeout.",
+            c.get("timeouts", 0),
+        )
+        yield counter("received_bytes", "Bytes received from clients.", c.get("bytes_in", 0))
+        yield counter("sent_bytes", "Bytes of replies sent to clients.", c.get("bytes_out", 0))
+        yield gauge("open_connections", "Client connections open.", len(server.connections))
+        yield counter(
+            "connections_opened", "Client connections accepted.", c.get("connections_total", 0)
+        )
+        yield counter(
+            "connections_refused",
+            "Client connections refused (max connections).",
+            c.get("connections_refused", 0),
+        )
+        yield counter(
+            "connections_idle_closed",
+            "Client connections closed for idleness.",
+            c.get("idle_closed", 0),
+        )
+
+        # -- the store --------------------------------------------------------------
+        s = node.store.statistics()
+        yield gauge("parameters", "Parameters held.", s["parameters"])
+        yield gauge("parameter_bytes", "Bytes of parameter data held.", s["parameter_bytes"])
+        yield gauge("pending_updates", "Updates waiting for the store's writer.", s["pending"])
+        yield counter("batches", "Batches of updates the writer applied.", s["batches"])
+        yield counter("updates_applied", "Updates applied.", s["updates_applied"])
+        yield counter("updates_refused", "Updates refused.", s["updates_refused"])
+
+        # -- the peers --------------------------------------------------------------
+        labels = ["peer"]
+        depth = GaugeMetricFamily(
+            PREFIX + "peer_outbox_depth",
+            "Parameters waiting to be sent to the peer.",
+            labels=labels,
+        )
+        sent = CounterMetricFamily(
+            PREFIX + "peer_updates_sent", "Parameters sent to the peer.", labels=labels
+        )
+        coalesced = CounterMetricFamily(
+            PREFIX + "peer_updates_coalesced",
+            "Parameter updates replaced in the outbox by a newer one before being sent.",
+            labels=labels,
+        )
+        failures = CounterMetricFamily(
+            PREFIX + "peer_send_failures", "Failed sends to the peer.", labels=labels
+        )
+        repaired = CounterMetricFamily(
+            PREFIX + "peer_repaired", "Parameters pulled from the peer by repair.", labels=labels
+        )
+        lag = GaugeMetricFamily(
+            PREFIX + "peer_lag_seconds",
+            "How long the oldest update waiting for the peer has waited (replication lag).",
+            labels=labels,
+        )
+        state = GaugeMetricFamily(
+            PREFIX + "peer_state",
+            "The link's state: 1 for the one it is in.",
+            labels=["peer", "state"],
+        )
+        peer_info = InfoMetricFamily(PREFIX + "peer", "Each peer's node id.", labels=labels)
+        for link in list(node.cluster.links.values()):
+            peer = [link.address]
+            depth.add_metric(peer, len(link.outbox))
+            sent.add_metric(peer, link.updates_sent)
+            coalesced.add_metric(peer, link.updates_coalesced)
+            failures.add_metric(peer, link.send_failures)
+            repaired.add_metric(peer, link.repaired)
+            try:
+                seconds_behind = link.lag
+            except TypeError:  # its outbox drained between lag's two reads of its start
+                seconds_behind = 0.0
+            lag.add_metric(peer, seconds_behind)
+            current = link.state
+            for name in dict.fromkeys((*PEER_STATES, current)):
+                state.add_metric([link.address, name], 1.0 if name == current else 0.0)
+            peer_info.add_metric(peer, {"node_id": link.node_id})
+        yield from (depth, sent, coalesced, failures, repaired, lag, state, peer_info)
+
+
+class NodeMetrics:
+    """A node's metrics: its registry, the call statistics and the HTTP endpoint.
+
+    Creating it hooks :class:`CallStats` into the node's server.
+
+    Raises:
+        ImportError: ``prometheus-client`` is not installed.
+    """
+
+    def __init__(self, node: Node) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, ProcessCollector
+        except ImportError as exc:
+            raise ImportError(MISSING, name="prometheus_client") from exc
+        self.calls = CallStats()
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_NodeCollector(node, self.calls))
+        ProcessCollector(registry=self.registry)
+        node.server.call_observer = self.calls.observe
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) the endpoint listens on; None when it does not."""
+        if self._httpd is None:
+            return None
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
+
+    def start(self, host: str, port: int) -> None:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread.
+
+        Raises:
+            MetricsBindError: the address cannot be listened on.
+        """
+        from prometheus_client import start_http_server
+
+        try:
+            # prometheus-client >= 0.20 answers the server and its thread.
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            error = MetricsBindError(
+                f"cannot serve metrics on {_hostport(host, port)}: {exc.strerror or exc}"
+            )
+            error.errno = exc.errno
+            raise error from exc
+        assert self.address is not None
+        log.info("metrics on http://%s/metrics", _hostport(*self.address))
+
+    async def close(self) -> None:
+        """Stop the endpoint and release its port (the call statistics stay)."""
+        httpd, thread = self._httpd, self._thread
+        self._httpd = self._thread = None
+        if httpd is None:
+            return
+
+        def stop() -> None:
+            httpd.shutdown()  # waits for serve_forever's next poll (<= 0.5 s)
+            httpd.server_close()
+            if thread is not None:
+                thread.join()
+
+        await asyncio.to_thread(stop)

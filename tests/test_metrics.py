@@ -1,0 +1,338 @@
+"""Prometheus metrics: ``Node(metrics_port=...)`` and ``aioparamsync-node --metrics-port``.
+
+Every node listens on 127.0.0.1 with ports from port 0; each scrape is a real
+HTTP GET (urllib, in a thread) parsed with prometheus_client's own parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import LOOPBACK, LocalCluster, ProcessCluster, eventually
+from prometheus_client.parser import text_string_to_metric_families
+
+from aioparamsync import (
+    ErrorCode,
+    Node,
+    ParameterClient,
+    ParameterRequest,
+    RequestError,
+    __version__,
+    to_parameter,
+)
+from aioparamsync.metrics import LATENCY_BUCKETS, CallStats, MetricsBindError
+
+pytestmark = pytest.mark.timeout(60)
+
+METRICS_LINE = re.compile(r"metrics on http://(?P<host>[^\s/]+):(?P<port>\d+)/metrics")
+
+# (sample name, sorted label items) -> value
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _get(url: str) -> tuple[str, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+async def scrape(address: tuple[str, int]) -> Samples:
+    """GET /metrics; answer every sample."""
+    content_type, text = await asyncio.to_thread(_get, f"http://{address[0]}:{address[1]}/metrics")
+    assert content_type.startswith("text/plain"), content_type
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (f"aioparamsync_{name}", tuple(sorted(labels.items())))
+    assert key in samples, f"no {key} in {sorted(k for k in samples if name in k[0])}"
+    return samples[key]
+
+
+def free_listener() -> socket.socket:
+    """A socket listening on 127.0.0.1 and a port of its own (the caller closes it)."""
+    s = socket.socket()
+    s.bind((LOOPBACK, 0))
+    s.listen()
+    return s
+
+
+async def protocol_error(address: tuple[str, int]) -> None:
+    """Send bytes that are no Thrift message; read until the node closes the connection."""
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    async with asyncio.timeout(10):
+        while await reader.read(65536):
+            pass
+    writer.close()
+    await writer.wait_closed()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[LocalCluster]:
+    c = LocalCluster()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalCluster) -> None:
+    node = await cluster.start(metrics_port=0)
+    assert node.metrics_address is not None
+    host, port = node.metrics_address
+    assert host == LOOPBACK and port not in (0, node.port)
+
+    async with ParameterClient(node.address, timeout=15) as client:
+        await client.update_arrays({"w": np.zeros((3, 4), np.float32)})  # push_parameters
+        await client.update_arrays({"b": np.ones(5, np.float64)})
+        await client.get_arrays(["w", "b"])  # pull_parameters
+        await client.call("get_parameters", request=ParameterRequest(param_names=["w"]))
+        bad = to_parameter("w", np.zeros(3, np.float32))
+        bad.shape = [4]
+        with pytest.raises(RequestError) as refused:
+            await client.update_parameters([bad])
+        assert refused.value.code == ErrorCode.SHAPE_MISMATCH
+        await protocol_error(node.address)
+
+        async def garbage_connection_gone() -> Samples:
+            samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
+            assert value(samples, "open_connections") == 1  # the client's
+            return samples
+
+        samples = await eventually(garbage_connection_gone)
+
+        assert value(samples, "requests_total", method="push_parameters") == 3
+        assert value(samples, "requests_total", method="pull_parameters") == 1
+        assert value(samples, "requests_total", method="get_parameters") == 1
+        assert value(samples, "requests_total", method="ping") == 0  # every method, from 0
+        hist = "request_duration_seconds"
+        assert value(samples, f"{hist}_count", method="push_parameters") == 3
+        assert value(samples, f"{hist}_bucket", method="push_parameters", le="+Inf") == 3
+        assert value(samples, f"{hist}_sum", method="push_parameters") > 0
+        buckets = [
+            value(samples, f"{hist}_bucket", method="push_parameters", le=str(b))
+            for b in LATENCY_BUCKETS
+        ]
+        assert buckets == sorted(buckets)  # cumulative
+        assert (
+            value(samples, "request_errors_total", method="push_parameters", code="SHAPE_MISMATCH")
+            == 1
+        )
+        assert value(samples, "errors_total") == 1
+        assert value(samples, "protocol_errors_total") == 1
+        assert value(samples, "request_timeouts_total") == 0
+        # The 5 calls; the garbage was no message (not even a frame): a protocol error.
+        assert value(samples, "messages_received_total") == 5
+        assert value(samples, "connections_opened_total") == 2
+
+        server = node.server.counters
+        assert value(samples, "received_bytes_total") == server["bytes_in"] > 0
+        # The scrape came after the last reply; the protocol error's reply is not counted.
+        assert value(samples, "sent_bytes_total") == server["bytes_out"] > 0
+
+        assert value(samples, "parameters") == 2
+        assert value(samples, "parameter_bytes") == 3 * 4 * 4 + 5 * 8
+        assert value(samples, "pending_updates") == 0
+        assert value(samples, "updates_applied_total") == 2
+        assert value(samples, "batches_total") >= 1
+        assert value(samples, "node_info", node_id=node.node_id, version=__version__) == 1
+        assert any(name == "process_cpu_seconds_total" for name, _ in samples)
+        assert not any(name.startswith("aioparamsync_peer") for name, _ in samples)
+
+
+async def test_two_nodes_show_their_peer_links(cluster: LocalCluster) -> None:
+    a = await cluster.start(metrics_port=0)
+    b = await cluster.start(peers=[a], metrics_port=0)
+    await cluster.formed([a, b])
+    assert a.metrics_address != b.metrics_address  # one registry and endpoint each
+    async with ParameterClient(a.address, timeout=15) as client:
+        for i in range(3):
+            await client.update_arrays({"w": np.full(4, i, np.float32)})
+    await cluster.converged([a, b])
+    b_address = f"{b.host}:{b.port}"
+
+    async def sent_all() -> Samples:
+        samples = await scrape(a.metrics_address)  # type: ignore[arg-type]
+        sent = value(samples, "peer_updates_sent_total", peer=b_address)
+        coalesced = value(samples, "peer_updates_coalesced_total", peer=b_address)
+        assert sent + coalesced == 3, (sent, coalesced)
+        return samples
+
+    samples = await eventually(sent_all)
+    assert value(samples, "peer_outbox_depth", peer=b_address) == 0
+    assert value(samples, "peer_lag_seconds", peer=b_address) == 0
+    assert value(samples, "peer_send_failures_total", peer=b_address) == 0
+    assert value(samples, "peer_state", peer=b_address, state="up") == 1
+    assert value(samples, "peer_state", peer=b_address, state="backoff") == 0
+    assert value(samples, "peer_info", peer=b_address, node_id=b.node_id) == 1
+    assert "peer_repaired_total" in {n.removeprefix("aioparamsync_") for n, _ in samples}
+
+    # B replicated what A sent: its store shows it, and it counted A's broadcasts.
+    samples_b = await scrape(b.metrics_address)  # type: ignore[arg-type]
+    assert value(samples_b, "parameters") == 1
+    assert value(samples_b, "requests_total", method="broadcast_update") >= 1
+    a_address = f"{a.host}:{a.port}"
+    assert value(samples_b, "peer_state", peer=a_address, state="up") == 1
+
+
+async def test_stop_releases_the_port_and_metrics_off_costs_no_hook(
+    cluster: LocalCluster,
+) -> None:
+    plain = await cluster.start()
+    assert plain.metrics_address is None and plain.metrics is None
+    assert plain.server.call_observer is None
+
+    node = await cluster.start(metrics_port=0)
+    address = node.metrics_address
+    assert address is not None
+    await scrape(address)
+    await cluster.stop(node)
+    assert node.metrics_address is None
+    with socket.socket() as s:  # free again at once (for a server, as it reuses addresses)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+        s.listen()
+    with pytest.raises(OSError):
+        await scrape(address)
+
+
+async def test_a_metrics_port_in_use_fails_the_start_cleanly() -> None:
+    with free_listener() as busy:
+        port = busy.getsockname()[1]
+        node = Node(LOOPBACK, 0, metrics_port=port)
+        with pytest.raises(MetricsBindError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}"):
+            await node.start()
+        assert isinstance(MetricsBindError(), OSError)
+        assert node.metrics is None and node._writer is None
+        with pytest.raises(AssertionError):
+            _ = node.address  # it never listened
+
+
+async def test_metrics_without_prometheus_client_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    node = Node(LOOPBACK, 0, metrics_port=0)
+    with pytest.raises(ImportError, match=r"pip install 'aioparamsync\[metrics\]'"):
+        await node.start()
+
+
+def test_call_stats_buckets_and_error_kinds() -> None:
+    stats = CallStats(buckets=(0.001, 0.01))
+    stats.observe("ping", 0.0005, None)
+    stats.observe("ping", 0.001, None)  # on a bound: le="0.001"
+    stats.observe("ping", 0.5, None)
+    stats.observe("push_parameters", 0.002, RequestError(ErrorCode.LIMIT_EXCEEDED, "too big"))
+    stats.observe("push_parameters", 0.002, RequestError(99, "a newer node's code"))
+    stats.observe("info", 0.002, RuntimeError("boom"))
+    stats.observe("info", 0.002, asyncio.CancelledError())
+    methods, request_errors, internal_errors = stats.snapshot()
+    by_name = {name: (counts, seconds) for name, counts, seconds in methods}
+    assert by_name["ping"][0] == [2, 0, 1]
+    assert by_name["ping"][1] == pytest.approx(0.5015)
+    assert by_name["digest"] == ([0, 0, 0], 0.0)  # every method of the IDL
+    assert request_errors == {
+        ("push_parameters", "LIMIT_EXCEEDED"): 1,
+        ("push_parameters", "99"): 1,
+    }
+    assert internal_errors == {"info": 2}
+
+
+def test_importing_the_package_does_not_import_prometheus_client() -> None:
+    check = "import aioparamsync, sys; assert 'prometheus_client' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
+    check = (
+        "import aioparamsync.cli, aioparamsync.metrics, sys;"
+        " assert 'prometheus_client' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=60)
+
+
+# -- the CLI, as a process -----------------------------------------------------------------
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[ProcessCluster]:
+    c = ProcessCluster()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_the_cli_serves_metrics(processes: ProcessCluster) -> None:
+    node = await processes.spawn(extra=["--metrics-port", "0"])
+    # The listening line is unchanged (the spawn parsed it); the endpoint is logged.
+    assert len(node.stdout_lines) == 1
+
+    def logged() -> tuple[str, int]:
+        match = METRICS_LINE.search(node.stderr)
+        assert match, node.stderr
+        return match["host"], int(match["port"])
+
+    address: Any = await eventually(logged)
+    assert address[0] == LOOPBACK and address[1] != node.port
+    async with node.client() as client:
+        await client.update_arrays({"w": np.ones(8, np.float32)})
+        await client.ping()
+    samples = await scrape(address)
+    assert value(samples, "requests_total", method="push_parameters") == 1
+    assert value(samples, "requests_total", method="ping") == 1
+    assert value(samples, "parameters") == 1
+    assert value(samples, "parameter_bytes") == 32
+    assert value(samples, "node_info", node_id=node.node_id, version=__version__) == 1
+    node.signal(signal.SIGTERM)
+    async with asyncio.timeout(15):
+        assert await node.proc.wait() == 0
+
+
+def test_the_cli_with_a_metrics_port_in_use_exits_1() -> None:
+    with free_listener() as busy:
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "aioparamsync", "--port", "0", "--metrics-port", str(port)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1, result
+    assert result.stdout == ""  # it never said it listens
+    assert f"aioparamsync-node: cannot serve metrics on 127.0.0.1:{port}:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_cli_without_prometheus_client_exits_1() -> None:
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None;"
+        "from aioparamsync.cli import main;"
+        "sys.exit(main(['--port', '0', '--metrics-port', '0']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result
+    assert result.stdout == ""
+    assert "--metrics-port: metrics need the prometheus-client package" in result.stderr
+    assert "Traceback" not in result.stderr
