@@ -66,17 +66,6 @@ def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
     return members
 
 
-def _to_wire(entry: Entry) -> Any:
-    return thrift.Parameter(
-        name=entry.name,
-        data=entry.data,
-        version=entry.version,
-        dtype=entry.dtype,
-        shape=list(entry.shape) if entry.shape is not None else None,
-        origin=entry.origin,
-    )
-
-
 def _batches(items: Iterable[Any], nbytes: Any) -> Iterable[list[Any]]:
     """Cut ``items`` into lists of at most BATCH_PARAMS items and about BATCH_BYTES bytes."""
     batch: list[Any] = []
@@ -286,7 +275,7 @@ class PeerLink:
         batches = list(_batches(taken.values(), lambda e: e.nbytes))
         for i, batch in enumerate(batches):
             update = thrift.ParameterUpdate(
-                params=[_to_wire(e) for e in batch], timestamp=timestamp
+                params=[e.to_parameter() for e in batch], timestamp=timestamp
             )
             try:
                 await client.call("broadcast_update", update=update)

@@ -114,17 +114,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _to_wire(entry: Entry) -> Any:
-    return thrift.Parameter(
-        name=entry.name,
-        data=entry.data,
-        version=entry.version,
-        dtype=entry.dtype,
-        shape=list(entry.shape) if entry.shape is not None else None,
-        origin=entry.origin,
-    )
-
-
 class DataDir:
     """A node's data directory: its log and snapshots.
 
@@ -365,7 +354,9 @@ class DataDir:
         """Write one record of ``entries`` (call from a worker thread for large ones)."""
         assert self._fd is not None, "recover() opens the log"
         writer = BinaryWriter()
-        update = thrift.ParameterUpdate(params=[_to_wire(e) for e in entries], timestamp=timestamp)
+        update = thrift.ParameterUpdate(
+            params=[e.to_parameter() for e in entries], timestamp=timestamp
+        )
         writer.write_struct(update)
         parts, size = writer.getvalue()
         crc = 0

@@ -9,22 +9,10 @@ from typing import Any
 
 from . import __version__
 from .errors import ErrorCode, RequestError
-from .store import Applied, Entry, ParameterStore
+from .store import Applied, ParameterStore
 from .wire import Method, thrift
 
 __all__ = ["ParameterService"]
-
-
-def to_wire(entry: Entry) -> Any:
-    """The ``Parameter`` that carries a stored entry (its data by reference)."""
-    return thrift.Parameter(
-        name=entry.name,
-        data=entry.data,
-        version=entry.version,
-        dtype=entry.dtype,
-        shape=list(entry.shape) if entry.shape is not None else None,
-        origin=entry.origin,
-    )
 
 
 def _params(update: Any) -> tuple[Sequence[Any], int]:
@@ -67,7 +55,7 @@ class ParameterService:
             raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
         entries = self.store.read(request.param_names, request.min_version or 0)
         return thrift.ParameterResponse(
-            params=[to_wire(e) for e in entries], timestamp=self.store.timestamp
+            params=[e.to_parameter() for e in entries], timestamp=self.store.timestamp
         )
 
     def _get_parameters(self, method: Method, args: Any) -> Any:

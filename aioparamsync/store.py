@@ -27,6 +27,7 @@ from typing import Any
 
 from .arrays import check_layout
 from .errors import ErrorCode, RequestError
+from .wire import thrift
 
 __all__ = ["Applied", "Entry", "Limits", "ParameterStore", "ParameterTable"]
 
@@ -74,6 +75,17 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def to_parameter(self) -> Any:
+        """The wire's ``Parameter`` for this entry (its data by reference, not copied)."""
+        return thrift.Parameter(
+            name=self.name,
+            data=self.data,
+            version=self.version,
+            dtype=self.dtype,
+            shape=list(self.shape) if self.shape is not None else None,
+            origin=self.origin,
+        )
 
 
 @dataclass(frozen=True, slots=True)
