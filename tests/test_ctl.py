@@ -1,0 +1,459 @@
+"""``aioparamsync-ctl``: each command against a real node, and what goes wrong.
+
+Most tests run ``main(argv)`` in a thread (it runs its own event loop, as from
+a shell) against a node in this process, and read what it printed with capsys;
+a few run the console script and ``python -m aioparamsync.ctl`` as processes.
+Everything listens on 127.0.0.1 and a port the kernel picks; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trustme
+
+from aioparamsync import Node, ParameterClient, __version__, thrift
+from aioparamsync.ctl import main
+from aioparamsync.store import Limits
+from aioparamsync.tls import server_context
+
+pytestmark = pytest.mark.timeout(60)
+
+# Bound of a ctl run, and of a process's (it imports numpy and thriftpy2 first).
+RUN_TIMEOUT = 30.0
+# Bound of the wait for a cluster to form.
+SETTLE_TIMEOUT = 15.0
+COMMANDS = ["stats", "peers", "ping", "get"]
+
+
+def text(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+def argv_of(command: str, address: str) -> list[str]:
+    return [command, address, *(["w"] if command == "get" else [])]
+
+
+async def ctl(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``aioparamsync-ctl *argv`` as a shell would; answer (exit code, stdout, stderr)."""
+    capsys.readouterr()  # what the test printed before does not count
+    async with asyncio.timeout(RUN_TIMEOUT):
+        rc = await asyncio.to_thread(main, list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, out: str, err: str, *expected: str) -> None:
+    assert rc == 1, (out, err)
+    assert out == ""
+    assert "Traceback" not in err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("aioparamsync-ctl: "), err
+    for part in expected:
+        assert part in err, err
+
+
+def unused_port() -> int:
+    """A port nothing listens on (it was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- ping ------------------------------------------------------------------------------------
+
+
+async def test_ping_answers_the_node_id_and_a_round_trip(node: Node, capsys) -> None:
+    rc, out, err = await ctl(capsys, "ping", text(node.address))
+    assert (rc, err) == (0, "")
+    assert re.fullmatch(
+        rf"{re.escape(text(node.address))}: {re.escape(node.node_id)} answered in "
+        r"\d+\.\d\d ms\n",
+        out,
+    ), out
+
+    rc, out, err = await ctl(capsys, "--json", "ping", text(node.address))
+    assert (rc, err) == (0, "")
+    document = json.loads(out)
+    assert document["address"] == text(node.address)
+    assert document["node_id"] == node.node_id
+    assert 0 <= document["rtt_ms"] < RUN_TIMEOUT * 1000
+
+
+async def test_options_may_come_after_the_command(node: Node, capsys) -> None:
+    rc, out, err = await ctl(capsys, "ping", text(node.address), "--json", "--timeout", "9")
+    assert (rc, err) == (0, "")
+    assert json.loads(out)["node_id"] == node.node_id
+
+
+# -- stats -----------------------------------------------------------------------------------
+
+
+async def test_stats_shows_the_node_and_its_counters(node: Node, client, capsys) -> None:
+    await client.update_arrays({"w": np.zeros((4, 8), np.float32), "b": np.zeros(8)})
+    rc, out, err = await ctl(capsys, "stats", text(node.address))
+    assert (rc, err) == (0, "")
+    head, counters_text = out.split("\ncounters\n")
+    fields = dict(line.split(None, 1) for line in head.splitlines())
+    assert fields["node"] == node.node_id
+    assert fields["version"] == __version__
+    assert fields["parameters"] == f"2 ({32 * 4 + 8 * 8} B)"
+    assert re.fullmatch(
+        r"\d{13} \(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} UTC\)", fields["timestamp"]
+    )
+    assert re.fullmatch(r"\d+\.\d s", fields["uptime"]), fields["uptime"]
+    assert fields["peers"] == "0 (0 up)"
+    counters = dict(line.split() for line in counters_text.splitlines())
+    assert int(counters["updates_applied"]) == 1
+    assert int(counters["requests"]) >= 1
+
+
+async def test_stats_as_json(node: Node, client, capsys) -> None:
+    await client.update_arrays({"w": np.arange(10.0)}, timestamp=1234)
+    rc, out, err = await ctl(capsys, "--json", "stats", text(node.address))
+    assert (rc, err) == (0, "")
+    info = json.loads(out)
+    assert set(info) == {
+        "node_id", "version", "parameter_count", "parameter_bytes", "timestamp",
+        "uptime_seconds", "counters", "peers",
+    }  # fmt: skip
+    assert (info["node_id"], info["version"]) == (node.node_id, __version__)
+    assert (info["parameter_count"], info["parameter_bytes"]) == (1, 80)
+    assert info["timestamp"] == 1234
+    assert info["uptime_seconds"] >= 0
+    assert info["counters"]["updates_applied"] == 1
+    assert info["peers"] == []
+
+
+async def test_stats_of_a_node_without_updates(node: Node, capsys) -> None:
+    rc, out, _ = await ctl(capsys, "stats", text(node.address))
+    assert rc == 0
+    assert "timestamp   0 (no update yet)" in out
+    assert "parameters  0 (0 B)" in out
+
+
+# -- get -------------------------------------------------------------------------------------
+
+
+async def test_get_shows_version_origin_dtype_shape_and_a_preview(
+    node: Node, client, capsys
+) -> None:
+    big = np.arange(600, dtype=np.float32).reshape(20, 30)
+    await client.update_arrays({"w": big, "b": np.array([1.5, -2.0])})
+    await client.update_arrays({"w": big * 2})
+    rc, out, err = await ctl(capsys, "get", text(node.address), "w", "b")
+    assert (rc, err) == (0, "")
+    w, b = out.split("\nb\n")
+    assert w.splitlines()[:6] == [
+        "w",
+        "  version  2",
+        f"  origin   {node.table.origin}",
+        "  dtype    float32 (<f4)",
+        "  shape    (20, 30)",
+        "  bytes    2.3 KiB",
+    ]
+    value = w.splitlines()[6:]
+    assert value[0].startswith("  value    [[   0.    2.    4. ...")
+    # A preview: the first and last rows and columns, the rest elided.
+    assert len(value) == 7 and value[3].strip() == "..."
+    assert all(line.startswith("            ") for line in value[1:])  # under the first
+    assert value[-1].endswith("1198.]]")
+    assert b.splitlines() == [
+        "  version  1",
+        f"  origin   {node.table.origin}",
+        "  dtype    float64 (<f8)",
+        "  shape    (2,)",
+        "  bytes    16 B",
+        "  value    [ 1.5 -2. ]",
+    ]
+
+
+async def test_get_as_json(node: Node, client, capsys) -> None:
+    await client.update_arrays({"s": np.float16(2.5), "c": np.array([1 + 2j]), "n": [math.nan]})
+    rc, out, err = await ctl(capsys, "get", "--json", text(node.address), "s", "c", "n")
+    assert (rc, err) == (0, "")
+    document = json.loads(out)
+    assert document["missing"] == []
+    s, c, n = document["parameters"]
+    assert s == {
+        "name": "s",
+        "version": 1,
+        "origin": node.table.origin,
+        "dtype": "<f2",
+        "shape": [],
+        "nbytes": 2,
+        "preview": "2.5",
+    }
+    assert (c["dtype"], c["shape"], c["preview"]) == ("<c16", [1], "[1.+2.j]")
+    assert (n["dtype"], n["preview"]) == ("<f8", "[nan]")  # strict JSON: NaN only as text
+
+
+async def test_get_a_founding_clients_plain_bytes(node: Node, client, capsys) -> None:
+    await client.update_parameters([thrift.Parameter(name="raw", data=b"hi!")])
+    rc, out, _ = await ctl(capsys, "get", text(node.address), "raw")
+    assert rc == 0
+    assert "  dtype    none (plain bytes)\n  shape    -\n  bytes    3 B\n" in out
+    assert out.endswith("  value    [104 105  33]\n")
+
+
+async def test_get_an_unknown_name_exits_3_and_shows_the_others(node: Node, client, capsys) -> None:
+    await client.update_arrays({"w": np.ones(2)})
+    rc, out, err = await ctl(capsys, "get", text(node.address), "nope", "w", "also-nope")
+    assert rc == 3
+    assert out.startswith("w\n") and "nope" not in out
+    assert err.splitlines() == [
+        f"aioparamsync-ctl: no parameter 'nope' on {text(node.address)}",
+        f"aioparamsync-ctl: no parameter 'also-nope' on {text(node.address)}",
+    ]
+    rc, out, err = await ctl(capsys, "--json", "get", text(node.address), "nope", "w")
+    assert rc == 3
+    document = json.loads(out)
+    assert [p["name"] for p in document["parameters"]] == ["w"]
+    assert document["missing"] == ["nope"]
+
+
+async def test_get_shows_a_name_given_twice_once(node: Node, client, capsys) -> None:
+    await client.update_arrays({"w": np.ones(2)})
+    rc, out, err = await ctl(capsys, "get", text(node.address), "w", "w")
+    assert (rc, err) == (0, "")
+    assert out.count("version") == 1
+
+
+async def test_a_request_the_node_refuses_exits_1_with_its_reason(capsys) -> None:
+    async with Node("127.0.0.1", 0, limits=Limits(max_names_per_request=2)) as node:
+        rc, out, err = await ctl(capsys, "get", text(node.address), "a", "b", "c")
+    assert_one_line_error(rc, out, err, "the node refused the request: LIMIT_EXCEEDED")
+
+
+# -- peers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Node, Node]]:
+    """Two nodes that have formed a cluster, and one update replicated from the first."""
+    async with (
+        Node("127.0.0.1", 0, node_id="a") as a,
+        Node("127.0.0.1", 0, node_id="b", peers=[a.address]) as b,
+    ):
+
+        async def until(condition) -> None:
+            async with asyncio.timeout(SETTLE_TIMEOUT):
+                while True:
+                    if condition():
+                        return
+                    await asyncio.sleep(0.02)
+
+        def states() -> list[str]:
+            return [s["state"] for n in (a, b) for s in n.cluster.statistics()]
+
+        await until(lambda: states() == ["up", "up"])
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays({"w": np.ones(4)})
+        await until(lambda: b.table.entry("w") is not None)
+        await until(lambda: a.cluster.statistics()[0]["updates_sent"] == 1)
+        yield a, b
+
+
+async def test_peers_shows_a_table_of_the_links(pair, capsys) -> None:
+    a, b = pair
+    rc, out, err = await ctl(capsys, "peers", text(a.address))
+    assert (rc, err) == (0, "")
+    header, row, *rest = out.splitlines()
+    assert header.split() == [
+        "NODE", "ADDRESS", "STATE", "OUTBOX", "SENT", "COALESCED", "FAILURES", "LAG",
+    ]  # fmt: skip
+    node_id, address, state, outbox, sent, coalesced, failures, lag, unit = row.split()
+    assert (node_id, address, state) == ("b", text(b.address), "up")
+    assert (outbox, sent, coalesced, failures) == ("0", "1", "0", "0")
+    assert (float(lag), unit) == (0.0, "s")
+    assert rest == []
+    # Columns line up: text columns on the left, numbers on the right.
+    heads = [m.span() for m in re.finditer(r"\S+", header)]
+    cells = [m.span() for m in re.finditer(r"\S+", row)]
+    assert [start for start, _ in heads[:3]] == [start for start, _ in cells[:3]]
+    assert [end for _, end in heads[3:]] == [end for _, end in cells[3:7] + cells[8:]]
+
+
+async def test_peers_as_json(pair, capsys) -> None:
+    a, b = pair
+    rc, out, err = await ctl(capsys, "--json", "peers", text(a.address))
+    assert (rc, err) == (0, "")
+    document = json.loads(out)
+    assert document["node_id"] == "a"
+    (peer,) = document["peers"]
+    assert peer == {
+        "node_id": "b",
+        "address": text(b.address),
+        "state": "up",
+        "outbox_depth": 0,
+        "updates_sent": 1,
+        "updates_coalesced": 0,
+        "send_failures": 0,
+        "lag_seconds": 0.0,
+        "last_error": "",
+        "repaired": 0,
+    }
+
+
+async def test_peers_of_a_lone_node(node: Node, capsys) -> None:
+    rc, out, err = await ctl(capsys, "peers", text(node.address))
+    assert (rc, out, err) == (0, f"{node.node_id} has no peers\n", "")
+    rc, out, _ = await ctl(capsys, "peers", "--json", text(node.address))
+    assert json.loads(out) == {"node_id": node.node_id, "peers": []}
+
+
+# -- what goes wrong -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+async def test_an_unreachable_node_exits_1_with_one_line(command, capsys) -> None:
+    address = f"127.0.0.1:{unused_port()}"
+    rc, out, err = await ctl(capsys, *argv_of(command, address))
+    assert_one_line_error(rc, out, err, f"cannot connect to {address}")
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+async def test_a_node_that_does_not_answer_times_out(as_json, capsys) -> None:
+    with socket.socket() as silent:  # accepts (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = text(silent.getsockname())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        flags = ["--json"] if as_json else []
+        rc, out, err = await ctl(capsys, *flags, "--timeout", "0.3", "stats", address)
+        took = loop.time() - t0
+    assert_one_line_error(rc, out, err, "info did not complete within 0.3 s")
+    assert took < 5
+
+
+async def test_a_name_that_cannot_be_resolved_exits_1(capsys) -> None:
+    # .invalid never resolves (RFC 2606): the resolver answers at once, no traffic.
+    rc, out, err = await ctl(capsys, "ping", "no-such-host.invalid:9090")
+    assert_one_line_error(rc, out, err, "cannot connect to no-such-host.invalid:9090")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["bogus", "127.0.0.1:9090"], "invalid choice: 'bogus'"),
+        (["stats"], "the following arguments are required: ADDRESS"),
+        (["stats", "nohost"], "argument ADDRESS: 'nohost' is not host:port"),
+        (["stats", "127.0.0.1:abc"], "argument ADDRESS: '127.0.0.1:abc': port 'abc' is not"),
+        (["stats", "127.0.0.1:70000"], "argument ADDRESS: port 70000 is out of range"),
+        (["stats", ":9090"], "argument ADDRESS: ':9090' is not host:port"),
+        (["get", "127.0.0.1:9090"], "the following arguments are required: NAME"),
+        (["--timeout", "0", "ping", "127.0.0.1:9090"], "argument --timeout: '0'"),
+        (["ping", "127.0.0.1:9090", "--timeout", "nan"], "argument --timeout: 'nan'"),
+        (["ping", "127.0.0.1:9090", "--timeout", "soon"], "argument --timeout: 'soon'"),
+        (["ping", "127.0.0.1:9090", "--bogus"], "unrecognized arguments: --bogus"),
+        (["ping", "127.0.0.1:9090", "extra"], "unrecognized arguments: extra"),
+        (["ping", "127.0.0.1:9090", "--tls-key", "k.pem"], "--tls-key needs --tls-cert"),
+        (["ping", "127.0.0.1:9090", "--tls-ca", "/no/such/ca.pem"], "TLS: "),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_arguments_exit_2_with_usage(argv, expected, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "Traceback" not in err
+    assert err.startswith("usage: aioparamsync-ctl")
+    assert err.splitlines()[-1].startswith("aioparamsync-ctl")
+    assert expected in err.splitlines()[-1], err
+
+
+def test_help_lists_the_commands_and_exits_0(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for word in [*COMMANDS, "--json", "--timeout", "Exit codes"]:
+        assert word in out
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"aioparamsync-ctl {__version__}\n"
+
+
+# -- TLS -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    ca = trustme.CA()
+    root = tmp_path_factory.mktemp("pki")
+    files = {"ca": root / "ca.pem", "node": root / "node.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(files["node"]))
+    return files
+
+
+async def test_a_tls_node(pki, capsys) -> None:
+    async with Node("127.0.0.1", 0, ssl=server_context(str(pki["node"]))) as node:
+        rc, out, err = await ctl(capsys, "ping", text(node.address), "--tls-ca", str(pki["ca"]))
+        assert (rc, err) == (0, "")
+        assert node.node_id in out
+        # Without TLS, or with the system's CAs: a clear failure, not a hang.
+        for flags in [[], ["--tls"]]:
+            rc, out, err = await ctl(capsys, "ping", text(node.address), "--timeout", "5", *flags)
+            assert rc == 1 and out == "" and "Traceback" not in err, (flags, err)
+
+
+# -- as processes ----------------------------------------------------------------------------
+
+
+async def run_process(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(RUN_TIMEOUT):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()  # by its PID
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.skipif(shutil.which("aioparamsync-ctl") is None, reason="script not on PATH")
+async def test_the_console_script(node: Node, client) -> None:
+    await client.update_arrays({"w": np.arange(3)})
+    rc, out, err = await run_process("aioparamsync-ctl", "--json", "get", text(node.address), "w")
+    assert (rc, err) == (0, "")
+    (w,) = json.loads(out)["parameters"]
+    assert (w["name"], w["shape"], w["preview"]) == ("w", [3], "[0 1 2]")
+
+    rc, out, err = await run_process("aioparamsync-ctl", "ping", f"127.0.0.1:{unused_port()}")
+    assert_one_line_error(rc, out, err, "cannot connect to")
+
+
+async def test_python_m_aioparamsync_ctl(node: Node) -> None:
+    rc, out, err = await run_process(
+        sys.executable, "-m", "aioparamsync.ctl", "stats", text(node.address)
+    )
+    assert (rc, err) == (0, "")
+    assert out.startswith(f"node        {node.node_id}\n")
+    rc, out, err = await run_process(sys.executable, "-m", "aioparamsync.ctl", "stats", "nohost")
+    assert rc == 2 and out == "" and "Traceback" not in err

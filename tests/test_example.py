@@ -1,0 +1,243 @@
+"""``examples/train_async_sgd.py`` end to end: it trains, reports, and leaves no node running.
+
+The script runs as a process with small settings, so each run takes seconds.
+It prints the PIDs of the nodes it starts (``node pids: 1 2 3``); every test
+checks that none of them runs once the script has exited, and kills (by PID)
+whatever a failing run leaves behind. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_async_sgd.py"
+# Small settings: two nodes, three workers, a model of 64 -> 4.
+SMALL = ["--nodes", "2", "--workers", "3", "--steps", "150", "--dim", "64", "--outputs", "4"]
+# Bound of one run (starting the nodes imports numpy and thriftpy2 in each).
+RUN_TIMEOUT = 120.0
+# Bound of the script's exit once interrupted (it gives its nodes 10 s to stop).
+EXIT_TIMEOUT = 30.0
+
+PIDS = re.compile(r"^node pids: (\d+(?: \d+)*)$", re.MULTILINE)
+ADDRESS = re.compile(r"^  node-\d+ on (\S+), pid \d+$", re.MULTILINE)
+LOSS = re.compile(
+    r"^loss: initial (\S+) -> final (\S+) \(noise floor (\S+)\)$",
+    re.MULTILINE,
+)
+THROUGHPUT = re.compile(
+    r"^throughput: (\d+) steps in (\S+) s = (\d+) steps/s, (\S+) MB/s", re.MULTILINE
+)
+
+
+def node_pids(stdout: str) -> list[int]:
+    match = PIDS.search(stdout)
+    assert match, f"no 'node pids:' line in:\n{stdout}"
+    return [int(pid) for pid in match[1].split()]
+
+
+def running(pid: int) -> bool:
+    """Whether a node process with this PID runs (a zombie, or another program, does not)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return b"aioparamsync" in cmdline and state != "Z"
+
+
+def assert_all_stopped(pids: list[int]) -> None:
+    # The script waited for its nodes; an orphan would still be running now.
+    survivors = [pid for pid in pids if running(pid)]
+    assert not survivors, f"node processes survived the script: {survivors}"
+
+
+@contextlib.contextmanager
+def cleanup(pids: list[int]) -> Iterator[None]:
+    """Kill (by PID) any node in ``pids`` still running when the block ends."""
+    try:
+        yield
+    finally:
+        for pid in pids:
+            if running(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+
+
+def test_the_example_trains_reports_and_stops_its_nodes() -> None:
+    pids: list[int] = []
+    with cleanup(pids):
+        result = run_example(*SMALL)
+        pids.extend(node_pids(result.stdout))
+        assert result.returncode == 0, result
+        assert "Traceback" not in result.stderr
+        assert len(pids) == 2
+        assert_all_stopped(pids)
+
+    loss = LOSS.search(result.stdout)
+    assert loss, result.stdout
+    initial, final, floor = map(float, loss.groups())
+    assert final < initial / 20, result.stdout  # far below
+    assert floor <= final < 3 * floor, result.stdout  # it learned about all there is
+    throughput = THROUGHPUT.search(result.stdout)
+    assert throughput, result.stdout
+    assert int(throughput[1]) == 3 * 150  # every step of every worker
+    assert float(throughput[3]) > 0 and float(throughput[4]) > 0
+    assert "the 2 nodes agree on the model (version " in result.stdout
+    assert result.stdout.rstrip().endswith("stopped 2 nodes")
+    # Not a terminal: progress as plain lines on stderr, the last one complete.
+    assert re.search(r"step +450/450 +loss", result.stderr), result.stderr
+
+
+def test_one_node_and_one_worker() -> None:
+    pids: list[int] = []
+    with cleanup(pids):
+        result = run_example("--nodes", "1", "--workers", "1", "--steps", "300", "--dim", "16")
+        pids.extend(node_pids(result.stdout))
+        assert result.returncode == 0, result
+        assert_all_stopped(pids)
+    initial, final, _ = map(float, LOSS.search(result.stdout).groups())  # type: ignore[union-attr]
+    assert final < initial / 20
+
+
+def read_until(process: subprocess.Popen[bytes], pattern: str, timeout: float) -> str:
+    """What the process printed on stdout, once a line matches ``pattern`` (bounded)."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    os.set_blocking(fd, False)
+    output = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            time.sleep(0.02)
+            continue
+        if not chunk:
+            break  # it exited
+        output += chunk
+        if re.search(pattern, output.decode(errors="replace"), re.MULTILINE):
+            return output.decode(errors="replace")
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{output.decode()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_stops_every_node(sig, tmp_path) -> None:
+    pids: list[int] = []
+    with (tmp_path / "stderr").open("w+b") as stderr:
+        process = subprocess.Popen(
+            # Enough steps that it is still training when the signal comes.
+            [sys.executable, str(EXAMPLE), *SMALL, "--steps", "1000000"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+        with cleanup(pids):
+            try:
+                stdout = read_until(process, r"^the cluster is ready", RUN_TIMEOUT)
+                pids.extend(node_pids(stdout))
+                assert all(running(pid) for pid in pids)
+                wait_for_progress(stderr, RUN_TIMEOUT)
+                process.send_signal(sig)  # to the script alone, not its nodes
+                rc = process.wait(timeout=EXIT_TIMEOUT)
+            finally:
+                if process.poll() is None:
+                    process.kill()  # by its PID
+                    process.wait()
+                assert process.stdout is not None
+                process.stdout.close()
+            assert rc == 130
+            assert_all_stopped(pids)
+        stderr.seek(0)
+        errors = stderr.read().decode()
+    assert "interrupted: every node was stopped" in errors
+    assert "Traceback" not in errors
+
+
+def wait_for_progress(stderr, timeout: float) -> None:
+    """Wait until the script's first progress line (a second into training) is in ``stderr``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stderr.seek(0)
+        if b"step" in stderr.read():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no progress line within {timeout} s")
+
+
+def test_a_node_killed_mid_run_its_workers_move_on(tmp_path) -> None:
+    pids: list[int] = []
+    with (tmp_path / "stderr").open("w+b") as stderr:
+        process = subprocess.Popen(
+            # 3 nodes; 6000 steps of a small model: a few seconds of training.
+            [sys.executable, str(EXAMPLE), *SMALL, "--nodes", "3", "--steps", "2000"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+        with cleanup(pids):
+            try:
+                stdout = read_until(process, r"^the cluster is ready", RUN_TIMEOUT)
+                pids.extend(node_pids(stdout))
+                wait_for_progress(stderr, RUN_TIMEOUT)
+                os.kill(pids[1], signal.SIGKILL)  # the second node, while it serves
+                rest, _ = process.communicate(timeout=RUN_TIMEOUT)
+            finally:
+                if process.poll() is None:
+                    process.kill()  # by its PID
+                    process.wait()
+            stdout += rest.decode()
+            assert process.returncode == 0, stdout
+            assert_all_stopped(pids)
+        stderr.seek(0)
+        errors = stderr.read().decode()
+    assert "the 2 nodes still up agree on the model" in stdout and "1 went down" in stdout
+    initial, final, _ = map(float, LOSS.search(stdout).groups())  # type: ignore[union-attr]
+    assert final < initial / 20
+    # The workers of the killed node said where they went.
+    assert f"cannot connect to {ADDRESS.findall(stdout)[1]}" in errors
+    assert "Traceback" not in errors
+
+
+def test_help_documents_the_knobs() -> None:
+    result = run_example("--help")
+    assert result.returncode == 0, result
+    for knob in ("--nodes", "--workers", "--steps", "--dim", "--batch", "--lr", "--seed"):
+        assert knob in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--nodes", "0"], ["--lr", "-1"], ["--steps", "many"]])
+def test_bad_knobs_exit_2_and_start_nothing(args) -> None:
+    result = run_example(*args)
+    assert result.returncode == 2, result
+    assert "node pids" not in result.stdout
+    assert args[0] in result.stderr
