@@ -66,6 +66,8 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # Default number of connections a client keeps to its node.
 DEFAULT_MAX_CONNECTIONS = 4
+# How long close() waits for its connections to finish closing (seconds).
+CLOSE_TIMEOUT = 1.0
 # Unsent bytes above which a connection's next send waits.
 WRITE_HIGH_BYTES = 1024 * 1024
 # A call's deadline may be met this early (seconds): the loop's timers are
@@ -139,6 +141,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self.lost: BaseException | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Per-call deadlines share one timer, armed at the earliest of them:
         # cheaper than an asyncio.timeout (a timer and a cancellation) per call.
         self._deadlines: dict[int, float] = {}  # seqid -> loop time
@@ -198,6 +201,8 @@ class _Connection(asyncio.BufferedProtocol):
             ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}")
         )
         self._writable.set()
+        if not self.closed.done():
+            self.closed.set_result(None)
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -357,12 +362,17 @@ class ParameterClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close every connection; calls in flight fail with ConnectionLostError."""
+        """Close every connection; calls in flight fail with ConnectionLostError.
+
+        Returns once the connections have closed (a TLS connection takes a round
+        trip to shut down), or after ``CLOSE_TIMEOUT`` seconds.
+        """
         self._closed = True
-        for conn in self._connections:
+        connections, self._connections = self._connections, []
+        for conn in connections:
             conn.close()
-        self._connections.clear()
-        await asyncio.sleep(0)  # let the transports run their close callbacks
+        if connections:
+            await asyncio.wait([conn.closed for conn in connections], timeout=CLOSE_TIMEOUT)
 
     # -- the pool -------------------------------------------------------------------
 
@@ -439,6 +449,15 @@ class ParameterClient:
             self._connecting.add_done_callback(self._connected)
         return best  # a busy one: pipeline on it while another opens
 
+    def _move_on(self) -> None:
+        """Use the next node: the one in use keeps breaking connections."""
+        if len(self.addresses) > 1:
+            self._current = (self._current + 1) % len(self.addresses)
+            log.warning("moving to node %s:%d", self.host, self.port)
+            for conn in self._connections:
+                conn.close()
+            self._connections = []
+
     def _connected(self, future: asyncio.Future) -> None:
         self._connecting = None
         if not future.cancelled():
@@ -464,7 +483,10 @@ class ParameterClient:
             raise ValueError(f"the IDL has no method {name!r}")
         deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
         message = m.args(**args)
-        retries = 0 if name in WRITES else 1
+        # A read is retried on a fresh connection; with several nodes, from the
+        # second try on at the next node (the first may be dying).
+        retries = 0 if name in WRITES else max(len(self.addresses), 2) - 1
+        tries = 0
         when = None if deadline is None else asyncio.get_running_loop().time() + deadline
         try:
             while True:
@@ -479,6 +501,9 @@ class ParameterClient:
                     if retries == 0 or self._closed:
                         raise
                     retries -= 1
+                    tries += 1
+                    if tries > 1:
+                        self._move_on()
         except TimeoutError:
             raise CallTimeout(f"{name} did not complete within {deadline} s") from None
         if result is None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import logging
@@ -46,8 +45,6 @@ PROG = "aioparamsync-ctl"
 DEFAULT_TIMEOUT = 5.0
 # Exit codes.
 OK, FAILED, NOT_FOUND = 0, 1, 3  # (2: bad arguments, as argparse exits)
-# How long to wait for the connection to close, once done (seconds).
-CLOSE_TIMEOUT = 1.0
 # How much of an array ``get`` shows: this many items at each end of each axis.
 PREVIEW_EDGE_ITEMS = 3
 
@@ -382,21 +379,7 @@ async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None
     try:
         return await COMMANDS[args.command](client, args)
     finally:
-        await _close(client)
-
-
-async def _close(client: ParameterClient) -> None:
-    """Close the client, and wait (briefly) until its connections have closed.
-
-    ``close()`` only starts closing them; a TLS connection takes a round trip
-    to shut down, and uvloop will not close a loop that still has one open.
-    """
-    connections = list(client._connections)
-    await client.close()
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(CLOSE_TIMEOUT):
-            while any(c.lost is None for c in connections):  # noqa: ASYNC110 - no event to wait on
-                await asyncio.sleep(0.001)
+        await client.close()
 
 
 def _run(coroutine: Coroutine[Any, Any, int]) -> int:

@@ -54,6 +54,8 @@ DEFAULT_REPAIR_INTERVAL = 10.0
 # Deadline of one call to a peer; a peer that cannot take a message this long
 # (frozen, or its network) is dropped and reconnected (seconds).
 PEER_CALL_TIMEOUT = 10.0
+# How often an idle link checks that its peer is there (seconds).
+HEARTBEAT_SECONDS = 1.0
 # How often the node logs each peer link's state and counters (seconds).
 STATS_LOG_SECONDS = 60.0
 # Most bytes, and most parameters, in one replication message or one pull.
@@ -247,6 +249,8 @@ class PeerLink:
     async def _send(self, client: ParameterClient) -> None:
         """Send the outbox as it fills; repair every ``repair_interval`` seconds.
 
+        An idle link pings its peer every ``HEARTBEAT_SECONDS``, so a peer that
+        went away shows as such within that time, not at the next update.
         Returns when the client had to open a new connection: the peer may have
         restarted (empty, without seeds), so the link joins it again.
         """
@@ -257,11 +261,13 @@ class PeerLink:
         while client.connects == session:
             if not self.outbox:
                 self._wakeup.clear()
+                wait = min(next_repair - loop.time(), HEARTBEAT_SECONDS)
                 try:
-                    async with asyncio.timeout(max(next_repair - loop.time(), 0)):
+                    async with asyncio.timeout(max(wait, 0)):
                         await self._wakeup.wait()
                 except TimeoutError:
-                    pass
+                    if loop.time() < next_repair:
+                        await client.ping()
             if loop.time() >= next_repair:
                 await self._repair(client)
                 next_repair = loop.time() + interval

@@ -223,8 +223,9 @@ def test_a_node_killed_mid_run_its_workers_move_on(tmp_path) -> None:
     assert "the 2 nodes still up agree on the model" in stdout and "1 went down" in stdout
     initial, final, _ = map(float, LOSS.search(stdout).groups())  # type: ignore[union-attr]
     assert final < initial / 20
-    # The workers of the killed node said where they went.
-    assert f"cannot connect to {ADDRESS.findall(stdout)[1]}" in errors
+    # The workers of the killed node said that they moved on.
+    killed = ADDRESS.findall(stdout)[1]
+    assert f"cannot connect to {killed}" in errors or "moving to node" in errors
     assert "Traceback" not in errors
 
 

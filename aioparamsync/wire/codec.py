@@ -60,6 +60,10 @@ class Protocol(enum.Enum):
     COMPACT = 0x82
 
 
+# (an enum's .value is slow to get)
+_COMPACT_BYTE = Protocol.COMPACT.value
+
+
 class MessageType(enum.IntEnum):
     CALL = 1
     REPLY = 2
@@ -753,7 +757,7 @@ class CompactReader(Reader):
         return self.buf[self._take(1)]
 
     def read_message_begin(self) -> tuple[str, int, int]:
-        if self._ubyte() != Protocol.COMPACT.value:
+        if self._ubyte() != _COMPACT_BYTE:
             raise RemoteProtocolError("not a compact protocol message")
         vt = self._ubyte()
         if vt & 0x1F != _COMPACT_VERSION:
@@ -1107,27 +1111,30 @@ class Writer:
             self._write_scalar(ttype, value)
 
 
-# Binary message headers up to the seqid, by (name, message type); bounded,
-# as error replies echo names that clients made up.
-_BIN_MSG_PREFIX: dict[tuple[str, int], bytes] = {}
-_BIN_MSG_PREFIX_MAX = 256
+# The binary protocol's version word of each message type; and each method
+# name's length and bytes, as written after it (bounded, as error replies
+# echo names that clients made up).
+_BIN_VERSION_WORDS = [_S_BIN_MSG.pack(_BINARY_VERSION | t) for t in range(256)]
+_BIN_NAMES: dict[str, bytes] = {}
+_BIN_NAMES_MAX = 256
 
 
 class BinaryWriter(Writer):
     __slots__ = ()
 
     def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
-        key = (name, mtype)
-        prefix = _BIN_MSG_PREFIX.get(key)
-        if prefix is None:
-            self.out += _S_BIN_MSG.pack(_BINARY_VERSION | mtype)
-            self._write_value(TType.STRING, None, name)
-            if len(_BIN_MSG_PREFIX) < _BIN_MSG_PREFIX_MAX and isinstance(name, str):
-                written = len(self.out)
-                size = 8 + len(name.encode("utf-8"))
-                _BIN_MSG_PREFIX[key] = bytes(self.out[written - size :])
+        if 0 <= mtype < 256:
+            self.out += _BIN_VERSION_WORDS[mtype]
         else:
-            self.out += prefix
+            self.out += _S_BIN_MSG.pack(_BINARY_VERSION | mtype)
+        written = _BIN_NAMES.get(name)
+        if written is not None:
+            self.out += written
+        else:
+            self._write_bytes(name)
+            if type(name) is str and len(_BIN_NAMES) < _BIN_NAMES_MAX:
+                encoded = name.encode("utf-8")
+                _BIN_NAMES[name] = _pack_i32(len(encoded)) + encoded
         self.out += _pack_i32(seqid)
 
     def _field_begin(self, ttype: int, fid: int, value: Any) -> bool:
@@ -1199,6 +1206,8 @@ class BinaryWriter(Writer):
                 raise LocalProtocolError(f"field {cls.__name__}.{name}: no binary field header")
             out += header
             if ttype in _T_BYTES:
+                if type(value) is str:
+                    value = value.encode("utf-8")
                 if type(value) is bytes and len(value) < ZERO_COPY_MIN_BYTES:
                     out += _pack_i32(len(value))
                     out += value
@@ -1274,7 +1283,7 @@ class CompactWriter(Writer):
         self._fid_stack: list[int] = []
 
     def write_message_begin(self, name: str, mtype: int, seqid: int) -> None:
-        self.out.append(Protocol.COMPACT.value)
+        self.out.append(_COMPACT_BYTE)
         self.out.append((mtype << 5) | _COMPACT_VERSION)
         self.out += _varint(seqid & 0xFFFFFFFF)
         self._write_value(TType.STRING, None, name)

@@ -48,6 +48,9 @@ SCRATCH_BYTES = 256 * 1024
 LARGE_FRAME_BYTES = 64 * 1024
 
 _S_LEN = struct.Struct("!i")
+# The first byte of each protocol's messages (an enum's .value is slow to get).
+_BINARY_BYTE = Protocol.BINARY.value
+_COMPACT_BYTE = Protocol.COMPACT.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,8 @@ class Receiver:
         self.framed = framed
         self.protocol: Protocol | None = None  # of the unframed stream
         self._scratch = bytearray(SCRATCH_BYTES)
+        # Slices of this copy once (a bytearray's slice is a copy of its own).
+        self._scratch_view = memoryview(self._scratch)
         self._start = 0  # unread bytes are _scratch[_start:_end]
         self._end = 0
         self._large: memoryview | None = None  # a large frame being filled
@@ -122,9 +127,10 @@ class Receiver:
         if self._end == len(self._scratch):
             # Move the partial message to the front to make room.
             unread = self._end - self._start
-            self._scratch[:unread] = self._scratch[self._start : self._end]
+            view = self._scratch_view
+            view[:unread] = view[self._start : self._end]
             self._start, self._end = 0, unread
-        return memoryview(self._scratch)[self._end :]
+        return self._scratch_view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for ``nbytes`` written into the last buffer; answer complete frames."""
@@ -169,15 +175,15 @@ class Receiver:
         if self._end == self._start:
             return
         first = self._scratch[self._start]
-        if first == Protocol.BINARY.value:
+        if first == _BINARY_BYTE:
             self.framed, self.protocol = False, Protocol.BINARY
-        elif first == Protocol.COMPACT.value:
+        elif first == _COMPACT_BYTE:
             self.framed, self.protocol = False, Protocol.COMPACT
         else:
             self.framed = True
 
     def _cut_frames(self, frames: list[Frame]) -> None:
-        scratch = self._scratch
+        scratch = self._scratch_view
         while self._end - self._start >= 4:
             start = self._start
             size = _S_LEN.unpack_from(scratch, start)[0]
@@ -193,13 +199,13 @@ class Receiver:
             if size > LARGE_FRAME_BYTES and available < size:
                 # Give the socket a buffer of the frame's exact size.
                 self._large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
-                self._large[:available] = scratch[start + 4 : self._end]
+                self._large[:available] = scratch[start + 4 : self._end]  # one copy
                 self._large_filled = available
                 self._start = self._end = 0
                 return
             if available < size:
                 break
-            payload = bytes(scratch[start + 4 : start + 4 + size])
+            payload = bytes(scratch[start + 4 : start + 4 + size])  # one copy
             self._start = start + 4 + size
             frames.append(self._frame(memoryview(payload)))
         if self._start == self._end:
@@ -214,9 +220,9 @@ class Receiver:
 
     def _frame(self, payload: memoryview) -> Frame:
         first = payload[0]
-        if first == Protocol.BINARY.value:
+        if first == _BINARY_BYTE:
             return Frame(payload, Protocol.BINARY, True)
-        if first == Protocol.COMPACT.value:
+        if first == _COMPACT_BYTE:
             return Frame(payload, Protocol.COMPACT, True)
         raise RemoteProtocolError(
             f"frame starts with byte {first:#04x}: neither binary (0x80) nor compact (0x82)"
@@ -226,7 +232,7 @@ class Receiver:
 
     def _cut_stream(self, frames: list[Frame]) -> None:
         stream = self._stream
-        stream += memoryview(self._scratch)[self._start : self._end]
+        stream += self._scratch_view[self._start : self._end]
         self._start = self._end = 0
         assert self.protocol is not None
         while stream:
@@ -241,6 +247,7 @@ class Receiver:
             if size is None:
                 return
             self._measure = None
-            payload = bytes(stream[:size])
+            with memoryview(stream) as view:  # released before the del below
+                payload = bytes(view[:size])  # one copy
             del stream[:size]
             frames.append(Frame(memoryview(payload), self.protocol, False))
