@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shutil
 import signal
 import socket
 import struct
@@ -18,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -579,10 +579,12 @@ def test_version_prints_the_version_and_exits_0() -> None:
     )
 
 
-@pytest.mark.skipif(shutil.which("aioparamsync-node") is None, reason="script not on PATH")
 def test_console_script_is_the_same_cli() -> None:
+    # pip puts the script beside the interpreter of the environment it installs into.
+    script = Path(sys.executable).with_name("aioparamsync-node")
+    assert script.exists(), f"{script} is missing: is the package installed?"
     result = subprocess.run(
-        ["aioparamsync-node", "--version"],
+        [str(script), "--version"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

@@ -12,7 +12,6 @@ import asyncio
 import json
 import math
 import re
-import shutil
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -437,15 +436,16 @@ async def run_process(*argv: str) -> tuple[int, str, str]:
     return process.returncode, out.decode(), err.decode()
 
 
-@pytest.mark.skipif(shutil.which("aioparamsync-ctl") is None, reason="script not on PATH")
 async def test_the_console_script(node: Node, client) -> None:
+    # pip puts the script beside the interpreter of the environment it installs into.
+    script = str(Path(sys.executable).with_name("aioparamsync-ctl"))
     await client.update_arrays({"w": np.arange(3)})
-    rc, out, err = await run_process("aioparamsync-ctl", "--json", "get", text(node.address), "w")
+    rc, out, err = await run_process(script, "--json", "get", text(node.address), "w")
     assert (rc, err) == (0, "")
     (w,) = json.loads(out)["parameters"]
     assert (w["name"], w["shape"], w["preview"]) == ("w", [3], "[0 1 2]")
 
-    rc, out, err = await run_process("aioparamsync-ctl", "ping", f"127.0.0.1:{unused_port()}")
+    rc, out, err = await run_process(script, "ping", f"127.0.0.1:{unused_port()}")
     assert_one_line_error(rc, out, err, "cannot connect to")
 
 
