@@ -1,0 +1,158 @@
+"""Fuzzing a live node over real sockets, with hypothesis.
+
+The invariant: whatever bytes a connection sends, the node answers, replies
+with a protocol error, or closes that connection, within a bounded time; it
+never raises anything into its event loop, never stops serving the others,
+never lets a message that is not a valid update change its store, and its
+memory stays bounded.
+
+The node runs in a thread of its own (its own event loop), so that each
+hypothesis example can drive plain blocking sockets against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fuzz import PROTOCOLS, encode, hostile_bytes, messages, mutate, mutations
+
+from aioparamsync import Node, ParameterClient
+from aioparamsync.wire import Protocol, Receiver, decode_header, method
+
+# How long one hostile connection may take to be answered or closed (seconds).
+ANSWER_WITHIN = 5.0
+# How much the node's process may grow over the whole fuzz run (bytes).
+MEMORY_BOUND = 128 * 1024 * 1024
+SENTINEL = "sentinel/never-in-a-fuzzed-message"
+LIVE = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+class LiveNode:
+    """A node on its own event loop in a thread, and a client of it on that loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.reported: list[dict[str, Any]] = []
+        self.loop.set_exception_handler(lambda _loop, context: self.reported.append(context))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.node = Node("127.0.0.1", 0, max_frame_bytes=1 << 20, idle_timeout=ANSWER_WITHIN)
+        self.run(self.node.start())
+        self.client = ParameterClient(self.node.address, timeout=ANSWER_WITHIN)
+        self.baseline_rss = _rss()
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self.run(self.node.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveNode]:
+    node = LiveNode()
+    node.run(node.client.update_arrays({SENTINEL: np.arange(8)}))
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def send_and_drain(address: tuple[str, int], data: bytes) -> bytes:
+    """Send ``data``, close our side, and read until the node closes: answer what came."""
+    with socket.create_connection(address, timeout=ANSWER_WITHIN) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return b""  # the node closed already (e.g. refused a frame header at once)
+        received = bytearray()
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except (ConnectionResetError, BrokenPipeError):
+                break
+            except TimeoutError:
+                raise AssertionError(
+                    f"the node neither answered nor closed within {ANSWER_WITHIN} s"
+                ) from None
+            if not chunk:
+                break
+            received += chunk
+    return bytes(received)
+
+
+def valid_updates(data: bytes) -> bool:
+    """Whether ``data`` holds a well-formed update call (one the node may apply)."""
+    try:
+        for frame in Receiver(1 << 20).feed(data):
+            name, _, _, reader = decode_header(frame.payload, frame.protocol)
+            m = method(name)
+            if m is not None and name in (
+                "update_parameters",
+                "push_parameters",
+                "broadcast_update",
+            ):
+                reader.read_body(m.args)
+                return True
+    except Exception:  # noqa: BLE001 - not decodable: not a valid update
+        return False
+    return False
+
+
+def check(live: LiveNode, data: bytes) -> None:
+    before = {n: live.node.table.entry(n) for n in live.node.table.names()}
+    send_and_drain(live.node.address, data)
+    # The others are still served, correctly.
+    sentinel = live.run(live.client.get_arrays([SENTINEL]))[SENTINEL]
+    assert sentinel.tolist() == list(range(8))
+    after = {n: live.node.table.entry(n) for n in live.node.table.names()}
+    if after != before:
+        assert valid_updates(data), "a message that is not a valid update changed the store"
+    assert not live.reported, f"the node's event loop reported errors: {live.reported}"
+    grown = _rss() - live.baseline_rss
+    assert grown < MEMORY_BOUND, f"the process grew by {grown >> 20} MiB"
+
+
+@LIVE
+@given(data=hostile_bytes())
+def test_arbitrary_bytes_on_a_live_connection(live: LiveNode, data: bytes) -> None:
+    check(live, data)
+
+
+@LIVE
+@given(
+    msgs=st.lists(messages(), min_size=1, max_size=3),
+    protocol=st.sampled_from(PROTOCOLS),
+    framed=st.booleans(),
+    ops=mutations,
+)
+def test_mutated_messages_on_a_live_connection(
+    live: LiveNode, msgs: list, protocol: Protocol, framed: bool, ops: list
+) -> None:
+    data = b"".join(encode(m, protocol, framed) for m in msgs)
+    check(live, mutate(data, ops))
