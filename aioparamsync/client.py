@@ -129,6 +129,11 @@ def _ping_method() -> Method:
 _PING = _ping_method()
 _PING_ARGS = _PING.args()
 
+# Message types as plain ints, for the per-call paths (an enum member is slow to get).
+_CALL, _REPLY, _EXCEPTION, _ONEWAY = (
+    int(t) for t in (MessageType.CALL, MessageType.REPLY, MessageType.EXCEPTION, MessageType.ONEWAY)
+)
+
 
 class _Connection(asyncio.BufferedProtocol):
     """One connection: pipelined calls matched to replies by seqid."""
@@ -175,7 +180,7 @@ class _Connection(asyncio.BufferedProtocol):
             for frame in self.receiver.buffer_updated(nbytes):
                 name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
                 future = self.pending.pop(seqid, None)
-                if future is None and mtype == MessageType.EXCEPTION and seqid == 0:
+                if future is None and mtype == _EXCEPTION and seqid == 0:
                     # About no call (ours are never 0): the node refused the connection.
                     error = reader.read_body(TApplicationException)
                     self._break(ServerError(f"the node refused: {error.message}", error.type or 0))
@@ -183,10 +188,10 @@ class _Connection(asyncio.BufferedProtocol):
                 if future is None or future.done():
                     continue  # its caller gave up (timeout, cancellation)
                 m = method(name)
-                if mtype == MessageType.EXCEPTION:
+                if mtype == _EXCEPTION:
                     error = reader.read_body(TApplicationException)
                     future.set_exception(ServerError(error.message or "", error.type or 0))
-                elif mtype == MessageType.REPLY and m is not None and m.result is not None:
+                elif mtype == _REPLY and m is not None and m.result is not None:
                     future.set_result(reader.read_body(m.result))
                 else:
                     raise RemoteProtocolError(f"unexpected reply {name!r} of type {mtype}")
@@ -266,7 +271,7 @@ class _Connection(asyncio.BufferedProtocol):
             raise ConnectionLostError(f"the connection is closed: {self.lost}")
         assert self.transport is not None
         seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
-        mtype = MessageType.ONEWAY if m.oneway else MessageType.CALL
+        mtype = _ONEWAY if m.oneway else _CALL
         parts, _ = encode_message(m.name, mtype, seqid, args)
         if m.oneway:
             self.transport.writelines(parts)
@@ -433,12 +438,11 @@ class ParameterClient:
         if self._closed:
             raise ClientClosedError("the client is closed")
         connections = self._connections
+        best: _Connection | None
         if len(connections) == 1:  # the common case, without a new list
-            best: _Connection | None = connections[0]
-            assert best is not None
-            if not best.usable:
+            best = connections[0] if connections[0].usable else None
+            if best is None:
                 connections.clear()
-                best = None
         else:
             connections = self._connections = [c for c in connections if c.usable]
             best = min(connections, key=lambda c: len(c.pending), default=None)

@@ -69,6 +69,10 @@ DEFAULT_MAX_CONNECTIONS = 10_000
 # before it is aborted (seconds; see ServerConnection._maybe_finish).
 LINGER_SECONDS = 5.0
 
+# The message types a request may have, and a reply's (an enum member is slow to get).
+_REQUEST_TYPES = frozenset((int(MessageType.CALL), int(MessageType.ONEWAY)))
+_REPLY = int(MessageType.REPLY)
+
 
 class Handler(TypingProtocol):
     """What the server calls for each request."""
@@ -215,7 +219,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._protocol_failure(exc, frame)
             return
         m = method(name)
-        if m is None or mtype not in (MessageType.CALL, MessageType.ONEWAY):
+        if m is None or mtype not in _REQUEST_TYPES:
             counters["errors"] += 1
             if mtype == MessageType.ONEWAY:
                 log.info("%s: oneway call of unknown method %r dropped", self.peer, name)
@@ -251,7 +255,8 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._last_write.add_done_callback(lambda _: self._call_handler(call, args))
         else:
             self._call_handler(call, args)
-        self._update_reading()
+        if len(self._calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
+            self._update_reading()
 
     def _call_handler(self, call: _Call, args: Any) -> Any:
         try:
@@ -293,7 +298,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         if exc is None:
             if m.oneway:
                 return
-            call.reply = (MessageType.REPLY, result)
+            call.reply = (_REPLY, result)
         else:
             self.server.counters["errors"] += 1
             if m.oneway:
@@ -329,8 +334,10 @@ class ServerConnection(asyncio.BufferedProtocol):
                 continue
             mtype, body = call.reply  # type: ignore[misc]
             self._send(call.method.name, mtype, call.seqid, body, call.frame)
-        self._update_reading()
-        self._maybe_finish()
+        if self._read_paused:  # (a flush can only resume reading)
+            self._update_reading()
+        if self._closing:
+            self._maybe_finish()
 
     def _send(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> None:
         assert self.transport is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__
@@ -39,13 +39,16 @@ class ParameterService:
         self.cluster = cluster
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
+        self._handlers: dict[str, Callable[[Method, Any], Any]] = {}  # by method name
 
     @property
     def node_id(self) -> str:
         return self.store.table.node_id
 
     def handle(self, method: Method, args: Any) -> Any:
-        handler = getattr(self, "_" + method.name)
+        handler = self._handlers.get(method.name)
+        if handler is None:
+            handler = self._handlers[method.name] = getattr(self, "_" + method.name)
         return handler(method, args)
 
     # -- the founding methods ----------------------------------------------------

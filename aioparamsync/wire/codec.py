@@ -11,6 +11,16 @@ read-only ``memoryview`` slices of the buffer (no copy: a 64 MiB parameter
 stays where the socket put it) and encode by reference: the encoder returns a
 list of buffers for a vectored write, the large ones being the caller's own.
 
+Speed. Each struct class gets a plan once (its fields by id, their wire
+types and normalised sub-specs, the required names), so the walk never looks
+at a spec again. In the binary protocol, which carries nearly every call,
+each class also gets code made for it: a reader that takes the fields in id
+order straight through, leaving anything unusual (a field out of order,
+unknown, repeated, malformed or cut short) to the general walk from there,
+so that its outcome is the general walk's; and a writer with the field
+headers packed once. Only our own constants go into that code; names and
+sub-specs are its bound values, never its text.
+
 Decoding on a stream (unframed connections) raises :class:`NeedData` with the
 number of bytes the message needs at least, so the caller waits for that many
 before trying again, instead of re-parsing on every packet.
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from thriftpy2.thrift import TType
@@ -62,6 +73,7 @@ class Protocol(enum.Enum):
 
 # (an enum's .value is slow to get)
 _COMPACT_BYTE = Protocol.COMPACT.value
+_PROTOCOL_BINARY = Protocol.BINARY
 
 
 class MessageType(enum.IntEnum):
@@ -86,6 +98,7 @@ _S_I64 = struct.Struct("!q")
 _S_DOUBLE = struct.Struct("!d")
 _S_DOUBLE_LE = struct.Struct("<d")
 _S_BIN_MSG = struct.Struct("!I")  # strict binary: version and type in one word
+_S_MSG_HEAD = struct.Struct("!Ii")  # that word and the name's length
 _S_FIELD = struct.Struct("!bh")
 _S_LIST = struct.Struct("!bi")
 _S_MAP = struct.Struct("!bbi")
@@ -98,7 +111,6 @@ _pack_i64 = _S_I64.pack
 
 # TType's values, as plain ints (the walk compares them a lot).
 _T_STOP = TType.STOP
-_T_BOOL = TType.BOOL
 _T_I32 = TType.I32
 _T_I64 = TType.I64
 _T_STRING = TType.STRING
@@ -173,8 +185,8 @@ class _Plan:
 
     Attributes:
         by_id: field id -> (wire type, name, type, normalised sub-spec), for reading.
-        in_order: (name, type, normalised sub-spec, required, binary field
-            header or None) by field id, for writing.
+        in_order: (name, field id, type, normalised sub-spec, required,
+            binary field header or None) by field id, for writing.
         required: names of the required fields.
     """
 
@@ -499,6 +511,20 @@ class BinaryReader(Reader):
     }
 
     def read_message_begin(self) -> tuple[str, int, int]:
+        # At once where it is all there and well formed; else step by step,
+        # which says what is wrong.
+        buf, pos, end = self.buf, self.pos, self.end
+        if pos + 8 <= end:
+            word, n = _S_MSG_HEAD.unpack_from(buf, pos)
+            p = pos + 8
+            if word & 0xFFFF0000 == _BINARY_VERSION and n >= 0 and p + n + 4 <= end:
+                try:
+                    name = str(buf[p : p + n], "utf-8")
+                except UnicodeDecodeError:
+                    pass
+                else:
+                    self.pos = p + n + 4
+                    return name, word & 0xFF, _unpack_i32(buf, p + n)[0]
         word = _S_BIN_MSG.unpack_from(self.buf, self._take(4))[0]
         if word & 0xFFFF0000 != _BINARY_VERSION:
             raise RemoteProtocolError(f"bad binary protocol version word {word:#010x}")
@@ -576,20 +602,27 @@ class BinaryReader(Reader):
 
     # -- the walk, specialised ---------------------------------------------------
     #
-    # Reader's walk with the hot primitives inlined (field headers, strings,
-    # binaries, i32, i64): every bounds check is still made before the bytes
-    # are read, with self.pos where _take would have it, so running out
-    # raises what it raises anywhere else.
+    # A struct is read by code made for its class (see _binary_reader): the
+    # fields in id order, straight through. Anything else (a field out of
+    # order, unknown, repeated or malformed, or too few bytes) is left to the
+    # general walk, _read_fields, from that field on, so the outcome is the
+    # general walk's, errors included.
 
     def read_struct(self, cls: Any) -> Any:
-        plan = _PLANS.get(cls) or _plan(cls)
-        by_id = plan.by_id
+        read = _BINARY_READERS.get(cls)
+        if read is None:
+            read = _BINARY_READERS[cls] = _binary_reader(cls)
+        return read(self)
+
+    def _read_fields(self, by_id: dict[int, tuple[int, str, int, Any]], values: dict) -> None:
+        """Read a struct's fields from ``self.pos`` into ``values``, up to its STOP.
+
+        The hot primitives are inlined: every bounds check is still made
+        before the bytes are read, with ``self.pos`` where ``_take`` would
+        have it, so running out raises what it raises anywhere else.
+        """
         buf = self.buf
         end = self.end
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
-        values: dict[str, Any] = {}
         pos = self.pos
         while True:
             if pos + 3 > end:  # room for a STOP only, or not even that
@@ -655,11 +688,6 @@ class BinaryReader(Reader):
                 values[field[1]] = self._read_value(ttype, field[3])
                 pos = self.pos
         self.pos = pos
-        self.depth -= 1
-        for name in plan.required:
-            if name not in values:
-                raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
-        return cls(**values)
 
     def _read_list(self, ttype: int, sub: Any) -> Any:
         etype, esub, ewire = sub
@@ -689,6 +717,180 @@ class BinaryReader(Reader):
             items = [read_value(etype, esub) for _ in range(count)]
         self.depth -= 1
         return set(items) if ttype == _T_SET else items
+
+    def _read_map(self, sub: Any) -> dict:
+        ktype, ksub, kwire_want, vtype, vsub, vwire_want = sub
+        pos = self.pos
+        if pos + 6 > self.end:
+            self._overrun(6)
+        kwire, vwire, count = _S_MAP.unpack_from(self.buf, pos)
+        self.pos = pos + 6
+        if count and (kwire != kwire_want or vwire != vwire_want):
+            raise RemoteProtocolError(f"map of types {kwire}, {vwire} is not the expected one")
+        min_size = self.MIN_SIZE
+        self._check_count_of(count, min_size.get(kwire, 1) + min_size.get(vwire, 1))
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+        result: dict[Any, Any] = {}
+        if count and ktype == _T_STRING and vtype in (_T_I32, _T_I64):  # e.g. versions by name
+            read_key = self._read_string
+            read_item = self._read_i32 if vtype == _T_I32 else self._read_i64
+            for _ in range(count):
+                key = read_key()
+                result[key] = read_item()
+        else:
+            read_value = self._read_value
+            for _ in range(count):
+                key = read_value(ktype, ksub)
+                result[key] = read_value(vtype, vsub)
+        self.depth -= 1
+        return result
+
+
+_S_HEAD = struct.Struct("!bh")  # a binary field header
+_S_HEAD_I32 = struct.Struct("!bhi")  # a field header and the 4 bytes after it
+_S_HEAD_I64 = struct.Struct("!bhq")  # a field header and the 8 bytes after it
+_S_HEAD_LIST = struct.Struct("!bhbi")  # a field header and a list's header
+
+
+_BINARY_READERS: dict[Any, Callable[[BinaryReader], Any]] = {}
+
+
+def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
+    """Make the code that reads a struct of class ``cls`` (BinaryReader.read_struct).
+
+    It expects each field in id order and reads it in place when its header
+    is there and its bytes are all there; else it moves on to the next one.
+    After the last, a STOP ends the struct. Whatever it does not read (it
+    never reads past ``end``, and breaks off on a bad length or invalid
+    UTF-8) the general walk reads from there, so the outcome is the general
+    walk's. Names and sub-specs are the code's constants, never its text.
+    """
+    plan = _plan(cls)
+    env: dict[str, Any] = {
+        "CLS": cls,
+        "MAX_DEPTH": MAX_DEPTH,
+        "RemoteProtocolError": RemoteProtocolError,
+        "BY_ID": plan.by_id,
+        "U_BH": _S_HEAD.unpack_from,
+        "U_BHI": _S_HEAD_I32.unpack_from,
+        "U_BHQ": _S_HEAD_I64.unpack_from,
+        "U_BHBI": _S_HEAD_LIST.unpack_from,
+        "UNPACK": struct.unpack_from,
+    }
+    code = [
+        "def read(self):",
+        "    depth = self.depth + 1",
+        "    if depth > MAX_DEPTH:",
+        "        raise RemoteProtocolError(DEEP)",
+        "    self.depth = depth",
+        "    buf = self.buf",
+        "    end = self.end",
+        "    pos = self.pos",
+        "    values = {}",
+        "    while True:  # once: a break goes on to the general walk",
+    ]
+    env["DEEP"] = f"message nests deeper than {MAX_DEPTH} levels"
+    for i, (name, fid, ttype, sub, _, header) in enumerate(plan.in_order):
+        if header is None:
+            continue  # not a binary field header: the general walk's
+        fid, ttype, wire = int(fid), int(ttype), int(_wire_type(ttype))
+        env[f"N{i}"], env[f"S{i}"] = name, sub
+        match = f"            if f == {fid} and w == {wire}:"
+        if ttype in _T_BYTES:
+            code += [
+                "        if pos + 7 <= end:",
+                "            w, f, n = U_BHI(buf, pos)",
+                match,
+                "                p = pos + 7",
+                "                if n < 0 or p + n > end:",
+                "                    break",
+            ]
+            if ttype == _T_BINARY:
+                code += [f"                values[N{i}] = buf[p : p + n]"]
+            else:
+                code += [
+                    "                try:",
+                    f"                    values[N{i}] = str(buf[p : p + n], 'utf-8')",
+                    "                except UnicodeDecodeError:",
+                    "                    break",
+                ]
+            code += ["                pos = p + n"]
+        elif ttype in (_T_I32, _T_I64):
+            size, unpack = (7, "U_BHI") if ttype == _T_I32 else (11, "U_BHQ")
+            code += [
+                f"        if pos + {size} <= end:",
+                f"            w, f, n = {unpack}(buf, pos)",
+                match,
+                f"                values[N{i}] = n",
+                f"                pos += {size}",
+            ]
+        elif ttype == _T_LIST and sub[0] in (_T_I64, _T_STRUCT):
+            # The list's header too, then as BinaryReader._read_list reads it
+            # (the same checks, in the same order); any other list, its way.
+            etype, esub, ewire = sub
+            env[f"E{i}"] = esub
+            code += [
+                "        if pos + 8 <= end:",
+                "            w, f, e, count = U_BHBI(buf, pos)",
+                f"            if f == {fid} and w == {wire} and e == {int(ewire)} and count >= 0 "
+                "and depth < MAX_DEPTH:",
+                "                self.pos = pos + 8",
+            ]
+            if etype == _T_I64:
+                code += [
+                    "                self._check_count_of(count, 8)",
+                    "                pos += 8",
+                    "                if pos + 8 * count > end:",
+                    "                    self._overrun(8 * count)",
+                    f"                values[N{i}] = list(UNPACK(f'!{{count}}q', buf, pos))",
+                    "                pos += 8 * count",
+                ]
+            else:
+                code += [
+                    "                self._check_count_of(count, 1)",
+                    "                self.depth = depth + 1",
+                    "                read_struct = self.read_struct",
+                    f"                values[N{i}] = [read_struct(E{i}) for _ in range(count)]",
+                    "                self.depth = depth",
+                    "                pos = self.pos",
+                ]
+        else:
+            if ttype == _T_STRUCT:
+                reading = f"self.read_struct(S{i})"
+            elif ttype in _T_SEQUENCES:
+                reading = f"self._read_list({ttype}, S{i})"
+            elif ttype == _T_MAP:
+                reading = f"self._read_map(S{i})"
+            else:
+                reading = f"self._read_value({ttype}, S{i})"
+            code += [
+                "        if pos + 3 <= end:",
+                "            w, f = U_BH(buf, pos)",
+                match,
+                "                self.pos = pos + 3",
+                f"                values[N{i}] = {reading}",
+                "                pos = self.pos",
+            ]
+    # The end: a STOP, read here; else (and after any break) the general walk.
+    finish = ["{}self.depth = depth - 1"]
+    for i, name in enumerate(plan.required):
+        env[f"R{i}"], env[f"MISSING{i}"] = name, f"required field {cls.__name__}.{name} is missing"
+        finish += [f"{{}}if R{i} not in values:", f"{{}}    raise RemoteProtocolError(MISSING{i})"]
+    finish += ["{}return CLS(**values)"]
+    code += [
+        "        if pos < end and buf[pos] == 0:",
+        "            self.pos = pos + 1",
+        *(line.format(" " * 12) for line in finish),
+        "        break",
+        "    self.pos = pos",
+        "    self._read_fields(BY_ID, values)",
+        *(line.format(" " * 4) for line in finish),
+    ]
+    exec(compile("\n".join(code), "<aioparamsync.wire.codec: binary struct reader>", "exec"), env)
+    read: Callable[[BinaryReader], Any] = env["read"]
+    return read
 
 
 # Compact protocol type ids and the TType each stands for.
@@ -869,7 +1071,9 @@ def decode_header(
 
     ``reader.read_body(cls)`` then decodes the struct that follows.
     """
-    reader = _READERS[protocol](payload, stream=stream, limit=limit)
+    # (an enum's hash is slow: test for the usual protocol first)
+    reader_cls = BinaryReader if protocol is _PROTOCOL_BINARY else _READERS[protocol]
+    reader = reader_cls(payload, stream=stream, limit=limit)
     name, mtype, seqid = reader.read_message_begin()
     return name, mtype, seqid, reader
 
@@ -1193,35 +1397,10 @@ class BinaryWriter(Writer):
             out += value
 
     def write_struct(self, obj: Any) -> None:
-        cls = type(obj)
-        plan = _PLANS.get(cls) or _plan(cls)
-        out = self.out
-        for name, _, ttype, sub, required, header in plan.in_order:
-            value = getattr(obj, name, None)
-            if value is None:
-                if required:
-                    raise LocalProtocolError(f"required field {cls.__name__}.{name} is missing")
-                continue
-            if header is None:
-                raise LocalProtocolError(f"field {cls.__name__}.{name}: no binary field header")
-            out += header
-            if ttype in _T_BYTES:
-                if type(value) is str:
-                    value = value.encode("utf-8")
-                if type(value) is bytes and len(value) < ZERO_COPY_MIN_BYTES:
-                    out += _pack_i32(len(value))
-                    out += value
-                else:
-                    self._write_bytes(value)
-                    out = self.out
-            elif ttype == _T_I64:
-                out += _pack_i64(value)
-            elif ttype == _T_I32:
-                out += _pack_i32(value)
-            else:
-                self._write_value(ttype, sub, value)
-                out = self.out
-        out.append(_T_STOP)
+        write = _BINARY_WRITERS.get(type(obj))
+        if write is None:
+            write = _BINARY_WRITERS[type(obj)] = _binary_writer(type(obj))
+        write(self, obj)
 
     def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
         if ttype in _T_BYTES:
@@ -1251,12 +1430,76 @@ class BinaryWriter(Writer):
         elif ttype == _T_MAP:
             ktype, ksub, kwire, vtype, vsub, vwire = sub
             self.out += _S_MAP.pack(kwire, vwire, len(value))
+            pack = _pack_i32 if vtype == _T_I32 else _pack_i64 if vtype == _T_I64 else None
+            if ktype == _T_STRING and pack is not None:  # e.g. versions by name
+                write_bytes = self._write_bytes
+                for key, item in value.items():
+                    write_bytes(key)
+                    self.out += pack(item)
+                return
             write_value = self._write_value
             for key, item in value.items():
                 write_value(ktype, ksub, key)
                 write_value(vtype, vsub, item)
         else:
             self._write_scalar(ttype, value)
+
+
+_BINARY_WRITERS: dict[Any, Callable[[BinaryWriter, Any], None]] = {}
+
+
+def _binary_writer(cls: Any) -> Callable[[BinaryWriter, Any], None]:
+    """Make the code that writes a struct of class ``cls`` (BinaryWriter.write_struct).
+
+    Field by field in id order, as Writer.write_struct: a header packed once,
+    the common values written in place, the others (and every binary that
+    goes by reference) by the writer's methods. Names are the code's
+    constants, never its text.
+    """
+    plan = _plan(cls)
+    env: dict[str, Any] = {
+        "LocalProtocolError": LocalProtocolError,
+        "PACK_I32": _pack_i32,
+        "PACK_I64": _pack_i64,
+        "SMALL": ZERO_COPY_MIN_BYTES,
+    }
+    code = ["def write(self, obj):", "    out = self.out"]
+    for i, (name, _, ttype, sub, required, header) in enumerate(plan.in_order):
+        ttype = int(ttype)
+        env[f"N{i}"], env[f"H{i}"], env[f"S{i}"] = name, header, sub
+        env[f"MISSING{i}"] = f"required field {cls.__name__}.{name} is missing"
+        env[f"NO_HEADER{i}"] = f"field {cls.__name__}.{name}: no binary field header"
+        code += [f"    v = getattr(obj, N{i}, None)"]
+        if required:
+            code += ["    if v is None:", f"        raise LocalProtocolError(MISSING{i})"]
+        code += ["    if v is not None:"]
+        if header is None:
+            code += [f"        raise LocalProtocolError(NO_HEADER{i})"]
+            continue
+        code += [f"        out += H{i}"]
+        if ttype in _T_BYTES:
+            code += [
+                "        if type(v) is str:",
+                "            v = v.encode('utf-8')",
+                "        if type(v) is bytes and len(v) < SMALL:",
+                "            out += PACK_I32(len(v))",
+                "            out += v",
+                "        else:",
+                "            self._write_bytes(v)",
+                "            out = self.out",
+            ]
+        elif ttype == _T_I32:
+            code += ["        out += PACK_I32(v)"]
+        elif ttype == _T_I64:
+            code += ["        out += PACK_I64(v)"]
+        elif ttype == _T_STRUCT:
+            code += ["        self.write_struct(v)", "        out = self.out"]
+        else:
+            code += [f"        self._write_value({ttype}, S{i}, v)", "        out = self.out"]
+    code += ["    out.append(0)"]
+    exec(compile("\n".join(code), "<aioparamsync.wire.codec: binary struct writer>", "exec"), env)
+    write: Callable[[BinaryWriter, Any], None] = env["write"]
+    return write
 
 
 def _varint(n: int) -> bytes:
@@ -1368,7 +1611,7 @@ def encode_message(
     Raises:
         LocalProtocolError: a value the protocol cannot carry.
     """
-    writer = _WRITERS[protocol]()
+    writer = BinaryWriter() if protocol is _PROTOCOL_BINARY else _WRITERS[protocol]()
     if framed:
         writer.out += b"\0\0\0\0"  # the frame's length, known at the end
     try:
