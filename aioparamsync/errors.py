@@ -48,6 +48,7 @@ class ErrorCode(enum.IntEnum):
     SHAPE_MISMATCH = 3
     LIMIT_EXCEEDED = 4
     UNAVAILABLE = 5
+    TIMEOUT = 6
 
 
 class ParamSyncError(Exception):

@@ -16,6 +16,21 @@ namespace cpp ml.param_sync
 namespace java ml.param_sync
 namespace py ml.param_sync
 
+// How gradients are folded into a stored parameter w (g: the gradient).
+struct Rule {
+    // "sum": w += g. "sgd": with weight decay wd and momentum mu (buffer b,
+    // b = g' on the first step): g' = g + wd*w; b = mu*b + g'; w -= lr*b
+    // (torch.optim.SGD). "adam": torch.optim.Adam's rule, its state (m, v,
+    // step) kept by the node. Other kinds are refused.
+    1: required string kind,
+    2: optional double lr = 0.01,
+    3: optional double momentum = 0.0,
+    4: optional double weight_decay = 0.0,
+    5: optional double beta1 = 0.9,
+    6: optional double beta2 = 0.999,
+    7: optional double eps = 1e-8,
+}
+
 struct Parameter {
     1: required string name,
     // The raw bytes of the array, C order.
@@ -30,6 +45,19 @@ struct Parameter {
     // receiver keep version and origin (last writer wins on (version,
     // origin)); clients leave it out.
     6: optional string origin,
+    // How `data` is encoded; absent: the array's own bytes. dtype and shape
+    // always describe the decoded array. "fp16", "bf16": its values in that
+    // type; "int8": round(value / scale) as int8; "topk": the values (in
+    // dtype) at the flat positions `indices` holds (little-endian int64),
+    // every other element zero; "zlib": its bytes, deflated. A node stores
+    // and answers decoded arrays unless a request asks for an encoding.
+    7: optional string encoding,
+    8: optional double scale,
+    9: optional binary indices,
+    // The rule push_gradients folds gradients into this parameter by. Set by
+    // an update (where the parameter is created, or to change it); an update
+    // without one keeps the stored rule.
+    10: optional Rule rule,
 }
 
 struct ParameterUpdate {
@@ -39,7 +67,20 @@ struct ParameterUpdate {
 
 struct ParameterRequest {
     1: required list<string> param_names,
-    2: optional i32 min_version = 0
+    2: optional i32 min_version = 0,
+    // Long poll (stale-synchronous training): wait up to this many
+    // milliseconds for every requested name to exist with version >=
+    // min_version; answered as soon as they do, or with a TIMEOUT error.
+    3: optional i32 wait_ms,
+    // A delta pull: the version the caller holds of each name; a name comes
+    // back only when the node has a newer version of it.
+    4: optional map<string, i32> known_versions,
+    // Every parameter the node holds instead of param_names (with
+    // known_versions: every one changed).
+    5: optional bool all_names,
+    // Encode the answered data so ("fp16", "bf16", "int8", "zlib"; see
+    // Parameter.encoding); absent: raw.
+    6: optional string encoding,
 }
 
 struct ParameterResponse {
@@ -58,6 +99,8 @@ enum ErrorCode {
     LIMIT_EXCEEDED = 4,
     // The node cannot take the request now (overloaded or shutting down).
     UNAVAILABLE = 5,
+    // A wait (long poll, barrier) reached its deadline.
+    TIMEOUT = 6,
 }
 
 exception ParameterError {
@@ -69,6 +112,52 @@ exception ParameterError {
 struct UpdateResult {
     1: required map<string, i32> versions,
     2: required i64 timestamp,
+}
+
+// Gradients for push_gradients.
+struct GradientPush {
+    // One Parameter per gradient: name, data (encoded or not), dtype, shape;
+    // the parameter must exist with a rule, and the gradient its shape.
+    1: required list<Parameter> grads,
+    // Chosen by the caller, unique per push: a push sent again with the same
+    // id (a retry) is applied once and answered the first outcome.
+    2: optional string request_id,
+    3: optional i64 timestamp,
+    // Set by a node that passes the push on to the node that applies
+    // gradients of these names (it is not passed on again).
+    4: optional bool forwarded,
+}
+
+// A worker arriving at a barrier (bulk-synchronous training).
+struct BarrierRequest {
+    1: required string group,
+    2: required string worker,
+    // The step the worker has finished; the barrier opens when every one of
+    // world_size workers has reached at least this step.
+    3: required i64 step,
+    4: required i32 world_size,
+    // How long to wait (milliseconds); absent: until the call's deadline.
+    5: optional i32 wait_ms,
+}
+
+struct BarrierResult {
+    1: required string group,
+    2: required i64 step,
+    // The workers that passed (each at that step or later).
+    3: required list<string> workers,
+}
+
+// A caller the node is holding: a long poll or a barrier, and who it waits for.
+struct Waiter {
+    // "pull" or "barrier"
+    1: required string kind,
+    // the barrier's group and step, or the names and min_version awaited
+    2: required string what,
+    // the workers not yet arrived, or the names not yet at min_version
+    3: required list<string> waiting_for,
+    4: required double seconds,
+    // the worker (barrier) or the caller's address
+    5: optional string who,
 }
 
 // Where a node can be reached, and who it is.
@@ -117,6 +206,8 @@ struct NodeInfo {
     // Counters by name: requests, errors, connections, bytes in and out.
     7: required map<string, i64> counters,
     8: optional list<PeerInfo> peers,
+    // Long polls and barriers waiting now.
+    9: optional list<Waiter> waiting,
 }
 
 service ParameterSyncService {
@@ -139,4 +230,12 @@ service ParameterSyncService {
     list<Member> announce(1: Member member),
     // (name, version, origin, size) of every parameter the node holds.
     list<DigestEntry> digest(),
+
+    // Fold gradients into parameters by each one's rule, atomically; answers
+    // the versions made. Idempotent by request_id.
+    UpdateResult push_gradients(1: GradientPush push)
+        throws (1: ParameterError error),
+    // Wait until world_size workers of the group reach the step.
+    BarrierResult barrier(1: BarrierRequest request)
+        throws (1: ParameterError error),
 }
