@@ -4,6 +4,11 @@ A parameter's ``data`` is the array's bytes in C order, ``dtype`` numpy's
 dtype string (``arr.dtype.str``, e.g. ``"<f4"``) and ``shape`` its shape. A
 parameter without a dtype is plain bytes (what a founding client sends).
 
+numpy has no bfloat16; the ``ml_dtypes`` package gives it one, whose dtype
+string (``"<V2"``) says nothing. So a bfloat16 array goes on the wire as
+``"bfloat16"``, its bytes little-endian. ``ml_dtypes`` is imported only when
+that dtype is met, so importing this module stays light.
+
 Sending takes the array's buffer by reference (a non-contiguous array is made
 contiguous first: the one copy that cannot be avoided). Receiving answers a
 read-only array over the received bytes.
@@ -12,6 +17,7 @@ read-only array over the received bytes.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -20,22 +26,98 @@ import numpy as np
 from .errors import ErrorCode, RequestError
 from .wire import thrift
 
-__all__ = ["check_layout", "from_parameter", "to_parameter"]
+__all__ = [
+    "BFLOAT16",
+    "check_layout",
+    "check_shape",
+    "from_parameter",
+    "is_bfloat16",
+    "parse_dtype",
+    "to_parameter",
+    "wire_dtype",
+]
 
 # numpy kinds a parameter may hold: bool, signed, unsigned, float, complex.
 NUMERIC_KINDS = frozenset("biufc")
 # Most dimensions a parameter may have (numpy's own limit).
 MAX_DIMS = 64
+# The wire's dtype string of ml_dtypes.bfloat16 (numpy's own, "<V2", is ambiguous).
+BFLOAT16 = "bfloat16"
+# bfloat16 bytes on the wire are little-endian; a big-endian host swaps them.
+_SWAP_BFLOAT16 = sys.byteorder != "little"
 
 
-def _dtype(dtype: str) -> np.dtype:
+def _bfloat16() -> np.dtype:
+    # Imported here, not at the top: most users never meet a bfloat16.
+    try:
+        import ml_dtypes
+    except ImportError:  # a core dependency, but say so rather than fail obscurely
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, "dtype 'bfloat16' needs the ml_dtypes package"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether ``dtype`` (a numpy dtype) is ml_dtypes' bfloat16.
+
+    Never imports ml_dtypes: an array cannot have that dtype unless it was imported.
+    """
+    ml = sys.modules.get("ml_dtypes")
+    return ml is not None and np.dtype(dtype) == np.dtype(ml.bfloat16)
+
+
+def wire_dtype(dtype: Any) -> str:
+    """The dtype string a parameter of this dtype carries on the wire.
+
+    Args:
+        dtype: a numpy dtype (or anything ``np.dtype`` takes).
+
+    Returns:
+        ``"bfloat16"`` for ml_dtypes' bfloat16, numpy's ``dtype.str`` otherwise.
+    """
+    dt = np.dtype(dtype)
+    return BFLOAT16 if is_bfloat16(dt) else dt.str
+
+
+def parse_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a wire dtype string, checked to be numeric.
+
+    Args:
+        dtype: numpy's dtype string (e.g. ``"<f4"``) or ``"bfloat16"``.
+
+    Returns:
+        The dtype (ml_dtypes' bfloat16 for ``"bfloat16"``, imported then).
+
+    Raises:
+        RequestError: (SHAPE_MISMATCH) not a numpy dtype, or not numeric.
+    """
+    if dtype == BFLOAT16:
+        return _bfloat16()
     try:
         dt = np.dtype(dtype)
     except Exception:  # noqa: BLE001 - numpy raises SyntaxError, warnings... on odd strings
         raise RequestError(ErrorCode.SHAPE_MISMATCH, f"{dtype!r} is not a numpy dtype") from None
+    # ml_dtypes' types are kind "V": only the exact string "bfloat16" names one.
     if dt.kind not in NUMERIC_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise RequestError(ErrorCode.SHAPE_MISMATCH, f"dtype {dtype!r} is not a numeric dtype")
     return dt
+
+
+def check_shape(name: str, shape: Sequence[int]) -> None:
+    """Check that ``shape`` is one a parameter may have.
+
+    Raises:
+        RequestError: (SHAPE_MISMATCH) too many dimensions, or a negative one.
+    """
+    if len(shape) > MAX_DIMS:
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: {len(shape)} dimensions; at most {MAX_DIMS}"
+        )
+    if any(d < 0 for d in shape):
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
+        )
 
 
 def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int] | None) -> None:
@@ -44,14 +126,8 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
     Raises:
         RequestError: (SHAPE_MISMATCH) they do not, or the dtype is not numeric.
     """
-    if shape is not None and len(shape) > MAX_DIMS:
-        raise RequestError(
-            ErrorCode.SHAPE_MISMATCH, f"{name!r}: {len(shape)} dimensions; at most {MAX_DIMS}"
-        )
-    if shape is not None and any(d < 0 for d in shape):
-        raise RequestError(
-            ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
-        )
+    if shape is not None:
+        check_shape(name, shape)
     if dtype is None:
         if shape is not None and math.prod(shape) != nbytes:
             raise RequestError(
@@ -60,7 +136,7 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
                 f"{math.prod(shape)} bytes, got {nbytes}",
             )
         return
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
     if shape is None:
         if nbytes % dt.itemsize:
             raise RequestError(
@@ -84,7 +160,8 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
 
     Args:
         name: the parameter's name.
-        array: the values; any numeric dtype, any shape, contiguous or not.
+        array: the values; any numeric dtype (ml_dtypes' bfloat16 too), any
+            shape, contiguous or not.
         version: the version to ask for (0: the node picks stored + 1).
 
     Returns:
@@ -94,33 +171,48 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
         TypeError: the array is not numeric (object, strings, records...).
     """
     arr = np.asarray(array)
-    if arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.fields is not None:
+    bfloat16 = is_bfloat16(arr.dtype)
+    if not bfloat16 and (arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.fields is not None):
         raise TypeError(f"{name!r}: cannot send an array of dtype {arr.dtype}")
-    if not arr.flags.c_contiguous:
+    if bfloat16 and _SWAP_BFLOAT16:
+        arr = arr.view(np.uint16).byteswap().view(arr.dtype)  # a copy, little-endian
+    elif not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     data = memoryview(cast(Any, arr.reshape(-1).view(np.uint8)))
+    dtype = BFLOAT16 if bfloat16 else arr.dtype.str
     return thrift.Parameter(
-        name=name, data=data, version=version, dtype=arr.dtype.str, shape=list(arr.shape)
+        name=name, data=data, version=version, dtype=dtype, shape=list(arr.shape)
     )
 
 
 def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
     """The array a ``Parameter`` holds, as a view of its bytes (read-only when they are).
 
+    The data is read as it is: an encoded parameter (``encoding`` set) needs
+    :func:`aioparamsync.compression.decode` instead.
+
     Args:
         param: a ``Parameter``.
         dtype: for a parameter sent without one (a founding client's plain
             bytes), the dtype to read it as; default ``uint8``.
+
+    Returns:
+        The array, of the parameter's dtype (``"bfloat16"``: ml_dtypes'
+        bfloat16) and shape. On a big-endian host a bfloat16 array is a
+        byte-swapped copy, not a view.
 
     Raises:
         RequestError: (SHAPE_MISMATCH) the bytes do not fit the dtype and shape.
     """
     data = param.data
     nbytes = memoryview(data).nbytes
-    stored = param.dtype if param.dtype is not None else (np.dtype(dtype or np.uint8).str)
+    stored = param.dtype if param.dtype is not None else wire_dtype(dtype or np.uint8)
     shape = param.shape if param.dtype is not None else None
     check_layout(param.name, nbytes, stored, shape)
-    arr = np.frombuffer(data, dtype=np.dtype(stored))
+    dt = parse_dtype(stored)
+    arr = np.frombuffer(data, dtype=dt)
+    if _SWAP_BFLOAT16 and stored == BFLOAT16:
+        arr = arr.view(np.uint16).byteswap().view(dt)
     return arr.reshape(shape) if shape is not None else arr
 
 

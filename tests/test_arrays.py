@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
+from aioparamsync.arrays import check_layout, parse_dtype, wire_dtype
 from aioparamsync.wire import thrift
 
 NUMERIC = st.one_of(
@@ -84,3 +88,47 @@ def test_mismatched_parameters_raise_a_clear_error() -> None:
         from_parameter(param)
     assert info.value.code == ErrorCode.SHAPE_MISMATCH
     assert "'w'" in str(info.value) and "8 bytes" in str(info.value)
+
+
+def test_bfloat16_goes_on_the_wire_as_bfloat16_and_round_trips_exactly() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = np.arange(0, 1 << 16, 7, dtype=np.uint16)  # every kind: normals, subnormals, inf, NaN
+    arr = bits.view(ml_dtypes.bfloat16).reshape(-1, 1)
+    param = to_parameter("w", arr)
+    assert param.dtype == "bfloat16"  # never numpy's ambiguous "<V2"
+    assert bytes(param.data) == bits.astype("<u2").tobytes()  # little-endian
+    back = from_parameter(param)
+    assert back.dtype == ml_dtypes.bfloat16 and back.shape == arr.shape
+    assert back.tobytes() == arr.tobytes()
+
+
+def test_bfloat16_checks_layout_and_reads_plain_bytes_as_asked() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    check_layout("w", 6, "bfloat16", [3])
+    with pytest.raises(RequestError, match="needs 6 bytes, got 5") as info:
+        check_layout("w", 5, "bfloat16", [3])
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    bf16 = ml_dtypes.bfloat16
+    raw = thrift.Parameter(name="seed", data=np.float32([1, -2]).astype(bf16).tobytes())
+    np.testing.assert_array_equal(from_parameter(raw, bf16).astype(np.float32), [1, -2])
+
+
+@pytest.mark.parametrize("dtype", ["<V2", "|V2", "V4", "float8_e4m3fn", "<U1"])
+def test_void_and_other_extension_dtypes_are_refused(dtype: str) -> None:
+    pytest.importorskip("ml_dtypes")  # registers its other types with numpy, too
+    param = thrift.Parameter(name="w", data=b"\0\0", dtype=dtype, shape=[1])
+    with pytest.raises(RequestError) as info:
+        from_parameter(param)
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+
+
+def test_importing_aioparamsync_does_not_import_ml_dtypes() -> None:
+    code = "import sys, aioparamsync; sys.exit('ml_dtypes' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_wire_dtype_and_parse_dtype_agree() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.dtype("<f4"), np.dtype(">i2"), np.dtype(ml_dtypes.bfloat16)):
+        assert parse_dtype(wire_dtype(dt)) == dt
+    assert wire_dtype(ml_dtypes.bfloat16) == "bfloat16"
