@@ -1,0 +1,308 @@
+"""aioparamsync.torch against a real node: tensors, state dicts, in-place loads, gradients."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aioparamsync import ParameterClient, thrift  # noqa: E402
+from aioparamsync import torch as ps_torch  # noqa: E402
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and ps_torch.to_numpy(a).tobytes() == ps_torch.to_numpy(b).tobytes()
+    )
+
+
+def _special(dtype: torch.dtype) -> torch.Tensor:
+    """Values that catch any conversion: extremes, subnormals, -0.0, inf, NaN."""
+    if dtype == torch.bool:
+        return torch.tensor([[True, False, True], [False, False, True]])
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        values = [0.0, -0.0, 1.0, -2.5, info.max, info.min, info.tiny, info.smallest_normal / 4]
+        values += [float("inf"), float("-inf"), float("nan"), 1 / 3]
+        return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(3, 4)
+    info_i = torch.iinfo(dtype)
+    return torch.tensor([[info_i.min, -1, 0], [1, 2**40, info_i.max]], dtype=dtype)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.bn = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def _trained_net(seed: int) -> Net:
+    """A Net whose every entry (running stats, num_batches_tracked) is off its default."""
+    torch.manual_seed(seed)
+    net = Net().train()
+    for _ in range(3):
+        net(torch.randn(8, 4))
+    return net
+
+
+# -- import -------------------------------------------------------------------------------
+
+
+def test_importing_aioparamsync_does_not_import_torch() -> None:
+    code = "import aioparamsync, sys; assert 'torch' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_module_is_ours_and_torch_is_pytorch() -> None:
+    import aioparamsync.torch
+
+    assert aioparamsync.torch is ps_torch and ps_torch.torch is torch
+    assert hasattr(ps_torch.torch, "nn")
+
+
+# -- tensors <-> arrays ---------------------------------------------------------------------
+
+
+def test_to_numpy_shares_memory_of_cpu_contiguous_tensors() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).requires_grad_()
+    arr = ps_torch.to_numpy(t)
+    assert arr.ctypes.data == t.data_ptr() and arr.shape == (3, 4) and arr.dtype == np.float32
+    b = torch.zeros(5, dtype=torch.bfloat16)
+    assert ps_torch.to_numpy(b).ctypes.data == b.data_ptr()
+
+
+def test_to_numpy_copies_what_it_must_and_keeps_values() -> None:
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    arr = ps_torch.to_numpy(t.t())  # not contiguous
+    assert arr.flags.c_contiguous
+    np.testing.assert_array_equal(arr, np.arange(12).reshape(3, 4).T)
+    z = torch.tensor([1 + 2j], dtype=torch.complex64).conj()  # a lazy conjugate
+    np.testing.assert_array_equal(ps_torch.to_numpy(z), [1 - 2j])
+    sparse = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
+    np.testing.assert_array_equal(ps_torch.to_numpy(sparse), [[0, 2], [3, 0]])
+    with pytest.raises(TypeError, match="not list"):
+        ps_torch.to_numpy([1, 2])
+    with pytest.raises(TypeError, match="float8"):
+        ps_torch.to_numpy(torch.zeros(2, dtype=torch.float8_e4m3fn))
+
+
+def test_bfloat16_converts_bit_for_bit() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)  # all of them
+    t = bits.view(torch.bfloat16)
+    arr = ps_torch.to_numpy(t)
+    assert arr.dtype == ml_dtypes.bfloat16
+    assert arr.view(np.int16).tobytes() == bits.numpy().tobytes()
+    back = ps_torch.from_numpy(arr)
+    assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.int16), bits)
+    assert ps_torch.from_numpy(np.float32(1.5).astype(ml_dtypes.bfloat16)).item() == 1.5
+
+
+def test_from_numpy_shares_writable_arrays_and_copies_read_only_ones() -> None:
+    arr = np.arange(6, dtype=np.float64).reshape(2, 3)
+    assert ps_torch.from_numpy(arr).data_ptr() == arr.ctypes.data
+    arr.flags.writeable = False
+    t = ps_torch.from_numpy(arr)  # no warning (warnings fail the tests)
+    assert t.data_ptr() != arr.ctypes.data and t.tolist() == arr.tolist()
+    swapped = ps_torch.from_numpy(np.arange(3, dtype=">i4"))
+    assert swapped.dtype == torch.int32 and swapped.tolist() == [0, 1, 2]
+    with pytest.raises(TypeError, match="no tensors of dtype"):
+        ps_torch.from_numpy(np.zeros(2, np.longdouble))
+
+
+# -- through a node -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.float64, torch.bool],
+    ids=str,
+)
+async def test_tensors_round_trip_exactly_through_a_node(
+    client: ParameterClient, dtype: torch.dtype
+) -> None:
+    if dtype == torch.bfloat16:
+        pytest.importorskip("ml_dtypes")
+    t = _special(dtype)
+    state = {"t": t, "scalar": t.reshape(-1)[2].clone(), "empty": t[:0], "strided": t.t()}
+    versions = await ps_torch.push_state_dict(client, state, prefix="x/")
+    assert versions == {"t": 1, "scalar": 1, "empty": 1, "strided": 1}
+    assert set((await client.get_arrays(["x/t", "t"])).keys()) == {"x/t"}
+    pulled = await ps_torch.pull_state_dict(client, list(state), prefix="x/")
+    assert set(pulled) == set(state)
+    for key, tensor in state.items():
+        assert _same_bits(pulled[key], tensor), key
+    if dtype == torch.bfloat16:
+        assert (await client.get_parameters(["x/t"])).params[0].dtype == "bfloat16"
+
+
+async def test_a_module_loads_in_place_from_the_node(client: ParameterClient) -> None:
+    source, fresh = _trained_net(0), Net()
+    assert source.bn.num_batches_tracked.item() == 3
+    versions = await ps_torch.push_state_dict(client, source, prefix="net/")
+    keys = list(source.state_dict())
+    assert versions == dict.fromkeys(keys, 1)
+
+    before = {k: (id(t), t.data_ptr()) for k, t in fresh.state_dict(keep_vars=True).items()}
+    weight = fresh.fc.weight
+    optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    assert await ps_torch.load_into(client, fresh, prefix="net/") == versions
+
+    after = fresh.state_dict(keep_vars=True)
+    assert {k: (id(t), t.data_ptr()) for k, t in after.items()} == before
+    assert fresh.fc.weight is weight and optimizer.param_groups[0]["params"][0] is weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad and weight.is_leaf
+    for key, tensor in source.state_dict().items():
+        assert _same_bits(after[key].detach(), tensor), key
+    assert fresh.bn.num_batches_tracked.item() == 3
+    assert fresh.bn.num_batches_tracked.dtype == torch.int64
+
+    x = torch.randn(5, 4)
+    assert torch.equal(fresh.eval()(x), source.eval()(x))
+
+
+async def test_pull_state_dict_takes_a_module_and_leaves_out_what_the_node_lacks(
+    client: ParameterClient,
+) -> None:
+    net = _trained_net(1)
+    await ps_torch.push_state_dict(client, {"fc.weight": net.fc.weight}, prefix="p.")
+    pulled = await ps_torch.pull_state_dict(client, Net(), prefix="p.")
+    assert list(pulled) == ["fc.weight"]
+    assert torch.equal(pulled["fc.weight"], net.fc.weight.detach())
+    pulled["fc.weight"].add_(1)  # a tensor of its own: writable
+    assert await ps_torch.pull_state_dict(client, [], prefix="p.") == {}
+    with pytest.raises(TypeError, match="list of state-dict keys"):
+        await ps_torch.pull_state_dict(client, "fc.weight")
+
+
+async def test_versions_grow_with_each_push(client: ParameterClient) -> None:
+    net = _trained_net(2)
+    await ps_torch.push_state_dict(client, net)
+    assert set((await ps_torch.push_state_dict(client, net)).values()) == {2}
+    assert set((await ps_torch.load_into(client, Net())).values()) == {2}
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+async def test_a_shape_or_dtype_mismatch_names_the_tensor_and_changes_nothing(
+    client: ParameterClient,
+) -> None:
+    await ps_torch.push_state_dict(client, _trained_net(3))
+    await client.update_arrays({"fc.bias": np.zeros(4, np.float32)})  # Net's is (3,)
+    fresh = Net()
+    before = {k: t.clone() for k, t in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'fc\.bias'.*\(4,\).*\(3,\)"):
+        await ps_torch.load_into(client, fresh)
+    assert all(torch.equal(t, before[k]) for k, t in fresh.state_dict().items())
+
+    await client.update_arrays({"fc.bias": np.zeros(3, np.float64)})
+    with pytest.raises(ValueError, match=r"'fc\.bias'.*torch\.float64.*torch\.float32"):
+        await ps_torch.load_into(client, fresh)
+    assert all(torch.equal(t, before[k]) for k, t in fresh.state_dict().items())
+
+
+async def test_missing_names_raise_when_strict_and_are_skipped_when_not(
+    client: ParameterClient,
+) -> None:
+    source = _trained_net(4)
+    await ps_torch.push_state_dict(
+        client, {k: v for k, v in source.state_dict().items() if not k.startswith("bn.")}
+    )
+    fresh = Net()
+    bn_before = {k: v.clone() for k, v in fresh.bn.state_dict().items()}
+    with pytest.raises(KeyError) as info:
+        await ps_torch.load_into(client, fresh)
+    for name in ("bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"):
+        assert name in str(info.value)
+    assert "bn.num_batches_tracked" in str(info.value) and "fc.weight" not in str(info.value)
+    assert not torch.equal(fresh.fc.weight, source.fc.weight)  # nothing was loaded
+
+    versions = await ps_torch.load_into(client, fresh, strict=False)
+    assert versions == {"fc.weight": 1, "fc.bias": 1}
+    assert torch.equal(fresh.fc.weight, source.fc.weight)
+    assert all(torch.equal(v, bn_before[k]) for k, v in fresh.bn.state_dict().items())
+
+
+async def test_entries_that_are_not_tensors_are_refused(client: ParameterClient) -> None:
+    with pytest.raises(TypeError, match=r"'lr' \(float\).*'w' \(ndarray\)"):
+        await ps_torch.push_state_dict(client, {"lr": 0.1, "w": np.zeros(2), "b": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"nn\.Module or a state dict"):
+        await ps_torch.push_state_dict(client, [torch.ones(2)])
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        await ps_torch.load_into(client, {"w": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        await ps_torch.push_grads(client, {"w": torch.ones(2)})
+    assert await client.get_arrays(["lr", "w", "b"]) == {}  # nothing was sent
+    assert await ps_torch.push_state_dict(client, {}) == {}
+
+
+# -- rules and gradients ------------------------------------------------------------------
+
+HAS_RULES = "rules" in inspect.signature(ParameterClient.update_arrays).parameters
+HAS_PUSH_GRADIENTS = hasattr(ParameterClient, "push_gradients")
+
+
+@pytest.mark.skipif(not HAS_RULES, reason="ParameterClient.update_arrays has no rules= yet")
+async def test_a_rule_is_set_on_a_modules_parameters_not_its_buffers(
+    client: ParameterClient,
+) -> None:
+    calls: list[dict] = []
+    update_arrays = client.update_arrays
+
+    async def spy(arrays, **kwargs):
+        calls.append(kwargs.get("rules"))
+        return await update_arrays(arrays, **kwargs)
+
+    client.update_arrays = spy
+    sgd = thrift.Rule(kind="sgd", lr=0.1)
+    await ps_torch.push_state_dict(client, _trained_net(5), prefix="r/", rule=sgd)
+    assert calls[-1] == dict.fromkeys(["r/fc.weight", "r/fc.bias", "r/bn.weight", "r/bn.bias"], sgd)
+    state = {"w": torch.ones(2), "steps": torch.tensor(3), "z": torch.ones(1, dtype=torch.cfloat)}
+    await ps_torch.push_state_dict(client, state, rule=sgd)
+    assert calls[-1] == {"w": sgd}  # a state dict: its floating-point tensors (not complex)
+    await ps_torch.push_state_dict(client, state, prefix="m/", rule={"w": sgd})
+    assert calls[-1] == {"m/w": sgd}
+    with pytest.raises(KeyError, match="nope"):
+        await ps_torch.push_state_dict(client, state, rule={"nope": sgd})
+
+
+@pytest.mark.skipif(
+    not (HAS_RULES and HAS_PUSH_GRADIENTS),
+    reason="ParameterClient has no push_gradients / update_arrays(rules=) yet",
+)
+async def test_push_grads_takes_an_sgd_step_on_the_node(client: ParameterClient) -> None:
+    lr = 0.5
+    net = _trained_net(6)
+    await ps_torch.push_state_dict(client, net, prefix="g/", rule=thrift.Rule(kind="sgd", lr=lr))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    net.zero_grad(set_to_none=True)
+    net.bn.bias.requires_grad_(False)  # no gradient: not sent
+    net(torch.randn(8, 4)).pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    assert set(grads) == {"fc.weight", "fc.bias", "bn.weight"}
+
+    versions = await ps_torch.push_grads(client, net, prefix="g/", request_id="step-1")
+    assert versions == dict.fromkeys(grads, 2)
+    pulled = await ps_torch.pull_state_dict(client, net, prefix="g/")
+    for name, grad in grads.items():
+        assert torch.equal(pulled[name], before[name] - lr * grad), name
+    for name in ("bn.bias", "bn.running_mean", "bn.num_batches_tracked"):
+        assert torch.equal(pulled[name], before[name]), name
+
+    # The same request_id again (a retry): applied once.
+    assert await ps_torch.push_grads(client, net, prefix="g/", request_id="step-1") == versions
+    net.zero_grad(set_to_none=True)
+    assert await ps_torch.push_grads(client, net, prefix="g/") == {}
