@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""aioparamsync node vs. a raw asyncio+uvloop socket server (the ceiling), on loopback.
+"""aioparamsync node vs. a raw socket ceiling, stock thriftpy2 and gRPC, on loopback.
 
-One command measures both, interleaved, each server in a fresh process per
+One command measures all four, interleaved, each server in a fresh process per
 (variant, size, connections, repetition)::
 
     python benchmarks/bench_node.py [--sizes 4KiB,1MiB,64MiB] [--conns 1,8]
                                     [--reps 3] [--seconds 2] [--json out.json]
+                                    [--plot out.png]
 
 Variants:
 
@@ -18,29 +19,47 @@ Variants:
   Request: ``[u32 n][u8 op][u8 key length][key][payload]`` (n counts what
   follows it); op ``U`` is answered by a 1-byte ack, op ``G`` by
   ``[u32 n][payload]``.
+* ``thriftpy2``: thriftpy2's stock aio server (``thriftpy2.rpc.make_aio_server``,
+  framed transport, binary protocol, ``client_timeout=None``) on a uvloop loop,
+  serving ``idl/aioparamsync.thrift`` (``thriftpy2.load``) with a dict-backed
+  handler (``StockHandler``); driven with ``make_aio_client`` (framed, binary),
+  one client per connection, ``update_parameters``/``get_parameters``.
+* ``grpc``: a ``grpc.aio`` server under uvloop with generic handlers and no
+  (de)serializers (raw bytes): ``/bench.Params/Update`` takes
+  ``[u8 key length][key][payload]``, keeps it and answers a 1-byte ack;
+  ``/bench.Params/Get`` takes the key and answers what was kept (the client
+  skips the header, zero-copy). Messages up to 256 MiB. Driven with one
+  ``grpc.aio`` channel per connection (a local subchannel pool, so each is
+  its own TCP connection).
 * ``node``: ``python -m aioparamsync --port 0``, driven with the public client:
   one ``ParameterClient(address, max_connections=1)`` per connection,
   ``update_parameters([to_parameter(name, array)])`` and
   ``get_parameters([name])`` (the data stays a zero-copy view).
 
-The client runs in this process under uvloop and drives both the same way:
-``conns`` connections, each with one call in flight, each on its own
-parameter (``p0``, ``p1``, ...), all sending the same array. A run is: start
+The client runs in this process under uvloop and drives every variant the
+same way: ``conns`` connections, each with one call in flight, each on its own
+parameter (``p0``, ``p1``, ...), all sending the same array (the thriftpy2 and
+gRPC clients take ``bytes``: made once per run, untimed). A run is: start
 the server, two untimed updates and a get per connection (connects, stores the
 parameter and replaces it once, checks the bytes come back equal), an update
 phase, a get phase (each ending at ``--max-calls`` calls or ``--seconds``,
 whichever comes first; calls in flight at the deadline complete and count), then the
 server's peak RSS (VmHWM) is read and the server stopped (SIGTERM to its
 PID, SIGKILL if it does not exit). Every process this script starts is
-stopped in a ``finally``.
+stopped in a ``finally``. A row (variant, size, conns) gets ``--row-budget``
+seconds over all its repetitions: a repetition that would pass it is not
+started, and the row says it was cut by time (stock thriftpy2 takes ~1.5 s
+per 64 MiB call, ~15-20 s per round of 8).
 
 glibc malloc: a fresh large buffer comes from mmap and page-faults on first
 touch, which makes results depend on the process's malloc history (see
 shared/research/thriftpy2.md §1.9). With ``--malloc tuned`` (the default)
-both servers, and this driver (it re-executes itself once), run with
+every server, and this driver (it re-executes itself once), run with
 ``MALLOC_MMAP_THRESHOLD_=1GiB MALLOC_TRIM_THRESHOLD_=8GiB``: large buffers come
 from the heap and freed memory is kept for reuse. ``--malloc default`` leaves
-the environment alone.
+the environment alone. MALLOC_ARENA_MAX is left alone: the gRPC processes'
+threads get arenas of their own, but strace shows their payload-sized
+buffers all come from the main heap (no payload-sized mmap) with the tuning.
 """
 
 from __future__ import annotations
@@ -71,7 +90,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 HOST = "127.0.0.1"
-VARIANTS = ("ceiling", "node")
+VARIANTS = ("ceiling", "thriftpy2", "grpc", "node")
+#: the baselines every figure is divided by
+BASELINES = ("ceiling", "thriftpy2")
+#: the servers this script runs itself (``--serve``); the node is ``python -m aioparamsync``
+BASELINE_SERVERS = ("ceiling", "thriftpy2", "grpc")
 
 # The same tuning for every process of a run (servers and driver).
 MALLOC_TUNED = {
@@ -94,6 +117,9 @@ _ACK = b"\x01"
 SERVER_START_TIMEOUT = 30.0
 SERVER_STOP_TIMEOUT = 10.0
 CALL_TIMEOUT = 60.0
+# thriftpy2's stock stack takes seconds per 64 MiB call, and 8 connections share one
+# event loop that a decode blocks: its client and the guards of a run wait this long.
+SLOW_CALL_TIMEOUT = 600.0
 WARMUP_UPDATES = 2  # untimed update rounds before the update phase
 
 
@@ -290,7 +316,124 @@ class CeilingClient(asyncio.BufferedProtocol):
 
 
 # ---------------------------------------------------------------------------
-# Workers: one connection each, the same interface for both variants
+# thriftpy2's stock aio server, and gRPC's aio server, doing the same job
+
+
+def stock_thrift() -> Any:
+    """The IDL as thriftpy2 loads it (``thriftpy2.load``), for the stock server and client."""
+    import thriftpy2
+
+    global _STOCK_THRIFT
+    if _STOCK_THRIFT is None:
+        _STOCK_THRIFT = thriftpy2.load(
+            str(REPO / "idl" / "aioparamsync.thrift"), module_name="bench_stock_thrift"
+        )
+    return _STOCK_THRIFT
+
+
+_STOCK_THRIFT: Any = None
+
+
+class StockHandler:
+    """update_parameters/get_parameters over a dict, for thriftpy2's stock aio server."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, Any] = {}
+        self.timestamp = 0
+
+    async def update_parameters(self, update: Any) -> None:
+        for param in update.params:
+            self.store[param.name] = param
+        self.timestamp = max(self.timestamp, update.timestamp)
+
+    async def get_parameters(self, request: Any) -> Any:
+        params = [self.store[n] for n in request.param_names if n in self.store]
+        return stock_thrift().ParameterResponse(params=params, timestamp=self.timestamp)
+
+
+def serve_thriftpy2(host: str, port: int) -> None:
+    """``thriftpy2.rpc.make_aio_server``: framed transport, binary protocol, no client timeout."""
+    import uvloop
+    from thriftpy2.contrib.aio.protocol import TAsyncBinaryProtocolFactory
+    from thriftpy2.contrib.aio.transport import TAsyncFramedTransportFactory
+    from thriftpy2.rpc import make_aio_server
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    server = make_aio_server(
+        stock_thrift().ParameterSyncService,
+        StockHandler(),
+        host=host,
+        port=port or 1,  # make_server refuses port 0; the socket is bound below
+        proto_factory=TAsyncBinaryProtocolFactory(),
+        trans_factory=TAsyncFramedTransportFactory(),
+        client_timeout=None,  # the default (3000 ms) closes every connection after 3 s
+        loop=loop,
+    )
+    server.trans.port = port  # 0: any free port
+    server.init_server()  # listen, then asyncio.start_server on the bound socket
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, loop.stop)
+    h, p = server.trans.raw_sock.getsockname()[:2]
+    print(f"bench-thriftpy2 {os.getpid()} listening on {h}:{p}", flush=True)
+    try:
+        loop.run_forever()
+    finally:
+        loop.run_until_complete(server.close())
+        loop.close()
+
+
+# gRPC: raw bytes both ways (no (de)serializer), messages up to 256 MiB.
+GRPC_SERVICE = "bench.Params"
+GRPC_MAX_MESSAGE = MAX_FRAME_BYTES
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+]
+# Each client channel its own subchannel (TCP connection): by default gRPC
+# shares one among the channels of a process that have the same target and options.
+GRPC_CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+
+
+async def serve_grpc(host: str, port: int) -> None:
+    """A ``grpc.aio`` server: ``Update`` takes ``[u8 key length][key][payload]`` and keeps it,
+    answering a 1-byte ack; ``Get`` takes the key and answers what ``Update`` kept, by reference."""
+    import grpc
+
+    store: dict[bytes, bytes] = {}
+
+    async def update(request: bytes, context: Any) -> bytes:
+        store[request[1 : 1 + request[0]]] = request
+        return _ACK
+
+    async def get(request: bytes, context: Any) -> bytes:
+        return store.get(request, b"")
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                GRPC_SERVICE,
+                {
+                    "Update": grpc.unary_unary_rpc_method_handler(update),
+                    "Get": grpc.unary_unary_rpc_method_handler(get),
+                },
+            ),
+        )
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"bench-grpc {os.getpid()} listening on {host}:{bound}", flush=True)
+    await stop.wait()
+    await server.stop(grace=1.0)
+
+
+# ---------------------------------------------------------------------------
+# Workers: one connection each, the same interface for every variant
 
 
 class CeilingWorker:
@@ -359,7 +502,111 @@ class NodeWorker:
         await self.client.close()
 
 
-WORKERS = {"ceiling": CeilingWorker, "node": NodeWorker}
+class ThriftpyWorker:
+    """thriftpy2's stock aio client (``make_aio_client``, framed, binary), one connection."""
+
+    def __init__(self, address: tuple[str, int], index: int, array: Any) -> None:
+        self.address = address
+        self.name = f"p{index}"
+        self.array = array
+        self.nbytes = array.nbytes
+        self.data = array.tobytes()  # the client takes bytes; made once, untimed
+        self.timestamp = 0
+        self.client: Any = None
+
+    async def open(self) -> None:
+        from thriftpy2.contrib.aio.protocol import TAsyncBinaryProtocolFactory
+        from thriftpy2.contrib.aio.transport import TAsyncFramedTransportFactory
+        from thriftpy2.rpc import make_aio_client
+
+        ms = int(SLOW_CALL_TIMEOUT * 1000)
+        self.client = await make_aio_client(
+            stock_thrift().ParameterSyncService,
+            host=self.address[0],
+            port=self.address[1],
+            proto_factory=TAsyncBinaryProtocolFactory(),
+            trans_factory=TAsyncFramedTransportFactory(),
+            timeout=ms,  # per read and per drain, not per call
+            connect_timeout=ms,
+        )
+
+    async def update(self) -> None:
+        t = stock_thrift()
+        self.timestamp += 1
+        param = t.Parameter(name=self.name, data=self.data)
+        await self.client.update_parameters(t.ParameterUpdate([param], self.timestamp))
+
+    async def _get(self) -> bytes:
+        t = stock_thrift()
+        response = await self.client.get_parameters(t.ParameterRequest([self.name]))
+        if len(response.params) != 1:
+            raise RuntimeError(f"thriftpy2 get of {self.name!r}: unexpected response")
+        return response.params[0].data
+
+    async def get(self) -> None:
+        if len(await self._get()) != self.nbytes:
+            raise RuntimeError(f"thriftpy2 get of {self.name!r}: wrong size")
+
+    async def check(self) -> None:
+        data = await self._get()
+        if not np.array_equal(np.frombuffer(data, self.array.dtype), self.array):
+            raise RuntimeError("thriftpy2 get returned other bytes than were stored")
+
+    async def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        await asyncio.sleep(0)
+
+
+class GrpcWorker:
+    """One ``grpc.aio`` channel (its own TCP connection), raw bytes, no (de)serializer."""
+
+    def __init__(self, address: tuple[str, int], index: int, array: Any) -> None:
+        import grpc
+
+        key = f"p{index}".encode()
+        self.key = key
+        self.array = array
+        self.nbytes = array.nbytes
+        # [u8 key length][key][payload]; the channel takes bytes: made once, untimed.
+        self.request = bytes([len(key)]) + key + array.tobytes()
+        self.channel = grpc.aio.insecure_channel(
+            f"{address[0]}:{address[1]}", options=GRPC_CLIENT_OPTIONS
+        )
+        self._update = self.channel.unary_unary(f"/{GRPC_SERVICE}/Update")
+        self._get_call = self.channel.unary_unary(f"/{GRPC_SERVICE}/Get")
+
+    async def open(self) -> None:
+        await asyncio.wait_for(self.channel.channel_ready(), CALL_TIMEOUT)
+
+    async def update(self) -> None:
+        await self._update(self.request, timeout=CALL_TIMEOUT)
+
+    async def _get(self) -> memoryview:
+        reply = await self._get_call(self.key, timeout=CALL_TIMEOUT)
+        head = 1 + len(self.key)
+        if len(reply) != head + self.nbytes:
+            raise RuntimeError(f"grpc get: {len(reply)} bytes, expected {head + self.nbytes}")
+        return memoryview(reply)[head:]
+
+    async def get(self) -> None:
+        await self._get()
+
+    async def check(self) -> None:
+        data = await self._get()
+        if not np.array_equal(np.frombuffer(data, self.array.dtype), self.array):
+            raise RuntimeError("grpc get returned other bytes than were stored")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+WORKERS = {
+    "ceiling": CeilingWorker,
+    "thriftpy2": ThriftpyWorker,
+    "grpc": GrpcWorker,
+    "node": NodeWorker,
+}
 
 
 # ---------------------------------------------------------------------------
@@ -374,25 +621,37 @@ def _server_cmd(variant: str, profile: Path | None) -> list[str]:
         # In-process, under cProfile timed by CPU time (wall time would count
         # the waits and the preemptions of a loaded machine).
         return [sys.executable, str(THIS), "--serve-profiled", str(profile), variant]
+    if variant == "node":
+        return [sys.executable, "-m", "aioparamsync", *NODE_ARGS]
+    return [sys.executable, str(THIS), "--serve", variant, "--host", HOST, "--port", "0"]
+
+
+def serve(variant: str, host: str, port: int) -> int:
+    """Run one of the baseline servers in this process until SIGTERM."""
+    import uvloop
+
     if variant == "ceiling":
-        return [sys.executable, str(THIS), "--serve-ceiling", "--host", HOST, "--port", "0"]
-    return [sys.executable, "-m", "aioparamsync", *NODE_ARGS]
+        uvloop.run(serve_ceiling(host, port))
+    elif variant == "thriftpy2":
+        serve_thriftpy2(host, port)
+    elif variant == "grpc":
+        uvloop.run(serve_grpc(host, port))
+    else:
+        raise ValueError(f"no server {variant!r}")
+    return 0
 
 
 def serve_profiled(out: str, variant: str) -> int:
     import cProfile
 
-    import uvloop
-
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
-        if variant == "ceiling":
-            uvloop.run(serve_ceiling(HOST, 0))
-            return 0
-        from aioparamsync.cli import main as node_main
+        if variant == "node":
+            from aioparamsync.cli import main as node_main
 
-        return node_main(NODE_ARGS)
+            return node_main(NODE_ARGS)
+        return serve(variant, HOST, 0)
     finally:
         profiler.disable()
         profiler.dump_stats(out)
@@ -545,6 +804,7 @@ class RunResult:
     get: PhaseResult = field(default_factory=PhaseResult)
     server_peak_rss_mib: float = 0.0
     load1: float = 0.0  # the machine's 1-minute load average as the run started
+    wall_seconds: float = 0.0  # the whole run: server start, warm-up, phases, stop
 
 
 def load_average() -> float:
@@ -585,7 +845,8 @@ async def _phase(
             await op(worker)
             latencies.append(clock() - t0)
 
-    async with asyncio.timeout(seconds + CALL_TIMEOUT):
+    # A guard, not a measure: calls in flight at the deadline complete and count.
+    async with asyncio.timeout(seconds + SLOW_CALL_TIMEOUT):
         await asyncio.gather(*(drive(w) for w in workers))
     elapsed = clock() - start
     cpu1, pcpu1 = server.cpu_seconds(), time.process_time()
@@ -616,11 +877,13 @@ async def run_once(
     if args.profile:
         profile = Path(args.profile) / f"{variant}-{fmt_size(size)}-c{conns}-r{rep}.prof"
     load1 = load_average()
+    t0 = time.monotonic()
     server = ServerProcess(variant, env, profile)
     workers: list[Any] = []
     try:
         workers = [WORKERS[variant](server.address, i, array) for i in range(conns)]
-        async with asyncio.timeout(CALL_TIMEOUT + 10 * conns):
+        # A guard: stock thriftpy2 takes ~15-20 s per round of 8 x 64 MiB calls here.
+        async with asyncio.timeout(SLOW_CALL_TIMEOUT):
             await asyncio.gather(*(w.open() for w in workers))
             # Untimed: store p0..pN, then replace them once, so that the server
             # has touched the memory of both generations (old and new buffer)
@@ -630,14 +893,15 @@ async def run_once(
                 await asyncio.gather(*(w.update() for w in workers))
             await asyncio.gather(*(w.check() for w in workers))
         result = RunResult(variant, size, conns, rep, load1=load1)
-        result.update = await _phase(
-            workers, lambda w: w.update(), size, args.seconds, args.max_calls, server
-        )
-        result.get = await _phase(
-            workers, lambda w: w.get(), size, args.seconds, args.max_calls, server
-        )
+        if "update" in args.ops:
+            result.update = await _phase(
+                workers, lambda w: w.update(), size, args.seconds, args.max_calls, server
+            )
+        if "get" in args.ops:
+            result.get = await _phase(
+                workers, lambda w: w.get(), size, args.seconds, args.max_calls, server
+            )
         result.server_peak_rss_mib = server.status("VmHWM") / 1024
-        return result
     except BaseException:
         if server.proc.poll() is not None:
             print(f"{variant} server died: {server.stderr_tail()}", file=sys.stderr)
@@ -647,6 +911,8 @@ async def run_once(
             with contextlib.suppress(Exception):
                 await w.close()
         server.stop()
+    result.wall_seconds = round(time.monotonic() - t0, 3)
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -700,20 +966,41 @@ def _positive_int(text: str) -> int:
 
 
 PHASE_KEYS = ("calls_per_s", "mb_per_s", "p50_ms", "p99_ms", "server_cpu", "client_cpu")
+# (ratio name, row key): a throughput ratio above 1 is faster than the baseline, a
+# latency or RSS ratio above 1 is slower or bigger. MB/s is calls/s times the size.
+RATIO_KEYS = (
+    ("update_throughput", "update_calls_per_s"),
+    ("get_throughput", "get_calls_per_s"),
+    ("update_p50_latency", "update_p50_ms"),
+    ("update_p99_latency", "update_p99_ms"),
+    ("get_p50_latency", "get_p50_ms"),
+    ("get_p99_latency", "get_p99_ms"),
+    ("server_peak_rss", "server_peak_rss_mib"),
+)
 
 
-def summarize(runs: list[RunResult]) -> tuple[list[dict], list[dict]]:
+def summarize(
+    runs: list[RunResult],
+    planned: dict[tuple[str, int, int], int] | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """Medians per (variant, size, conns), and each row as a ratio to every baseline.
+
+    ``planned``: the repetitions planned per row; a row with fewer runs was cut by time.
+    """
     groups: dict[tuple[str, int, int], list[RunResult]] = {}
     for r in runs:
         groups.setdefault((r.variant, r.size, r.conns), []).append(r)
     rows = []
     for (variant, size, conns), rs in groups.items():
+        reps_planned = (planned or {}).get((variant, size, conns), len(rs))
         row: dict[str, Any] = {
             "variant": variant,
             "size": size,
             "size_text": fmt_size(size),
             "conns": conns,
             "n": len(rs),
+            "reps_planned": reps_planned,
+            "cut_by_time": len(rs) < reps_planned,
         }
         for phase in ("update", "get"):
             for key in PHASE_KEYS:
@@ -721,26 +1008,41 @@ def summarize(runs: list[RunResult]) -> tuple[list[dict], list[dict]]:
                     getattr(getattr(r, phase), key) for r in rs
                 )
         row["server_peak_rss_mib"] = statistics.median(r.server_peak_rss_mib for r in rs)
+        row["wall_seconds"] = round(sum(r.wall_seconds for r in rs), 3)
         rows.append(row)
     index = {(r["variant"], r["size"], r["conns"]): r for r in rows}
     ratios = []
-    for (variant, size, conns), row in index.items():
-        base = index.get(("ceiling", size, conns))
-        if variant != "node" or base is None:
-            continue
-        ratio: dict[str, Any] = {"size": size, "size_text": fmt_size(size), "conns": conns}
-        for phase in ("update", "get"):
-            b = base[f"{phase}_calls_per_s"]
-            ratio[f"{phase}_throughput"] = row[f"{phase}_calls_per_s"] / b if b else 0.0
-            b = base[f"{phase}_p50_ms"]
-            ratio[f"{phase}_p50_latency"] = row[f"{phase}_p50_ms"] / b if b else 0.0
-        b = base["server_peak_rss_mib"]
-        ratio["server_peak_rss"] = row["server_peak_rss_mib"] / b if b else 0.0
-        ratios.append(ratio)
+    for baseline in BASELINES:
+        for (variant, size, conns), row in index.items():
+            base = index.get((baseline, size, conns))
+            if variant == baseline or base is None:
+                continue
+            ratio: dict[str, Any] = {
+                "variant": variant,
+                "baseline": baseline,
+                "size": size,
+                "size_text": fmt_size(size),
+                "conns": conns,
+            }
+            for name, key in RATIO_KEYS:
+                # None (JSON null) when a phase did not run (--ops) or measured nothing.
+                ratio[name] = row[key] / base[key] if row[key] and base[key] else None
+            ratios.append(ratio)
     order = {v: i for i, v in enumerate(VARIANTS)}
     rows.sort(key=lambda r: (r["size"], r["conns"], order.get(r["variant"], 9)))
-    ratios.sort(key=lambda r: (r["size"], r["conns"]))
+    ratios.sort(
+        key=lambda r: (
+            BASELINES.index(r["baseline"]),
+            r["size"],
+            r["conns"],
+            order.get(r["variant"], 9),
+        )
+    )
     return rows, ratios
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if not value else format(value, fmt)
 
 
 def print_table(rows: list[dict], ratios: list[dict], out: Any = sys.stdout) -> None:
@@ -768,49 +1070,133 @@ def print_table(rows: list[dict], ratios: list[dict], out: Any = sys.stdout) -> 
                 r["size_text"],
                 str(r["conns"]),
                 r["variant"],
-                str(r["n"]),
-                f"{r['update_calls_per_s']:.1f}",
-                f"{r['update_mb_per_s']:.1f}",
-                f"{r['update_p50_ms']:.3f}",
-                f"{r['update_p99_ms']:.3f}",
-                f"{r['get_calls_per_s']:.1f}",
-                f"{r['get_mb_per_s']:.1f}",
-                f"{r['get_p50_ms']:.3f}",
-                f"{r['get_p99_ms']:.3f}",
+                f"{r['n']} of {r['reps_planned']}*" if r["cut_by_time"] else str(r["n"]),
+                _num(r["update_calls_per_s"], ".1f"),
+                _num(r["update_mb_per_s"], ".1f"),
+                _num(r["update_p50_ms"], ".3f"),
+                _num(r["update_p99_ms"], ".3f"),
+                _num(r["get_calls_per_s"], ".1f"),
+                _num(r["get_mb_per_s"], ".1f"),
+                _num(r["get_p50_ms"], ".3f"),
+                _num(r["get_p99_ms"], ".3f"),
                 f"{r['update_server_cpu']:.2f}/{r['get_server_cpu']:.2f}",
                 f"{r['update_client_cpu']:.2f}/{r['get_client_cpu']:.2f}",
                 f"{r['server_peak_rss_mib']:.0f}",
             )
         )
     _print_md(head, lines, out)
-    if ratios:
+    cut = [r for r in rows if r["cut_by_time"]]
+    if cut:
         print(
-            "\nnode / ceiling (medians; throughput > 1: faster than the ceiling; "
-            "latency > 1: slower)",
+            "\n* cut by time: "
+            + "; ".join(
+                f"{r['variant']} {r['size_text']} x{r['conns']} ran {r['n']} of "
+                f"{r['reps_planned']} reps ({r['wall_seconds']:.0f} s)"
+                for r in cut
+            )
+            + ". Another rep would have passed the row's time budget (--row-budget).",
+            file=out,
+        )
+    for baseline in BASELINES:
+        mine = [r for r in ratios if r["baseline"] == baseline]
+        if not mine:
+            continue
+        print(
+            f"\n/ {baseline} (medians; throughput > 1: faster than {baseline}; "
+            "latency, RSS > 1: slower, bigger)",
             file=out,
         )
         head2 = (
             "size",
             "conns",
-            "update throughput",
-            "get throughput",
-            "update p50 latency",
-            "get p50 latency",
+            "variant",
+            "upd thr",
+            "get thr",
+            "upd p50",
+            "upd p99",
+            "get p50",
+            "get p99",
             "peak RSS",
         )
         lines2 = [
             (
                 r["size_text"],
                 str(r["conns"]),
-                f"{r['update_throughput']:.2f}",
-                f"{r['get_throughput']:.2f}",
-                f"{r['update_p50_latency']:.2f}",
-                f"{r['get_p50_latency']:.2f}",
-                f"{r['server_peak_rss']:.2f}",
+                r["variant"],
+                *(_num(r[name], ".2f") for name, _ in RATIO_KEYS),
             )
-            for r in ratios
+            for r in mine
         ]
         _print_md(head2, lines2, out)
+
+
+PLOT_COLORS = {"ceiling": "0.55", "thriftpy2": "#d62728", "grpc": "#2ca02c", "node": "#1f77b4"}
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """MB/s per variant, one panel per (op, size), bars grouped by connections (log scale).
+
+    Each bar is labelled with its ratio to the ceiling; a hatched bar is a row
+    cut by time. matplotlib is imported here only (the ``bench`` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    sizes = sorted({r["size"] for r in rows})
+    conns = sorted({r["conns"] for r in rows})
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    index = {(r["variant"], r["size"], r["conns"]): r for r in rows}
+    ops = ("update", "get")
+    fig, axes = plt.subplots(
+        len(ops),
+        len(sizes),
+        figsize=(4.2 * len(sizes), 3.6 * len(ops)),
+        squeeze=False,
+        constrained_layout=True,
+    )
+    width = 0.8 / len(variants)
+    for i, op in enumerate(ops):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            for k, variant in enumerate(variants):
+                xs, ys, labels, hatches = [], [], [], []
+                for c, n in enumerate(conns):
+                    row = index.get((variant, size, n))
+                    if row is None or not row[f"{op}_mb_per_s"]:
+                        continue
+                    base = index.get(("ceiling", size, n))
+                    value = row[f"{op}_mb_per_s"]
+                    xs.append(c + (k - (len(variants) - 1) / 2) * width)
+                    ys.append(value)
+                    b = base[f"{op}_mb_per_s"] if base else 0
+                    labels.append(f"{value / b:.2f}" if b else "")
+                    hatches.append("//" if row["cut_by_time"] else "")
+                bars = ax.bar(
+                    xs,
+                    ys,
+                    width,
+                    color=PLOT_COLORS.get(variant),
+                    label=variant if i == j == 0 else None,
+                )
+                for bar, hatch in zip(bars, hatches, strict=True):
+                    bar.set_hatch(hatch)
+                ax.bar_label(bars, labels=labels, fontsize=7, rotation=90, padding=2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_xticks(range(len(conns)), [f"{n} conn" + ("s" if n > 1 else "") for n in conns])
+            ax.set_title(f"{op}, {fmt_size(size)}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("MB/s (log)")
+            ax.margins(y=0.25)
+    fig.legend(loc="outside upper center", ncols=len(variants), fontsize=9)
+    if title:
+        fig.supxlabel(title, fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _print_md(head: Sequence[str], lines: Sequence[Sequence[str]], out: Any) -> None:
@@ -850,6 +1236,14 @@ def git_state() -> str:
     return commit + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
+def grpc_version() -> str:
+    try:
+        import grpc
+    except ImportError:
+        return "not installed"
+    return str(grpc.__version__)
+
+
 def machine() -> dict[str, Any]:
     """The commit, the CPUs and the versions measured."""
     import numpy
@@ -873,6 +1267,7 @@ def machine() -> dict[str, Any]:
         "uvloop": uvloop.__version__,
         "numpy": numpy.__version__,
         "thriftpy2": thriftpy2.__version__,
+        "grpcio": grpc_version(),
         "aioparamsync": aioparamsync.__version__,
     }
 
@@ -892,6 +1287,8 @@ def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any
         "sizes": args.sizes,
         "conns": args.conns,
         "variants": args.variants,
+        "ops": args.ops,
+        "row_budget": args.row_budget,
         "mb": "10^6 bytes",
     }
 
@@ -933,8 +1330,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         type=_list_of(str),
         default=list(VARIANTS),
-        help="which of ceiling,node to run (default: both)",
+        help="which of ceiling,thriftpy2,grpc,node to run (default: all)",
     )
+    p.add_argument(
+        "--ops",
+        type=_list_of(str),
+        default=["update", "get"],
+        help="which phases to time, update,get (default: both; the warm-up always updates)",
+    )
+    p.add_argument(
+        "--row-budget",
+        type=float,
+        default=60.0,
+        help="seconds of wall time per (variant, size, conns) row, all its reps together: "
+        "a rep that would pass it is not started, and the row says it was cut by time "
+        "(the first rep always runs; default: %(default)s)",
+    )
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of MB/s and ratios (matplotlib)")
     p.add_argument(
         "--malloc",
         choices=("tuned", "default"),
@@ -955,7 +1367,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="run the servers under cProfile (CPU time), one .prof per run in DIR",
     )
-    p.add_argument("--serve-ceiling", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=BASELINE_SERVERS, help=argparse.SUPPRESS)
     p.add_argument("--serve-profiled", nargs=2, metavar=("OUT", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -976,11 +1388,15 @@ async def amain(args: argparse.Namespace, env: dict[str, str]) -> int:
                 k = rep % len(args.variants)
                 for variant in args.variants[k:] + args.variants[:k]:  # rotate the order each rep
                     plan.append((variant, size, conns, rep))
+    planned = {(v, size, conns): args.reps for v, size, conns, _ in plan}
     # SIGTERM cancels the run, so the finally clauses stop the servers.
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    info = machine_info(args, env)
     load_before = load_average()
+    info["load1_before"] = load_before
+    print(run_header(info, args), file=sys.stderr, flush=True)
     if load_before > 0.5:
         print(
             f"note: load average {load_before:.2f} before the first run: other processes compete "
@@ -988,38 +1404,71 @@ async def amain(args: argparse.Namespace, env: dict[str, str]) -> int:
             file=sys.stderr,
         )
     runs: list[RunResult] = []
+    spent: dict[tuple[str, int, int], list[float]] = {}
     t_start = time.monotonic()
     for i, (variant, size, conns, rep) in enumerate(plan, 1):
+        took = spent.setdefault((variant, size, conns), [])
+        if took and sum(took) + statistics.mean(took) > args.row_budget:
+            print(
+                f"[{i}/{len(plan)} {time.monotonic() - t_start:6.1f}s] {variant:9s} "
+                f"{fmt_size(size):>6s} x{conns} rep{rep}: cut by time (the row's reps took "
+                f"{sum(took):.0f} s, --row-budget {args.row_budget:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            continue
         r = await run_once(variant, size, conns, rep, arrays[size], args, env)
+        took.append(r.wall_seconds)
         runs.append(r)
         print(
-            f"[{i}/{len(plan)} {time.monotonic() - t_start:6.1f}s] {variant:7s} "
+            f"[{i}/{len(plan)} {time.monotonic() - t_start:6.1f}s] {variant:9s} "
             f"{fmt_size(size):>6s} x{conns} rep{rep}: "
             f"update {r.update.calls_per_s:9.1f}/s {r.update.mb_per_s:8.1f} MB/s "
             f"| get {r.get.calls_per_s:9.1f}/s {r.get.mb_per_s:8.1f} MB/s | peak RSS "
-            f"{r.server_peak_rss_mib:.0f} MiB",
+            f"{r.server_peak_rss_mib:.0f} MiB | {r.wall_seconds:.1f} s",
             file=sys.stderr,
             flush=True,
         )
-    rows, ratios = summarize(runs)
-    info = machine_info(args, env)
-    info["load1_before"] = load_before
+    rows, ratios = summarize(runs, planned)
     info["load1_after"] = load_average()
-    print(f"\naioparamsync at {info['git']}")
-    print(
-        f"{info['cpus']} CPUs ({info['cpu_model']}), Python {info['python']}, "
-        f"uvloop {info['uvloop']}, "
-        f"client on CPUs {info['client_cpus']}, servers on {info['server_cpus'] or 'any'}; "
-        f"malloc {info['malloc']} {info['malloc_env']}; load average {load_before:.2f} before, "
-        f"{info['load1_after']:.2f} after; medians of {args.reps} reps, "
-        f"{args.seconds} s per phase, MB = 10^6 bytes; client and servers share the CPUs\n"
-    )
+    info["total_seconds"] = round(time.monotonic() - t_start, 1)
+    print()
+    print(run_header(info, args))
+    print()
     print_table(rows, ratios)
     if args.json:
         doc = {"meta": info, "rows": rows, "ratios": ratios, "runs": [asdict(r) for r in runs]}
         with open(args.json, "w") as f:  # noqa: ASYNC230 - after the last run
             f.write(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        plot(
+            rows,
+            args.plot,
+            f"aioparamsync {info['git'].split()[0]}, {info['cpus']} CPUs, loopback, medians of "
+            f"up to {args.reps} reps; bar labels: ratio to the ceiling; hatched: cut by time",
+        )
     return 0
+
+
+def run_header(info: dict[str, Any], args: argparse.Namespace) -> str:
+    """What was measured, where, and with which malloc settings."""
+    after = info.get("load1_after")
+    load = f"load average {info['load1_before']:.2f} before" + (
+        f", {after:.2f} after" if after is not None else ""
+    )
+    took = f" in {info['total_seconds']:.0f} s" if "total_seconds" in info else ""
+    return (
+        f"aioparamsync at {info['git']}{took}\n"
+        f"{info['cpus']} CPUs ({info['cpu_model']}), Python {info['python']}, "
+        f"uvloop {info['uvloop']}, thriftpy2 {info['thriftpy2']}, grpcio {info['grpcio']}; "
+        f"client on CPUs {info['client_cpus']}, servers on {info['server_cpus'] or 'any'}; "
+        f"{load}\n"
+        f"malloc {info['malloc']}: {info['malloc_env'] or 'glibc defaults'} in every server and "
+        "in this driver (see --help and benchmarks/README.md)\n"
+        f"medians of {args.reps} reps, {args.seconds} s per phase (calls in flight at the "
+        f"deadline complete and count), at most {args.max_calls} calls per phase, "
+        f"--row-budget {args.row_budget:g} s; MB = 10^6 bytes; client and servers share the CPUs"
+    )
 
 
 def run_environment(malloc: str, script: Path, *, reexec: bool) -> dict[str, str] | None:
@@ -1051,11 +1500,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_profiled:
         sys.path.insert(0, str(REPO))
         return serve_profiled(*args.serve_profiled)
-    if args.serve_ceiling:
-        import uvloop
-
-        uvloop.run(serve_ceiling(args.host, args.port))
-        return 0
+    if args.serve:
+        return serve(args.serve, args.host, args.port)
+    bad_ops = [o for o in args.ops if o not in ("update", "get")]
+    if bad_ops or not args.ops:
+        print(f"unknown ops {bad_ops}; choose from update,get", file=sys.stderr)
+        return 2
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         print(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)

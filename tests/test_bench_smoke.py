@@ -1,26 +1,49 @@
-"""The benchmark runs end to end with tiny settings (no timing is asserted)."""
+"""The benchmark runs end to end with tiny settings (structure only: no timing is asserted)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
+VARIANTS = {"ceiling", "thriftpy2", "grpc", "node"}
+SIZES = {4096, 128 * 1024}  # 128 KiB: above the 64 KiB large-frame threshold
+CONNS = {1, 2}
+RATIO_NAMES = (
+    "update_throughput",
+    "get_throughput",
+    "update_p50_latency",
+    "update_p99_latency",
+    "get_p50_latency",
+    "get_p99_latency",
+    "server_peak_rss",
+)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
 def test_bench_node_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    plotting = importlib.util.find_spec("matplotlib") is not None
     cmd = [
         sys.executable, str(BENCH),
-        "--sizes", "4KiB", "--conns", "1", "--reps", "1", "--seconds", "0.2",
+        "--sizes", "4KiB,128KiB", "--conns", "1,2", "--reps", "1",
+        "--seconds", "0.05", "--max-calls", "20",
         "--json", str(out),
     ]  # fmt: skip
+    if plotting:
+        cmd += ["--plot", str(png)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=100)
     finally:
         if proc.poll() is None:
             # SIGTERM lets the benchmark stop the servers it started.
@@ -31,22 +54,39 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
-    assert "node / ceiling" in stdout
+    assert "/ ceiling" in stdout and "/ thriftpy2" in stdout
+    assert "malloc tuned" in stdout
 
     doc = json.loads(out.read_text())
     rows = {(r["variant"], r["size"], r["conns"]): r for r in doc["rows"]}
-    assert set(rows) == {("ceiling", 4096, 1), ("node", 4096, 1)}
+    assert set(rows) == {(v, s, c) for v in VARIANTS for s in SIZES for c in CONNS}
     for row in rows.values():
-        assert row["n"] == 1
+        assert row["n"] == 1 and row["reps_planned"] == 1 and not row["cut_by_time"]
         for phase in ("update", "get"):
-            assert row[f"{phase}_calls_per_s"] > 0
-            assert row[f"{phase}_mb_per_s"] > 0
-            assert row[f"{phase}_p50_ms"] > 0
+            for key in ("calls_per_s", "mb_per_s", "p50_ms", "p99_ms"):
+                assert _positive(row[f"{phase}_{key}"]), (row, phase, key)
             assert row[f"{phase}_p99_ms"] >= row[f"{phase}_p50_ms"]
-        assert row["server_peak_rss_mib"] > 0
-    assert len(doc["runs"]) == 2
+        assert _positive(row["server_peak_rss_mib"])
+
+    assert len(doc["runs"]) == len(rows)
     for run in doc["runs"]:
         assert run["update"]["calls"] > 0 and run["get"]["calls"] > 0
-    [ratio] = doc["ratios"]
-    assert ratio["update_throughput"] > 0 and ratio["get_throughput"] > 0
-    assert doc["meta"]["cpus"] >= 1
+
+    ratios = {(r["variant"], r["baseline"], r["size"], r["conns"]): r for r in doc["ratios"]}
+    expected = {
+        (v, b, s, c)
+        for b in ("ceiling", "thriftpy2")
+        for v in VARIANTS - {b}
+        for s in SIZES
+        for c in CONNS
+    }
+    assert set(ratios) == expected
+    for ratio in ratios.values():
+        for name in RATIO_NAMES:
+            assert _positive(ratio[name]), (ratio, name)
+
+    meta = doc["meta"]
+    assert meta["cpus"] >= 1
+    assert meta["malloc"] == "tuned" and meta["malloc_env"]
+    if plotting:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
