@@ -11,7 +11,11 @@ reply is dropped (a later call never reads an earlier call's reply).
 A connection that breaks fails its calls in flight with
 :class:`~aioparamsync.errors.ConnectionLostError` and leaves the pool; the
 next call opens a fresh one. Reads are retried once on a fresh connection;
-writes are not (their outcome is unknown: the error says so).
+writes are not (their outcome is unknown: the error says so), except
+gradient pushes, which carry a request id the node applies once.
+
+A call the node holds (a long poll, a barrier) goes on a connection of its
+own, so it never holds up the replies of the calls pipelined behind it.
 
 Flow control: a connection sends a message only while less than
 ``WRITE_HIGH_BYTES`` wait in its buffer, so eight concurrent 64 MiB updates
@@ -27,6 +31,7 @@ import logging
 import socket
 import ssl as ssl_module
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from types import EllipsisType
 from typing import Any, cast
@@ -34,7 +39,7 @@ from typing import Any, cast
 import numpy as np
 from thriftpy2.thrift import TApplicationException
 
-from .arrays import from_parameter, to_parameters
+from .arrays import from_parameter, to_parameter, to_parameters
 from .errors import (
     CallTimeout,
     ClientClosedError,
@@ -73,8 +78,16 @@ WRITE_HIGH_BYTES = 1024 * 1024
 # A call's deadline may be met this early (seconds): the loop's timers are
 # not more precise than that.
 TIMER_SLACK = 0.001
-# Methods that change a node's state: never retried behind the caller's back.
+# Methods that change a node's state: never retried behind the caller's back
+# (push_gradients is, with its request id: the node applies it once).
 WRITES = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
+# Idle connections kept for calls the node holds (long polls, barriers).
+MAX_SPARE_CONNECTIONS = 4
+# A held call's deadline is its wait plus this (seconds), so that the node's
+# TIMEOUT, which says what never came, arrives before the client gives up.
+HOLD_MARGIN = 5.0
+# Encodings that lose precision: gradients sent so keep an error-feedback residual.
+LOSSY_ENCODINGS = frozenset({"fp16", "bf16", "int8", "topk"})
 
 
 Address = str | tuple[str, int]
@@ -138,7 +151,8 @@ _CALL, _REPLY, _EXCEPTION, _ONEWAY = (
 class _Connection(asyncio.BufferedProtocol):
     """One connection: pipelined calls matched to replies by seqid."""
 
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, traffic: dict[str, int]) -> None:
+        self.traffic = traffic  # the client's byte counters
         self.receiver = Receiver(max_frame_bytes, framed=True)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
@@ -176,6 +190,7 @@ class _Connection(asyncio.BufferedProtocol):
         return self.receiver.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.traffic["bytes_received"] += nbytes
         try:
             for frame in self.receiver.buffer_updated(nbytes):
                 name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
@@ -272,7 +287,8 @@ class _Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
         mtype = _ONEWAY if m.oneway else _CALL
-        parts, _ = encode_message(m.name, mtype, seqid, args)
+        parts, size = encode_message(m.name, mtype, seqid, args)
+        self.traffic["bytes_sent"] += size
         if m.oneway:
             self.transport.writelines(parts)
             # A ping behind it: its reply comes once the node has read (and,
@@ -340,8 +356,13 @@ class ParameterClient:
         self.ssl = ssl
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
+        self._spare: list[_Connection] = []  # idle connections for held calls
+        self._holding: set[_Connection] = set()  # connections a held call is on
         self._closed = False
         self.connects = 0  # connections opened so far (a new one means a new session)
+        #: bytes sent and received on every connection, framing included
+        self.traffic: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0}
+        self._feedback: Any = None  # compression.ErrorFeedback, made when first needed
 
     @property
     def host(self) -> str:
@@ -374,6 +395,8 @@ class ParameterClient:
         """
         self._closed = True
         connections, self._connections = self._connections, []
+        connections += [*self._spare, *self._holding]
+        self._spare.clear()
         for conn in connections:
             conn.close()
         if connections:
@@ -381,8 +404,11 @@ class ParameterClient:
 
     # -- the pool -------------------------------------------------------------------
 
-    async def _connect(self) -> _Connection:
-        """Connect to the node in use, or else to the next that answers, in turn."""
+    async def _connect(self, *, pooled: bool = True) -> _Connection:
+        """Connect to the node in use, or else to the next that answers, in turn.
+
+        The connection joins the pool, unless not ``pooled`` (a held call's).
+        """
         loop = asyncio.get_running_loop()
         failures: list[ConnectError | ConnectTimeout] = []
         for attempt in range(len(self.addresses)):
@@ -391,7 +417,10 @@ class ParameterClient:
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(self.max_frame_bytes), host, port, ssl=self.ssl
+                        lambda: _Connection(self.max_frame_bytes, self.traffic),
+                        host,
+                        port,
+                        ssl=self.ssl,
                     )
             except TimeoutError:
                 failures.append(
@@ -419,9 +448,39 @@ class ParameterClient:
         if self._closed:
             conn.close()
             raise ClientClosedError("the client was closed")
-        self._connections.append(conn)
+        if pooled:
+            self._connections.append(conn)
         self.connects += 1
         return conn
+
+    async def _call_held(self, m: Method, message: Any, when: float | None) -> Any:
+        """Send a call the node holds on a connection of its own."""
+        conn = None
+        while self._spare:
+            candidate = self._spare.pop()
+            if candidate.usable:
+                conn = candidate
+                break
+        if conn is None:
+            async with asyncio.timeout_at(when):
+                conn = await self._connect(pooled=False)
+        self._holding.add(conn)
+        answered = False
+        try:
+            result = await conn.call(m, message, when)
+            answered = True
+            return result
+        finally:
+            self._holding.discard(conn)
+            # A connection whose call timed out may yet carry its late reply:
+            # never reuse it.
+            if answered and conn.usable and not self._closed:
+                if len(self._spare) < MAX_SPARE_CONNECTIONS:
+                    self._spare.append(conn)
+                else:
+                    conn.close()
+            else:
+                conn.close()
 
     async def _acquire(self) -> _Connection:
         conn = self._acquire_now()
@@ -490,15 +549,21 @@ class ParameterClient:
         # A read is retried on a fresh connection; with several nodes, from the
         # second try on at the next node (the first may be dying).
         retries = 0 if name in WRITES else max(len(self.addresses), 2) - 1
+        if name == "push_gradients":
+            retries = 1  # at the same node, which knows the request id
         tries = 0
+        held = name == "barrier" or getattr(args.get("request"), "wait_ms", None) is not None
         when = None if deadline is None else asyncio.get_running_loop().time() + deadline
         try:
             while True:
-                conn = self._acquire_now()
-                if conn is None:  # none open: wait for one, within the deadline
-                    async with asyncio.timeout_at(when):
-                        conn = await self._acquire()
                 try:
+                    if held:
+                        result = await self._call_held(m, message, when)
+                        break
+                    conn = self._acquire_now()
+                    if conn is None:  # none open: wait for one, within the deadline
+                        async with asyncio.timeout_at(when):
+                            conn = await self._acquire()
                     result = await conn.call(m, message, when)
                     break
                 except ConnectionLostError:
@@ -522,9 +587,12 @@ class ParameterClient:
 
     async def get_parameters(
         self,
-        names: Iterable[str],
+        names: Iterable[str] | None,
         min_version: int = 0,
         *,
+        wait: float | None = None,
+        known_versions: Mapping[str, int] | None = None,
+        encoding: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> Any:
         """Fetch parameters: those of ``names`` that exist with ``version >= min_version``.
@@ -533,27 +601,57 @@ class ParameterClient:
         not at all. Names that do not qualify are left out.
 
         Args:
-            names: the parameters' names.
+            names: the parameters' names; None: every parameter the node holds.
             min_version: leave out parameters older than this.
+            wait: a long poll (stale-synchronous training): wait up to this
+                many seconds for every name to reach ``min_version``; the
+                call's deadline is extended by as much.
+            known_versions: a delta pull: the version held of each name; a
+                parameter comes back only if the node has a newer one.
+            encoding: ask for the data encoded (``"fp16"``, ``"bf16"``,
+                ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.compression`).
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
             A ``ParameterResponse``: ``params`` (each ``data`` a read-only view
-            of the received bytes) and the node's ``timestamp``.
+            of the received bytes; ``encoding`` set where encoded) and the
+            node's ``timestamp``.
 
         Raises:
-            RequestError: the node refused the request (e.g. too many names).
+            RequestError: the node refused the request (e.g. too many names),
+                or ``TIMEOUT``: the wait ended first (the message names the
+                parameters that did not come).
             CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
         """
         if isinstance(names, (str, bytes)):
             raise TypeError("names must be a list of names, not one string")
-        request = thrift.ParameterRequest(param_names=list(names), min_version=min_version)
+        request = thrift.ParameterRequest(
+            param_names=list(names) if names is not None else [],
+            min_version=min_version,
+            all_names=True if names is None else None,
+            known_versions=dict(known_versions) if known_versions is not None else None,
+            encoding=encoding,
+        )
+        if wait is not None:
+            if wait < 0:
+                raise ValueError(f"wait must not be negative, not {wait}")
+            request.wait_ms = round(wait * 1000)
+            timeout = self._held_timeout(wait, timeout)
         return await self.call("pull_parameters", timeout=timeout, request=request)
+
+    def _held_timeout(
+        self, wait: float, timeout: float | EllipsisType | None
+    ) -> float | EllipsisType | None:
+        if isinstance(timeout, EllipsisType):
+            return None if self.timeout is None else wait + HOLD_MARGIN + self.timeout
+        return timeout
 
     async def update_parameters(
         self,
         params: Iterable[Any] | Mapping[str, Any],
         *,
+        rules: Any = None,
+        encoding: str | None = None,
         timestamp: int | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
@@ -561,6 +659,11 @@ class ParameterClient:
 
         Args:
             params: ``Parameter`` objects, or a mapping of name -> array.
+            rules: the rule :meth:`push_gradients` folds gradients in by
+                (see :mod:`aioparamsync.rules`): one for every parameter, or
+                a mapping of name -> rule. Parameters without one keep theirs.
+            encoding: send arrays encoded (``"fp16"``, ``"bf16"``, ``"int8"``,
+                ``"zlib"``); the node stores them decoded.
             timestamp: the update's timestamp (default: now, in milliseconds).
             timeout: this call's deadline (seconds; default: the client's).
 
@@ -572,9 +675,108 @@ class ParameterClient:
             ConnectionLostError: the connection broke; the update may or may
                 not have been applied.
         """
-        update = self._update(params, timestamp)
+        update = self._update(params, timestamp, rules=rules, encoding=encoding)
         result = await self.call("push_parameters", timeout=timeout, update=update)
         return dict(result.versions)
+
+    async def push_gradients(
+        self,
+        grads: Mapping[str, Any],
+        *,
+        encoding: str | None = None,
+        ratio: float = 0.01,
+        error_feedback: bool = True,
+        request_id: str | None = None,
+        timestamp: int | None = None,
+        timeout: float | EllipsisType | None = ...,
+    ) -> dict[str, int]:
+        """Fold gradients into their parameters on the node, by each parameter's rule.
+
+        The parameters must exist with a rule (see :meth:`update_parameters`).
+        All gradients of one push are applied together, or none. The push
+        carries a request id (a new one by default): sent again with the same
+        id, it is applied once, and a broken connection is retried so.
+
+        Args:
+            grads: name -> gradient array (the parameter's shape).
+            encoding: compress them: ``"fp16"``, ``"bf16"``, ``"int8"``,
+                ``"topk"`` (the ``ratio`` largest by magnitude) or ``"zlib"``.
+            ratio: the share of elements ``"topk"`` sends.
+            error_feedback: with a lossy encoding, keep what compression left
+                out of each gradient and add it to the next one (so nothing
+                is lost over time; see :class:`~aioparamsync.compression.ErrorFeedback`).
+            request_id: the push's id (default: a new UUID).
+            timestamp: the push's timestamp (default: now, in milliseconds).
+            timeout: this call's deadline (seconds; default: the client's).
+
+        Returns:
+            The version each parameter now has.
+
+        Raises:
+            RequestError: the node refused the push (nothing was applied):
+                e.g. UNKNOWN_PARAMETER, or a parameter without a rule, or a
+                gradient of another shape (SHAPE_MISMATCH).
+        """
+        if not isinstance(grads, Mapping):
+            raise TypeError("grads must be a mapping of name -> array")
+        if encoding is None:
+            params = [to_parameter(name, g) for name, g in grads.items()]
+        else:
+            from . import compression
+
+            if encoding in LOSSY_ENCODINGS and error_feedback:
+                if self._feedback is None:
+                    self._feedback = compression.ErrorFeedback()
+                encode = self._feedback.encode
+            else:
+                encode = compression.encode
+            params = [encode(name, g, encoding, ratio=ratio) for name, g in grads.items()]
+        push = thrift.GradientPush(
+            grads=params,
+            request_id=request_id or uuid.uuid4().hex,
+            timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
+        )
+        result = await self.call("push_gradients", timeout=timeout, push=push)
+        return dict(result.versions)
+
+    async def barrier(
+        self,
+        group: str,
+        worker: str,
+        step: int,
+        world_size: int,
+        *,
+        timeout: float | None = 600.0,
+    ) -> Any:
+        """Wait until ``world_size`` workers of ``group`` have reached ``step``.
+
+        Bulk-synchronous training: each worker calls it after each step. Every
+        worker of a group must use the same node. While it waits, the node's
+        ``info`` (and ``aioparamsync-ctl waiting``) shows who is missing.
+
+        Args:
+            group: the barrier's name.
+            worker: this worker's name, unique in the group.
+            step: the step this worker has finished.
+            world_size: how many workers the group has.
+            timeout: the longest to wait (seconds; None: the node's maximum).
+
+        Returns:
+            A ``BarrierResult``: the group, the step, the workers that passed.
+
+        Raises:
+            RequestError: ``TIMEOUT`` (naming the workers that did not come),
+                or BAD_REQUEST (e.g. a world_size the group disagrees with).
+        """
+        request = thrift.BarrierRequest(
+            group=group,
+            worker=worker,
+            step=step,
+            world_size=world_size,
+            wait_ms=None if timeout is None else round(timeout * 1000),
+        )
+        deadline = None if timeout is None else timeout + HOLD_MARGIN
+        return await self.call("barrier", timeout=deadline, request=request)
 
     async def broadcast_update(
         self,
@@ -593,26 +795,47 @@ class ParameterClient:
 
     async def get_arrays(
         self,
-        names: Iterable[str],
+        names: Iterable[str] | None,
         min_version: int = 0,
         *,
+        wait: float | None = None,
+        known_versions: Mapping[str, int] | None = None,
+        encoding: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, np.ndarray]:
-        """Fetch parameters as numpy arrays (read-only views, no copy), by name."""
-        response = await self.get_parameters(names, min_version, timeout=timeout)
-        return {p.name: from_parameter(p) for p in response.params}
+        """Fetch parameters as numpy arrays, by name (see :meth:`get_parameters`).
+
+        Raw data comes as read-only views of the received bytes (no copy);
+        encoded data is decoded into new arrays.
+        """
+        response = await self.get_parameters(
+            names,
+            min_version,
+            wait=wait,
+            known_versions=known_versions,
+            encoding=encoding,
+            timeout=timeout,
+        )
+        return {p.name: _array(p) for p in response.params}
 
     async def update_arrays(
         self,
         arrays: Mapping[str, Any],
         *,
+        rules: Any = None,
+        encoding: str | None = None,
         timestamp: int | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
-        """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions."""
+        """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions.
+
+        See :meth:`update_parameters` for ``rules`` and ``encoding``.
+        """
         if not isinstance(arrays, Mapping):
             raise TypeError("arrays must be a mapping of name -> array")
-        return await self.update_parameters(arrays, timestamp=timestamp, timeout=timeout)
+        return await self.update_parameters(
+            arrays, rules=rules, encoding=encoding, timestamp=timestamp, timeout=timeout
+        )
 
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
@@ -623,20 +846,55 @@ class ParameterClient:
         return await self.call("info", timeout=timeout)
 
     @staticmethod
-    def _update(params: Iterable[Any] | Mapping[str, Any], timestamp: int | None) -> Any:
+    def _update(
+        params: Iterable[Any] | Mapping[str, Any],
+        timestamp: int | None,
+        *,
+        rules: Any = None,
+        encoding: str | None = None,
+    ) -> Any:
         if timestamp is None:
             timestamp = time.time_ns() // 1_000_000
-        updates = [
-            # An origin marks a peer's replication message (applied with its
-            # version, sent on to no one): a client's update never has one,
-            # even when it sends back what a get answered.
-            p if p.origin is None else _without_origin(p)
-            for p in to_parameters(params)
-        ]
+        if encoding is not None:
+            if not isinstance(params, Mapping):
+                raise TypeError("an encoded update takes a mapping of name -> array")
+            from . import compression
+
+            updates = [compression.encode(n, a, encoding) for n, a in params.items()]
+        else:
+            updates = [
+                # An origin marks a peer's replication message (applied with its
+                # version, sent on to no one): a client's update never has one,
+                # even when it sends back what a get answered.
+                p if p.origin is None else _without_origin(p)
+                for p in to_parameters(params)
+            ]
+        if rules is not None:
+            for p in updates:
+                rule = rules.get(p.name) if isinstance(rules, Mapping) else rules
+                if rule is not None:
+                    p.rule = rule
         return thrift.ParameterUpdate(params=updates, timestamp=timestamp)
+
+
+def _array(p: Any) -> np.ndarray:
+    """The array of a received ``Parameter``, decoded if it is encoded."""
+    if not p.encoding:
+        return from_parameter(p)
+    from . import compression
+
+    return compression.decode(p)
 
 
 def _without_origin(p: Any) -> Any:
     return thrift.Parameter(
-        name=p.name, data=p.data, version=p.version, dtype=p.dtype, shape=p.shape
+        name=p.name,
+        data=p.data,
+        version=p.version,
+        dtype=p.dtype,
+        shape=p.shape,
+        encoding=p.encoding,
+        scale=p.scale,
+        indices=p.indices,
+        rule=p.rule,
     )

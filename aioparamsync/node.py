@@ -102,7 +102,7 @@ class Node:
             repair_interval=repair_interval,
             ssl=peer_ssl,
         )
-        self.service = ParameterService(self.store, self.cluster)
+        self.service = ParameterService(self.store, self.cluster, max_decoded_bytes=max_frame_bytes)
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
         self._writer: asyncio.Task[None] | None = None

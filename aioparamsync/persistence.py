@@ -102,6 +102,18 @@ class Recovered:
     torn_bytes: int = 0
 
 
+_RULE_FIELDS = [field[1] for _, field in sorted(thrift.Rule.thrift_spec.items())]
+
+
+def _rule(fields: Any, name: str, path: Path) -> Any:
+    """The ``Rule`` a snapshot's metadata holds for ``name`` (None if none)."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict) or not set(fields) <= set(_RULE_FIELDS):
+        raise PersistenceError(f"snapshot {path}: {name!r} has a malformed rule {fields!r}")
+    return thrift.Rule(**fields)
+
+
 def _segment_name(n: int) -> str:
     return f"wal-{n:08d}.log"
 
@@ -320,6 +332,7 @@ class DataDir:
                     dtype=p["dtype"],
                     shape=p["shape"],
                     origin=p["origin"],
+                    rule=_rule(p.get("rule"), name, data_path),
                 )
             )
             loaded += end - start
@@ -432,6 +445,10 @@ class DataDir:
                 "nbytes": e.nbytes,
                 "crc32": zlib.crc32(e.data),
             }
+            if e.rule is not None:
+                params[e.name]["rule"] = {
+                    k: getattr(e.rule, k) for k in _RULE_FIELDS if getattr(e.rule, k) is not None
+                }
             offset += e.nbytes
         header["__metadata__"] = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
         head = json.dumps(header, separators=(",", ":")).encode()

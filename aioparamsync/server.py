@@ -128,6 +128,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.peer: Any = None
         self._calls: collections.deque[_Call] = collections.deque()
         self._last_write: asyncio.Future | None = None
+        self._held: set[asyncio.Future] = set()  # reads the handler holds (long polls)
         self._write_paused = False
         self._read_paused = False
         self._closing = False  # no new requests: finish, then close
@@ -196,6 +197,10 @@ class ServerConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._calls.clear()
+        # Nobody is left to answer: stop the reads held for it (long polls,
+        # barriers). A write is applied all the same.
+        for held in list(self._held):
+            held.cancel()
         if self._idle_handle is not None:
             self._idle_handle.cancel()
         self.server._unregister(self)
@@ -266,6 +271,11 @@ class ServerConnection(asyncio.BufferedProtocol):
             return None
         if isinstance(outcome, asyncio.Future):
             outcome.add_done_callback(lambda fut: self._settle_future(call, fut))
+            if not outcome.done() and call.method.name not in self.server.handler.writes:
+                # A read held for a long poll or a barrier: it has its own deadline.
+                self._held.add(outcome)
+                outcome.add_done_callback(self._held.discard)
+                return outcome
             deadline = self.server.config.request_timeout
             if deadline is not None and not call.method.oneway:
                 asyncio.get_running_loop().call_later(deadline, self._expire, call, deadline)

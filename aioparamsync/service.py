@@ -3,14 +3,69 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__
 from .errors import ErrorCode, RequestError
-from .store import Applied, ParameterStore
-from .wire import Method, thrift
+from .store import Applied, Entry, ParameterStore
+from .waiting import Waiting
+from .wire import DEFAULT_MAX_FRAME_BYTES, Method, thrift
+
+# Request ids of gradient pushes remembered (with their outcome) for retries.
+MAX_REQUEST_IDS = 100_000
+MAX_REQUEST_ID_BYTES = 256
+
+
+def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
+    """``params`` with every encoded one decoded (see :mod:`aioparamsync.compression`).
+
+    A decoded array may not be larger than ``max_nbytes`` (a few bytes of
+    zlib or topk can claim any size).
+    """
+    if not any(p.encoding for p in params):
+        return params
+    from .arrays import to_parameter
+    from .compression import decode
+
+    raw = []
+    for p in params:
+        if p.encoding:
+            decoded = to_parameter(p.name, decode(p, max_nbytes=max_nbytes), p.version or 0)
+            decoded.origin, decoded.rule = p.origin, p.rule
+            if p.dtype is None:  # plain bytes stay plain bytes
+                decoded.dtype = decoded.shape = None
+            p = decoded
+        raw.append(p)
+    return raw
+
+
+def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
+    """A future of ``make(result)`` once ``future`` succeeds (its error otherwise).
+
+    Cancelling the answer cancels ``future`` (a caller that went away).
+    """
+    answer = asyncio.get_running_loop().create_future()
+
+    def settle(done: asyncio.Future) -> None:
+        if answer.done():
+            return
+        if done.cancelled():
+            answer.cancel()
+        elif (exc := done.exception()) is not None:
+            answer.set_exception(exc)
+        else:
+            try:
+                answer.set_result(make(done.result()))
+            except Exception as error:  # noqa: BLE001 - the reply says what failed
+                answer.set_exception(error)
+
+    future.add_done_callback(settle)
+    answer.add_done_callback(lambda a: future.cancel() if a.cancelled() else None)
+    return answer
+
 
 __all__ = ["ParameterService"]
 
@@ -28,18 +83,31 @@ class ParameterService:
         store: where parameters live; ``ping`` answers its table's node id.
         cluster: the node's :class:`~aioparamsync.peers.Cluster` (membership calls).
         counters: the server's counters, reported by ``info``.
+        max_decoded_bytes: the largest array an encoded parameter may decode to.
     """
 
-    writes = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
+    writes = frozenset(
+        {"update_parameters", "push_parameters", "broadcast_update", "push_gradients"}
+    )
 
     def __init__(
-        self, store: ParameterStore, cluster: Any = None, counters: Mapping[str, int] | None = None
+        self,
+        store: ParameterStore,
+        cluster: Any = None,
+        counters: Mapping[str, int] | None = None,
+        *,
+        max_decoded_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.store = store
+        self.max_decoded_bytes = max_decoded_bytes
         self.cluster = cluster
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
+        self.waiting = Waiting(store)
         self._handlers: dict[str, Callable[[Method, Any], Any]] = {}  # by method name
+        # request id -> the future of that push's reply (kept while it succeeds)
+        self._pushes: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+        self.pushes_repeated = 0
 
     @property
     def node_id(self) -> str:
@@ -54,31 +122,79 @@ class ParameterService:
     # -- the founding methods ----------------------------------------------------
 
     def _read(self, request: Any) -> Any:
+        """The response to a read, now."""
+        table = self.store.table
+        min_version = request.min_version or 0
+        if request.all_names:
+            entries = [e for name in table.names() if (e := table.entry(name)) is not None]
+            entries = [e for e in entries if e.version >= min_version]
+        else:
+            entries = self.store.read(request.param_names, min_version)
+        known = request.known_versions
+        if known:
+            entries = [e for e in entries if e.version > known.get(e.name, 0)]
+        if request.encoding:
+            params = [self._encoded(e, request.encoding) for e in entries]
+        else:
+            params = [e.to_parameter() for e in entries]
+        return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
+
+    @staticmethod
+    def _encoded(entry: Entry, encoding: str) -> Any:
+        from . import compression
+        from .arrays import from_parameter
+
+        if not compression.encodable(entry.dtype, encoding):
+            return entry.to_parameter()  # e.g. fp16 of integers: sent raw
+        param = compression.encode(entry.name, from_parameter(entry), encoding)
+        param.version, param.origin, param.rule = entry.version, entry.origin, entry.rule
+        if entry.dtype is None:
+            param.dtype = param.shape = None
+        return param
+
+    def _pull(self, method: Method, request: Any) -> Any:
         if request is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
-        entries = self.store.read(request.param_names, request.min_version or 0)
-        return thrift.ParameterResponse(
-            params=[e.to_parameter() for e in entries], timestamp=self.store.timestamp
-        )
+        if request.encoding:
+            from .compression import PULL_ENCODINGS
+
+            if request.encoding not in PULL_ENCODINGS:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"a pull cannot be encoded {request.encoding!r}; one of "
+                    f"{', '.join(PULL_ENCODINGS)}",
+                )
+        if request.wait_ms is None:
+            return method.result(success=self._read(request))
+        if request.all_names:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a long poll names its parameters")
+        self.store.read(request.param_names)  # (checks the request's size)
+        ready = self.waiting.poll(request.param_names, request.min_version or 0, request.wait_ms)
+        return _then(ready, lambda _: method.result(success=self._read(request)))
 
     def _get_parameters(self, method: Method, args: Any) -> Any:
-        return method.result(success=self._read(args.request))
+        return self._pull(method, args.request)
 
     def _update_parameters(self, method: Method, args: Any) -> asyncio.Future:
         # The store's writer makes the reply as it answers the batch.
-        return self.store.submit(*_params(args.update), then=lambda _: method.result())
+        params, timestamp = _params(args.update)
+        return self.store.submit(
+            _decoded(params, self.max_decoded_bytes), timestamp, then=lambda _: method.result()
+        )
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
         # From a peer, every parameter carries its origin: merge it, send it on
         # to no one. From a client: an update like any other.
         params, timestamp = _params(args.update)
         replicated = bool(params) and all(p.origin for p in params)
-        return self.store.submit(params, timestamp, replicated=replicated)
+        return self.store.submit(
+            _decoded(params, self.max_decoded_bytes), timestamp, replicated=replicated
+        )
 
     # -- the typed methods --------------------------------------------------------
 
     def _pull_parameters(self, method: Method, args: Any) -> Any:
-        return method.result(success=self._read(args.request))
+        return self._pull(method, args.request)
 
     def _push_parameters(self, method: Method, args: Any) -> asyncio.Future:
         def result(applied: Applied) -> Any:
@@ -87,7 +203,52 @@ class ParameterService:
                 success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
             )
 
-        return self.store.submit(*_params(args.update), then=result)
+        params, timestamp = _params(args.update)
+        return self.store.submit(_decoded(params, self.max_decoded_bytes), timestamp, then=result)
+
+    def _push_gradients(self, method: Method, args: Any) -> asyncio.Future:
+        push = args.push
+        if push is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        request_id = push.request_id
+        if request_id is not None:
+            if not request_id or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
+                )
+            first = self._pushes.get(request_id)
+            if first is not None:  # a retry: the first push's outcome
+                self.pushes_repeated += 1
+                self._pushes.move_to_end(request_id)
+                return first
+
+        def result(applied: Applied) -> Any:
+            versions = {e.name: e.version for e in applied.entries}
+            return method.result(
+                success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+            )
+
+        timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
+        future = self.store.submit(
+            _decoded(push.grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
+        )
+        if request_id is not None:
+            pushes = self._pushes
+            pushes[request_id] = future
+            if len(pushes) > MAX_REQUEST_IDS:
+                pushes.popitem(last=False)
+
+            def forget_failure(done: asyncio.Future) -> None:
+                # Nothing was applied: a retry may try again.
+                if (done.cancelled() or done.exception()) and pushes.get(request_id) is done:
+                    del pushes[request_id]
+
+            future.add_done_callback(forget_failure)
+        return future
+
+    def _barrier(self, method: Method, args: Any) -> asyncio.Future:
+        return _then(self.waiting.barrier(args.request), lambda r: method.result(success=r))
 
     def _ping(self, method: Method, args: Any) -> Any:
         return method.result(success=self.node_id)
@@ -96,6 +257,8 @@ class ParameterService:
         table = self.store.table
         counters = {k: int(v) for k, v in self.counters.items()}
         counters.update(self.store.statistics())
+        counters.update(self.waiting.statistics())
+        counters["gradient_pushes_repeated"] = self.pushes_repeated
         info = thrift.NodeInfo(
             node_id=self.node_id,
             version=__version__,
@@ -105,6 +268,7 @@ class ParameterService:
             uptime_seconds=time.monotonic() - self.started,
             counters=counters,
             peers=[thrift.PeerInfo(**s) for s in self.cluster.statistics()] if self.cluster else [],
+            waiting=self.waiting.report(),
         )
         return method.result(success=info)
 

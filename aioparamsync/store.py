@@ -25,7 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .arrays import check_layout
+import numpy as np
+
+from . import rules
+from .arrays import check_layout, from_parameter
 from .errors import ErrorCode, RequestError
 from .wire import thrift
 
@@ -63,6 +66,7 @@ class Entry:
         dtype: numpy's dtype string, or None for plain bytes.
         shape: its shape, or None.
         origin: the id of the node where this version was first applied.
+        rule: the rule gradients are folded in by (the IDL's ``Rule``), or None.
     """
 
     name: str
@@ -71,6 +75,7 @@ class Entry:
     dtype: str | None
     shape: tuple[int, ...] | None
     origin: str
+    rule: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +90,7 @@ class Entry:
             dtype=self.dtype,
             shape=list(self.shape) if self.shape is not None else None,
             origin=self.origin,
+            rule=self.rule,
         )
 
 
@@ -95,6 +101,9 @@ class Applied:
     entries: tuple[Entry, ...]
     timestamp: int
 
+
+# How a queued update is applied.
+_APPLY, _MERGE, _FOLD = 0, 1, 2
 
 # An applied update awaiting its answer: (the caller's future, what was
 # applied, the caller's ``then`` or None).
@@ -130,6 +139,9 @@ class ParameterTable:
         self.timestamp = 0
         self._entries: dict[str, Entry] = {}
         self._nbytes = 0
+        # What each parameter's rule keeps between gradient steps (this node's
+        # own: optimizer state is not replicated).
+        self._states: dict[str, rules.State] = {}
 
     @property
     def origin(self) -> str:
@@ -188,30 +200,18 @@ class ParameterTable:
 
     def check(self, params: Sequence[Any], *, replicated: bool = False) -> None:
         """Raise :class:`RequestError` if the update ``params`` may not be applied."""
-        limits = self.limits
-        if len(params) > limits.max_params_per_update:
-            raise RequestError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"{len(params)} parameters in one update; the limit is "
-                f"{limits.max_params_per_update}",
-            )
-        seen: set[str] = set()
+        self._check_names(params, what="parameters")
         for p in params:
             name = p.name
-            if not isinstance(name, str) or not name:
-                raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
-            if len(name.encode()) > limits.max_name_bytes:
-                raise RequestError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"a parameter name of {len(name.encode())} bytes is longer than "
-                    f"{limits.max_name_bytes}",
-                )
-            if name in seen:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} appears twice in one update")
-            seen.add(name)
             if p.data is None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
+            if p.encoding:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST, f"{name!r}: encoded data must be decoded first"
+                )
             check_layout(name, memoryview(p.data).nbytes, p.dtype, p.shape)
+            if p.rule is not None:
+                _check_rule_fits(name, p.rule, p.dtype)
             if replicated:
                 if not p.origin or not p.version or p.version < 1:
                     raise RequestError(
@@ -239,12 +239,115 @@ class ParameterTable:
             stored = current.version if current is not None else 0
             given = p.version or 0
             shape = tuple(p.shape) if p.shape is not None else None
+            rule = p.rule if p.rule is not None else (current.rule if current else None)
+            if rule is not None and p.rule is None:
+                try:  # the stored rule must fit the new layout
+                    _check_rule_fits(p.name, rule, p.dtype)
+                except RequestError:
+                    rule = None  # e.g. floats replaced by bytes: no rule applies
             made.append(
                 Entry(
-                    p.name, _readonly(p.data), max(stored + 1, given), p.dtype, shape, self.origin
+                    p.name,
+                    _readonly(p.data),
+                    max(stored + 1, given),
+                    p.dtype,
+                    shape,
+                    self.origin,
+                    rule,
                 )
             )
         return self._store(made, timestamp)
+
+    def fold(self, grads: Sequence[Any], timestamp: int) -> Applied:
+        """Fold gradients into their parameters by each one's rule, wholly or not at all.
+
+        Each gradient (a decoded ``Parameter``) must name a stored parameter
+        that has a rule, and have its shape (any numeric dtype: it is
+        converted). Versions grow by one; the new values replicate like any
+        update.
+
+        Raises:
+            RequestError: a gradient may not be folded (nothing is changed).
+        """
+        self._check_names(grads, what="gradients")
+        entries = self._entries
+        work = []
+        for g in grads:
+            current = entries.get(g.name)
+            if current is None:
+                raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"no parameter {g.name!r}")
+            if current.rule is None:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"{g.name!r} has no rule for gradients: set one with an update",
+                )
+            if current.version >= MAX_VERSION:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED, f"{g.name!r} has reached the largest version"
+                )
+            if g.data is None or g.encoding:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"gradient {g.name!r} has no raw data")
+            if g.dtype is None:
+                raise RequestError(ErrorCode.SHAPE_MISMATCH, f"gradient {g.name!r} has no dtype")
+            grad = from_parameter(g)
+            if grad.dtype.kind not in "iuf" and grad.dtype.name != "bfloat16":
+                raise RequestError(
+                    ErrorCode.SHAPE_MISMATCH,
+                    f"gradient {g.name!r} of dtype {g.dtype} is not a real number type",
+                )
+            weights = from_parameter(current)
+            if grad.shape != weights.shape:
+                raise RequestError(
+                    ErrorCode.SHAPE_MISMATCH,
+                    f"gradient {g.name!r} has shape {grad.shape}; the parameter has "
+                    f"{weights.shape}",
+                )
+            work.append((current, weights, grad))
+        # Every check passed: compute all, then store all.
+        made = []
+        states = {}
+        for current, weights, grad in work:
+            value, state = rules.fold(current.rule, weights, grad, self._states.get(current.name))
+            states[current.name] = state
+            made.append(
+                Entry(
+                    current.name,
+                    _readonly(value.reshape(-1).view(np.uint8)),
+                    current.version + 1,
+                    current.dtype,
+                    current.shape,
+                    self.origin,
+                    current.rule,
+                )
+            )
+        self._states.update(states)
+        return self._store(made, timestamp)
+
+    def _check_names(self, params: Sequence[Any], *, what: str) -> None:
+        limits = self.limits
+        if len(params) > limits.max_params_per_update:
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(params)} {what} in one request; the limit is {limits.max_params_per_update}",
+            )
+        seen: set[str] = set()
+        for p in params:
+            name = p.name
+            if not isinstance(name, str) or not name:
+                raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
+            if len(name.encode()) > limits.max_name_bytes:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"a parameter name of {len(name.encode())} bytes is longer than "
+                    f"{limits.max_name_bytes}",
+                )
+            if name in seen:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} appears twice in one update")
+            seen.add(name)
+
+    def state(self, name: str) -> rules.State | None:
+        """What the rule of ``name`` keeps between steps, or None."""
+        return self._states.get(name)
 
     def merge(self, params: Sequence[Any], timestamp: int) -> Applied:
         """Apply a replicated update: last writer wins on ``(version, origin)``.
@@ -266,7 +369,9 @@ class ParameterTable:
             if current is not None and (current.version, current.origin) >= (p.version, p.origin):
                 continue
             shape = tuple(p.shape) if p.shape is not None else None
-            made.append(Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin))
+            made.append(
+                Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin, p.rule)
+            )
         return self._store(made, timestamp)
 
     def _store(self, made: list[Entry], timestamp: int) -> Applied:
@@ -276,11 +381,26 @@ class ParameterTable:
             old = entries.get(entry.name)
             if old is not None:
                 self._nbytes -= old.nbytes
+                if (old.rule, old.dtype, old.shape) != (entry.rule, entry.dtype, entry.shape):
+                    self._states.pop(entry.name, None)  # a new rule or layout starts over
             entries[entry.name] = entry
             self._nbytes += entry.nbytes
         if timestamp > self.timestamp:
             self.timestamp = timestamp
         return Applied(tuple(made), self.timestamp)
+
+
+def _check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
+    """Check a rule, and that it can fold gradients into an array of ``dtype``."""
+    rules.check_rule(name, rule)
+    # (check_layout has checked that dtype is a numeric one)
+    kind = "f" if dtype == "bfloat16" else np.dtype(dtype).kind if dtype else ""
+    if kind not in ("iuf" if rule.kind == "sum" else "f") or not kind:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{name!r}: rule {rule.kind} needs a "
+            f"{'real' if rule.kind == 'sum' else 'floating point'} dtype, not {dtype}",
+        )
 
 
 class ParameterStore:
@@ -312,7 +432,7 @@ class ParameterStore:
         self._failure: Exception | None = None  # the log could not be written
         self._snapshots: set[asyncio.Future[Any]] = set()
         self._queue: collections.deque[
-            tuple[Sequence[Any], int, bool, asyncio.Future, Callable[[Applied], Any] | None]
+            tuple[Sequence[Any], int, int, asyncio.Future, Callable[[Applied], Any] | None]
         ] = collections.deque()
         self._wakeup: asyncio.Event | None = None
         self._room: asyncio.Event | None = None
@@ -367,13 +487,15 @@ class ParameterStore:
         timestamp: int,
         *,
         replicated: bool = False,
+        gradients: bool = False,
         then: Callable[[Applied], Any] | None = None,
     ) -> asyncio.Future[Any]:
         """Queue an update; answer a future of its :class:`Applied`.
 
         Updates are applied in the order they are submitted: with
-        :meth:`ParameterTable.apply`, or :meth:`ParameterTable.merge` where
-        ``replicated`` (an update a peer sends on).
+        :meth:`ParameterTable.apply`, :meth:`ParameterTable.merge` where
+        ``replicated`` (an update a peer sends on), or
+        :meth:`ParameterTable.fold` where ``gradients``.
 
         With ``then``, the future is of ``then(applied)``, made by the writer
         as it answers the batch: a caller that turns the outcome into a reply
@@ -399,7 +521,8 @@ class ParameterStore:
                 f"the node has {len(self._queue)} updates waiting; try again",
             )
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((params, timestamp, replicated, future, then))
+        mode = _MERGE if replicated else _FOLD if gradients else _APPLY
+        self._queue.append((params, timestamp, mode, future, then))
         if self._wakeup is not None:
             self._wakeup.set()
         return future
@@ -518,14 +641,16 @@ class ParameterStore:
         done: list[_Done] = []
         fed: tuple[list[Entry], list[Entry]] = ([], [])  # originated here, replicated
         table = self.table
-        for params, timestamp, replicated, future, then in batch:
+        for params, timestamp, mode, future, then in batch:
             if future.cancelled():
                 continue  # its caller gave up before it was applied
             try:
-                if replicated:
+                if mode == _APPLY:
+                    applied = table.apply(params, timestamp)
+                elif mode == _MERGE:
                     applied = table.merge(params, timestamp)
                 else:
-                    applied = table.apply(params, timestamp)
+                    applied = table.fold(params, timestamp)
             except RequestError as exc:
                 self.updates_refused += 1
                 future.set_exception(exc)
@@ -536,7 +661,7 @@ class ParameterStore:
                 future.set_exception(exc)
                 continue
             done.append((future, applied, then))
-            fed[replicated].extend(applied.entries)
+            fed[mode == _MERGE].extend(applied.entries)
         self.batches += 1
         self.updates_applied += len(done)
         return done, fed

@@ -1,0 +1,162 @@
+"""How a node folds gradients into parameters: ``sum``, ``sgd`` and ``adam``.
+
+A parameter gets its rule (the IDL's ``Rule``) from the update that creates
+it; ``push_gradients`` then folds each gradient ``g`` into the stored value
+``w`` by that rule. The arithmetic is torch.optim's, so a model trained
+through a node with the ``sgd`` or ``adam`` rule follows the same path as one
+trained locally with ``torch.optim.SGD`` or ``torch.optim.Adam``:
+
+- ``sum``: ``w += g`` (ps-lite / BytePS style aggregation).
+- ``sgd``: ``g' = g + wd*w``; with momentum ``mu``, ``b = g'`` on the first
+  step, then ``b = mu*b + g'``, and ``w -= lr*b`` (no momentum: ``w -= lr*g'``).
+- ``adam``: ``g' = g + wd*w``; ``m = b1*m + (1-b1)*g'``,
+  ``v = b2*v + (1-b2)*g'^2``; ``w -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``.
+
+Nothing here knows of asyncio or the network: :func:`fold` is a function of
+arrays, and what it keeps between steps (:class:`State`) is a new object
+each step, so the store can compute a whole update before it changes
+anything (an update is applied wholly or not at all).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ErrorCode, RequestError
+from .wire import thrift
+
+__all__ = ["KINDS", "State", "adam", "check_rule", "fold", "sgd", "sum_rule"]
+
+KINDS = ("sum", "sgd", "adam")
+
+
+def sum_rule() -> Any:
+    """The rule ``w += g``."""
+    return thrift.Rule(kind="sum")
+
+
+def sgd(lr: float = 0.01, *, momentum: float = 0.0, weight_decay: float = 0.0) -> Any:
+    """The rule of ``torch.optim.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay)``."""
+    rule = thrift.Rule(kind="sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
+    check_rule("sgd", rule)
+    return rule
+
+
+def adam(
+    lr: float = 0.001,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Any:
+    """The rule of ``torch.optim.Adam(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)``."""
+    rule = thrift.Rule(
+        kind="adam", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay
+    )
+    check_rule("adam", rule)
+    return rule
+
+
+def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_high: bool) -> None:
+    value = getattr(rule, field)
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and low <= value
+    ok = ok and (value < high if open_high else value <= high)
+    if not ok:
+        bracket = ")" if open_high else "]"
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{name!r}: rule {rule.kind} needs {field} in [{low}, {high}{bracket}, not {value!r}",
+        )
+
+
+def check_rule(name: str, rule: Any) -> None:
+    """Raise :class:`RequestError` (BAD_REQUEST) unless ``rule`` is a rule a node can apply."""
+    if rule.kind not in KINDS:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{name!r}: unknown rule {rule.kind!r}; one of {', '.join(KINDS)}",
+        )
+    if rule.kind == "sum":
+        return
+    _number(name, rule, "lr", 0.0, math.inf, open_high=True)
+    _number(name, rule, "weight_decay", 0.0, math.inf, open_high=True)
+    if rule.kind == "sgd":
+        _number(name, rule, "momentum", 0.0, 1.0, open_high=True)
+    else:
+        _number(name, rule, "beta1", 0.0, 1.0, open_high=True)
+        _number(name, rule, "beta2", 0.0, 1.0, open_high=True)
+        _number(name, rule, "eps", 0.0, math.inf, open_high=True)
+        if rule.eps <= 0:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r}: rule adam needs eps > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """What a rule keeps between steps (torch.optim's per-parameter state).
+
+    Attributes:
+        step: steps taken.
+        momentum: sgd's momentum buffer, or adam's first moment ``m``.
+        variance: adam's second moment ``v``.
+    """
+
+    step: int = 0
+    momentum: np.ndarray | None = None
+    variance: np.ndarray | None = None
+
+
+def _working_dtype(dtype: np.dtype) -> np.dtype:
+    # float64 stays float64; everything narrower is computed in float32
+    # (bfloat16 and float16 as torch computes them on the CPU).
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def fold(rule: Any, w: np.ndarray, g: np.ndarray, state: State | None) -> tuple[np.ndarray, State]:
+    """Fold the gradient ``g`` into ``w`` by ``rule``; answer the new value and state.
+
+    ``w`` and ``state`` are not changed: the answers are new arrays. ``g``
+    has ``w``'s shape (the caller checks); the new value has ``w``'s dtype.
+    """
+    state = state or State()
+    work = _working_dtype(w.dtype)
+    with np.errstate(all="ignore"):  # an overflow gives inf, as torch does
+        x = w.astype(work)  # a copy: w is a stored, read-only entry
+        grad = g.astype(work, copy=False)
+        kind = rule.kind
+        if kind == "sum":
+            x += grad
+            new = State(state.step + 1)
+        elif kind == "sgd":
+            if rule.weight_decay:
+                grad = grad + rule.weight_decay * x
+            if rule.momentum:
+                if state.momentum is None:
+                    buf = np.array(grad, dtype=work)
+                else:
+                    buf = rule.momentum * state.momentum + grad
+                x -= rule.lr * buf
+                new = State(state.step + 1, buf)
+            else:
+                x -= rule.lr * grad
+                new = State(state.step + 1)
+        elif kind == "adam":
+            if rule.weight_decay:
+                grad = grad + rule.weight_decay * x
+            b1, b2 = rule.beta1, rule.beta2
+            m = state.momentum if state.momentum is not None else np.zeros_like(x)
+            v = state.variance if state.variance is not None else np.zeros_like(x)
+            m = b1 * m + (1 - b1) * grad
+            v = b2 * v + (1 - b2) * (grad * grad)
+            step = state.step + 1
+            bias1 = 1 - b1**step
+            bias2 = 1 - b2**step
+            denom = np.sqrt(v) / math.sqrt(bias2) + rule.eps
+            x -= (rule.lr / bias1) * (m / denom)
+            new = State(step, m, v)
+        else:  # check_rule keeps other kinds out
+            raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")
+        return x.astype(w.dtype, copy=False), new
