@@ -204,7 +204,8 @@ async def push_state_dict(
         client: the client to send with.
         module_or_state_dict: a module, or a mapping of key -> tensor.
         prefix: put before each key to make the node's name.
-        rule: the gradient rule (the IDL's ``Rule``) that ``push_gradients``
+        rule: the gradient rule (the IDL's ``Rule``, e.g.
+            ``aioparamsync.rules.sgd(lr=0.1)``) that :func:`push_grads`
             folds gradients in by. One rule is set on a module's
             floating-point parameters (not its buffers), or on every
             floating-point tensor of a state dict; a mapping of key ->
@@ -225,12 +226,8 @@ async def push_state_dict(
     if not tensors:
         return {}
     arrays = {prefix + key: to_numpy(t) for key, t in tensors.items()}
-    if rule is None:
-        versions = await client.update_arrays(arrays, timeout=timeout)
-    else:
-        rules = _rules(rule, module_or_state_dict, tensors, prefix)
-        update_arrays: Any = client.update_arrays  # `rules` is newer than some clients
-        versions = await update_arrays(arrays, rules=rules, timeout=timeout)
+    rules = None if rule is None else _rules(rule, module_or_state_dict, tensors, prefix)
+    versions = await client.update_arrays(arrays, rules=rules, timeout=timeout)
     return _unprefixed(versions, prefix)
 
 
@@ -360,6 +357,7 @@ async def push_grads(
     prefix: str = "",
     encoding: str | None = None,
     ratio: float = 0.01,
+    error_feedback: bool = True,
     request_id: str | None = None,
     timeout: Timeout = ...,
 ) -> dict[str, int]:
@@ -378,8 +376,11 @@ async def push_grads(
         encoding: how to compress the gradients on the wire (``"fp16"``,
             ``"bf16"``, ``"int8"``, ``"topk"``, ``"zlib"``; None: raw).
         ratio: for ``"topk"``, the fraction of elements sent.
+        error_feedback: with a lossy encoding, the client keeps what
+            compression left out of each gradient and adds it to the next
+            (see :meth:`ParameterClient.push_gradients`).
         request_id: unique per push; a push sent again with the same id (a
-            retry) is applied once.
+            retry) is applied once (default: a new id).
         timeout: the call's deadline (seconds; default: the client's).
 
     Returns:
@@ -401,8 +402,12 @@ async def push_grads(
     }
     if not grads:
         return {}
-    push_gradients: Any = getattr(client, "push_gradients")  # noqa: B009 - newer than some clients
-    versions = await push_gradients(
-        grads, encoding=encoding, ratio=ratio, request_id=request_id, timeout=timeout
+    versions = await client.push_gradients(
+        grads,
+        encoding=encoding,
+        ratio=ratio,
+        error_feedback=error_feedback,
+        request_id=request_id,
+        timeout=timeout,
     )
     return _unprefixed(versions, prefix)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aioparamsync import ParameterClient, thrift  # noqa: E402
+from aioparamsync import ParameterClient, rules, thrift  # noqa: E402
 from aioparamsync import torch as ps_torch  # noqa: E402
 
 
@@ -251,11 +250,7 @@ async def test_entries_that_are_not_tensors_are_refused(client: ParameterClient)
 
 # -- rules and gradients ------------------------------------------------------------------
 
-HAS_RULES = "rules" in inspect.signature(ParameterClient.update_arrays).parameters
-HAS_PUSH_GRADIENTS = hasattr(ParameterClient, "push_gradients")
 
-
-@pytest.mark.skipif(not HAS_RULES, reason="ParameterClient.update_arrays has no rules= yet")
 async def test_a_rule_is_set_on_a_modules_parameters_not_its_buffers(
     client: ParameterClient,
 ) -> None:
@@ -267,7 +262,7 @@ async def test_a_rule_is_set_on_a_modules_parameters_not_its_buffers(
         return await update_arrays(arrays, **kwargs)
 
     client.update_arrays = spy
-    sgd = thrift.Rule(kind="sgd", lr=0.1)
+    sgd = rules.sgd(lr=0.1)
     await ps_torch.push_state_dict(client, _trained_net(5), prefix="r/", rule=sgd)
     assert calls[-1] == dict.fromkeys(["r/fc.weight", "r/fc.bias", "r/bn.weight", "r/bn.bias"], sgd)
     state = {"w": torch.ones(2), "steps": torch.tensor(3), "z": torch.ones(1, dtype=torch.cfloat)}
@@ -279,10 +274,6 @@ async def test_a_rule_is_set_on_a_modules_parameters_not_its_buffers(
         await ps_torch.push_state_dict(client, state, rule={"nope": sgd})
 
 
-@pytest.mark.skipif(
-    not (HAS_RULES and HAS_PUSH_GRADIENTS),
-    reason="ParameterClient has no push_gradients / update_arrays(rules=) yet",
-)
 async def test_push_grads_takes_an_sgd_step_on_the_node(client: ParameterClient) -> None:
     lr = 0.5
     net = _trained_net(6)
@@ -306,3 +297,20 @@ async def test_push_grads_takes_an_sgd_step_on_the_node(client: ParameterClient)
     assert await ps_torch.push_grads(client, net, prefix="g/", request_id="step-1") == versions
     net.zero_grad(set_to_none=True)
     assert await ps_torch.push_grads(client, net, prefix="g/") == {}
+
+
+async def test_push_grads_steps_every_key_of_a_tied_weight_and_passes_the_encoding_on(
+    client: ParameterClient,
+) -> None:
+    torch.manual_seed(7)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    net[1].weight = net[0].weight  # one Parameter under two keys
+    rule = thrift.Rule(kind="sum")  # w += g
+    await ps_torch.push_state_dict(client, net, rule=rule)
+    w = net[0].weight.detach().clone()
+    net(torch.randn(4, 3)).sum().backward()
+    grad = net[0].weight.grad.clone()
+    versions = await ps_torch.push_grads(client, net, encoding="zlib")  # lossless
+    assert versions == {"0.weight": 2, "1.weight": 2}
+    assert await ps_torch.load_into(client, net) == versions
+    assert torch.equal(net[0].weight.detach(), w + grad) and net[1].weight is net[0].weight
