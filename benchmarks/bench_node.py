@@ -1518,6 +1518,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
+    for out in (args.json, args.plot):  # before the runs: a bad path fails at once
+        if out:
+            Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     pinned = plan_cpus(args.pin)
     if pinned is not None:
