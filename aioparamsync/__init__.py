@@ -27,12 +27,14 @@ from .errors import (
     ServerError,
 )
 from .node import Node
+from .rules import adam, sgd, sum_rule
 from .wire import thrift
 
 Parameter = thrift.Parameter
 ParameterUpdate = thrift.ParameterUpdate
 ParameterRequest = thrift.ParameterRequest
 ParameterResponse = thrift.ParameterResponse
+Rule = thrift.Rule
 
 __all__ = [
     "CallTimeout",
@@ -53,8 +55,12 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RequestError",
+    "Rule",
     "ServerError",
+    "adam",
     "from_parameter",
+    "sgd",
+    "sum_rule",
     "thrift",
     "to_parameter",
 ]

@@ -24,13 +24,17 @@ cluster. A peer that cannot be reached is retried with capped exponential
 backoff, forever; it is never forgotten, and its state is in ``info``.
 
 Which nodes hold a name is :func:`replicas` (today: every node); it is the
-one place that sharding would change.
+one place that sharding would change. Which node folds a name's gradients is
+:meth:`Cluster.owner` (rendezvous hashing over the members): gradients of one
+parameter pushed at different nodes meet at that one node, in one order, so
+none is lost to last-writer-wins; its results replicate like any update.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import time
@@ -38,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .client import ParameterClient
-from .errors import ClientClosedError, ErrorCode, ParamSyncError, RequestError
+from .errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, RequestError
 from .store import Entry, ParameterStore
 from .wire import thrift
 
@@ -54,6 +58,9 @@ DEFAULT_REPAIR_INTERVAL = 10.0
 # Deadline of one call to a peer; a peer that cannot take a message this long
 # (frozen, or its network) is dropped and reconnected (seconds).
 PEER_CALL_TIMEOUT = 10.0
+# How long a gradient push waits for the link to its owner while the link is
+# being made (seconds); a link down (in backoff) is not waited for.
+FORWARD_CONNECT_WAIT = 2.0
 # How often an idle link checks that its peer is there (seconds).
 HEARTBEAT_SECONDS = 1.0
 # How often the node logs each peer link's state and counters (seconds).
@@ -81,6 +88,10 @@ def _batches(items: Iterable[Any], nbytes: Any) -> Iterable[list[Any]]:
         size += n
     if batch:
         yield batch
+
+
+def _score(node_id: str, name: str) -> bytes:
+    return hashlib.blake2b(f"{node_id}\0{name}".encode(), digest_size=8).digest()
 
 
 class PeerLink:
@@ -116,6 +127,8 @@ class PeerLink:
         self.send_failures = 0
         self.repaired = 0
         self.last_error = ""
+        self.client: ParameterClient | None = None  # while the link is up
+        self._changed = asyncio.Event()  # set at each change of state or client
 
     def __repr__(self) -> str:
         return (
@@ -190,7 +203,9 @@ class PeerLink:
                     self._set_state("connecting")
                 await self._join(client)
                 if self.cluster.redundant(self):
+                    self._set_state("dropped")
                     return
+                self.client = client
                 self._set_state("up")
                 backoff = BACKOFF_INITIAL
                 await self._repair(client)
@@ -204,12 +219,33 @@ class PeerLink:
                 self._set_state("backoff")
                 log.debug("peer %s: %s; retrying in %.2f s", self.address, exc, backoff)
             finally:
+                self.client = None
+                self._changed.set()
                 await client.close()
             self._poked.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(backoff * random.uniform(0.5, 1.0)):
                     await self._poked.wait()  # or sooner, when the peer announces itself
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def forward(self, push: Any) -> Any:
+        """Send a gradient push on to this peer (its owner); answer its ``UpdateResult``.
+
+        Raises:
+            NetworkError: the link is down, or broke.
+            RequestError: the peer refused the push.
+        """
+        if self.client is None and self.state == "connecting":
+            # (a link being made, e.g. to a member just learned: not down)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FORWARD_CONNECT_WAIT):
+                    while self.client is None and self.state == "connecting":
+                        self._changed.clear()
+                        await self._changed.wait()
+        client = self.client
+        if client is None or self.state != "up":
+            raise ConnectError(f"peer {self.node_id or self.address} is {self.state}")
+        return await client.call("push_gradients", push=push)
 
     def poke(self) -> None:
         """The peer is (back) up: cut short the wait before the next try."""
@@ -221,6 +257,7 @@ class PeerLink:
             suffix = f" ({self.last_error})" if state == "backoff" else ""
             log.log(level, "peer %s at %s: %s%s", self.node_id or "?", self.address, state, suffix)
             self.state = state
+            self._changed.set()
 
     async def _join(self, client: ParameterClient) -> None:
         members = await client.call("announce", member=self.cluster.me)
@@ -445,6 +482,22 @@ class Cluster:
     def learn(self, members: Iterable[Any]) -> None:
         for member in members:
             self.add(member.host, member.port, member.node_id)
+
+    def owner(self, name: str) -> PeerLink | None:
+        """The member that folds gradients of ``name``: a link, or None for this node.
+
+        Rendezvous hashing over the members whose ids are known: each node
+        computes the same owner, and a member joining or leaving moves only
+        the names it wins or held.
+        """
+        best: PeerLink | None = None
+        best_score = _score(self.me.node_id, name)
+        for link in self.links.values():
+            if link.node_id:
+                score = _score(link.node_id, name)
+                if score > best_score:
+                    best, best_score = link, score
+        return best
 
     def members(self) -> list[Any]:
         """Every member known, this node first."""

@@ -191,6 +191,10 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self.server.counters["protocol_errors"] += 1
             self._closing = True
         # Keep the socket open for the replies still owed; close after them.
+        # A caller that has stopped sending is not held for: its long polls
+        # and barriers end now.
+        for held in list(self._held):
+            held.cancel()
         self._maybe_finish()
         return True
 
@@ -453,6 +457,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         """
         self._closing = True
         self._update_reading()
+        # Reads held for long polls and barriers end now, rather than at their deadline.
+        closing = RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+        for held in list(self._held):
+            if not held.done():
+                held.set_exception(closing)
         self._maybe_finish()
 
     def abort(self) -> None:

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import __version__
-from .errors import ErrorCode, RequestError
+from .errors import ErrorCode, ParamSyncError, RequestError
 from .store import Applied, Entry, ParameterStore
 from .waiting import Waiting
 from .wire import DEFAULT_MAX_FRAME_BYTES, Method, thrift
 
+log = logging.getLogger(__name__)
+
 # Request ids of gradient pushes remembered (with their outcome) for retries.
 MAX_REQUEST_IDS = 100_000
 MAX_REQUEST_ID_BYTES = 256
+# After a push folded by another node, how long its reply waits for the
+# results to replicate here, so the pusher's next read here sees them (ms).
+ARRIVAL_WAIT_MS = 2_000
+# Waits before asking an owner again to fold gradients of a parameter it does
+# not hold yet (seconds).
+FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
 
 
 def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
@@ -108,6 +117,8 @@ class ParameterService:
         # request id -> the future of that push's reply (kept while it succeeds)
         self._pushes: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
         self.pushes_repeated = 0
+        self.pushes_forwarded = 0  # gradient pushes folded by their owner, another node
+        self.forward_failures = 0  # ... that could not reach it, and were folded here
 
     @property
     def node_id(self) -> str:
@@ -148,8 +159,8 @@ class ParameterService:
             return entry.to_parameter()  # e.g. fp16 of integers: sent raw
         param = compression.encode(entry.name, from_parameter(entry), encoding)
         param.version, param.origin, param.rule = entry.version, entry.origin, entry.rule
-        if entry.dtype is None:
-            param.dtype = param.shape = None
+        if entry.dtype is None:  # plain bytes: a shape says how many
+            param.dtype, param.shape = None, [entry.nbytes]
         return param
 
     def _pull(self, method: Method, request: Any) -> Any:
@@ -230,9 +241,18 @@ class ParameterService:
             )
 
         timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
-        future = self.store.submit(
-            _decoded(push.grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
-        )
+        cluster = self.cluster
+        parts: dict[Any, list[Any]] = {}
+        if cluster is not None and cluster.links and not push.forwarded:
+            for g in push.grads:
+                parts.setdefault(cluster.owner(g.name), []).append(g)
+        future: asyncio.Future
+        if any(owner is not None for owner in parts):
+            future = asyncio.ensure_future(self._forward(method, push, parts, timestamp))
+        else:
+            future = self.store.submit(
+                _decoded(push.grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
+            )
         if request_id is not None:
             pushes = self._pushes
             pushes[request_id] = future
@@ -247,6 +267,71 @@ class ParameterService:
             future.add_done_callback(forget_failure)
         return future
 
+    async def _forward(
+        self, method: Method, push: Any, parts: dict[Any, list[Any]], timestamp: int
+    ) -> Any:
+        """Fold each part of a push at its owner (None: here); answer the versions made.
+
+        The parts are applied concurrently, each atomically at its owner. An
+        owner that cannot be reached has its part folded here instead.
+        """
+
+        async def fold(owner: Any, grads: list[Any]) -> Any:
+            if owner is not None:
+                forwarded = thrift.GradientPush(
+                    grads=grads, request_id=push.request_id, timestamp=timestamp, forwarded=True
+                )
+                try:
+                    result = await self._forward_to(owner, forwarded)
+                except RequestError:
+                    raise
+                except ParamSyncError as exc:
+                    self.forward_failures += 1
+                    log.warning(
+                        "gradients of %d parameters not passed on to %s (%s): folded here",
+                        len(grads),
+                        owner.node_id or owner.address,
+                        exc,
+                    )
+                else:
+                    self.pushes_forwarded += 1
+                    await self._arrival(result.versions)
+                    return result
+            applied = await self.store.submit(
+                _decoded(grads, self.max_decoded_bytes), timestamp, gradients=True
+            )
+            versions = {e.name: e.version for e in applied.entries}
+            return thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+
+        results = await asyncio.gather(*(fold(o, g) for o, g in parts.items()))
+        versions: dict[str, int] = {}
+        for r in results:
+            versions.update(r.versions)
+        stamp = max(r.timestamp for r in results)
+        return method.result(success=thrift.UpdateResult(versions=versions, timestamp=stamp))
+
+    async def _forward_to(self, owner: Any, push: Any) -> Any:
+        """``owner.forward(push)``, again a few times while the owner lacks a parameter.
+
+        A parameter just created here may not have reached its owner yet.
+        """
+        table = self.store.table
+        for delay in FORWARD_RETRY_DELAYS:
+            try:
+                return await owner.forward(push)
+            except RequestError as exc:
+                if exc.code != ErrorCode.UNKNOWN_PARAMETER or not all(
+                    g.name in table for g in push.grads
+                ):
+                    raise
+            await asyncio.sleep(delay)
+        return await owner.forward(push)
+
+    async def _arrival(self, versions: Mapping[str, int]) -> None:
+        """Wait (a little) until this node holds ``versions``, replicated from their owner."""
+        polls = [self.waiting.poll([n], v, ARRIVAL_WAIT_MS) for n, v in versions.items()]
+        await asyncio.gather(*polls, return_exceptions=True)
+
     def _barrier(self, method: Method, args: Any) -> asyncio.Future:
         return _then(self.waiting.barrier(args.request), lambda r: method.result(success=r))
 
@@ -259,6 +344,8 @@ class ParameterService:
         counters.update(self.store.statistics())
         counters.update(self.waiting.statistics())
         counters["gradient_pushes_repeated"] = self.pushes_repeated
+        counters["gradient_pushes_forwarded"] = self.pushes_forwarded
+        counters["gradient_forward_failures"] = self.forward_failures
         info = thrift.NodeInfo(
             node_id=self.node_id,
             version=__version__,

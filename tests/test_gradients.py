@@ -1,0 +1,453 @@
+"""A live node: gradient pushes, idempotent retries, encodings, delta pulls, waits, barriers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from cluster_helpers import ProcessCluster, eventually
+
+from aioparamsync import (
+    CallTimeout,
+    ErrorCode,
+    Node,
+    ParameterClient,
+    RequestError,
+    ServerError,
+    adam,
+    sgd,
+    sum_rule,
+    thrift,
+)
+from aioparamsync.compression import encode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ones(*shape: int) -> np.ndarray:
+    return np.ones(shape, np.float32)
+
+
+async def push(client: ParameterClient, grads: list, request_id: str | None = None) -> dict:
+    """push_gradients with hand-made Parameters (as any Thrift client would send them)."""
+    result = await client.call(
+        "push_gradients", push=thrift.GradientPush(grads=grads, request_id=request_id)
+    )
+    return dict(result.versions)
+
+
+# -- pushing gradients ----------------------------------------------------------------------
+
+
+async def test_gradients_are_folded_by_each_parameters_rule(client: ParameterClient) -> None:
+    await client.update_arrays(
+        {"s": np.zeros(3, np.float32), "m": ones(2, 2), "a": np.zeros(4)},
+        rules={"s": sum_rule(), "m": sgd(0.1, momentum=0.5), "a": adam(0.01)},
+    )
+    grads = {"s": ones(3), "m": ones(2, 2), "a": np.full(4, 2.0)}
+    assert await client.push_gradients(grads) == {"s": 2, "m": 2, "a": 2}
+    assert await client.push_gradients(grads) == {"s": 3, "m": 3, "a": 3}
+    got = await client.get_arrays(["s", "m", "a"])
+    np.testing.assert_array_equal(got["s"], [2, 2, 2])
+    np.testing.assert_allclose(got["m"], np.full((2, 2), 1 - 0.1 - 0.1 * 1.5))
+    np.testing.assert_allclose(got["a"], np.full(4, -0.02))  # adam moves lr per step at first
+    info = await client.get_parameters(["m"])
+    assert info.params[0].rule == sgd(0.1, momentum=0.5)
+
+
+async def test_a_retried_push_is_applied_once(client: ParameterClient) -> None:
+    await client.update_arrays({"w": np.zeros(2)}, rules=sum_rule())
+    first = await client.push_gradients({"w": np.ones(2)}, request_id="step-1")
+    again = await client.push_gradients({"w": np.ones(2)}, request_id="step-1")
+    assert first == again == {"w": 2}
+    # Sent twice at once: still once.
+    both = await asyncio.gather(
+        client.push_gradients({"w": np.ones(2)}, request_id="step-2"),
+        client.push_gradients({"w": np.ones(2)}, request_id="step-2"),
+    )
+    assert both == [{"w": 3}, {"w": 3}]
+    await client.push_gradients({"w": np.ones(2)})  # a new id each time
+    await client.push_gradients({"w": np.ones(2)})
+    assert (await client.get_arrays(["w"]))["w"].tolist() == [4.0, 4.0]
+    counters = (await client.info()).counters
+    assert counters["gradient_pushes_repeated"] == 2
+
+
+async def test_a_refused_push_may_be_retried_under_its_id(client: ParameterClient) -> None:
+    await client.update_arrays({"w": np.zeros(2)}, rules=sum_rule())
+    with pytest.raises(RequestError) as info:
+        await client.push_gradients({"w": np.ones(3)}, request_id="r")
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    assert await client.push_gradients({"w": np.ones(2)}, request_id="r") == {"w": 2}
+
+
+@pytest.mark.parametrize(
+    ("grads", "code", "words"),
+    [
+        ({"nope": ones(2)}, ErrorCode.UNKNOWN_PARAMETER, "'nope'"),
+        ({"plain": ones(2)}, ErrorCode.BAD_REQUEST, "no rule"),
+        ({"w": ones(3)}, ErrorCode.SHAPE_MISMATCH, "shape"),
+        ({"w": ones(2), "nope": ones(1)}, ErrorCode.UNKNOWN_PARAMETER, "'nope'"),
+    ],
+)
+async def test_bad_gradients_are_refused_whole(
+    client: ParameterClient, grads: dict, code: ErrorCode, words: str
+) -> None:
+    await client.update_arrays({"w": ones(2), "plain": ones(2)}, rules={"w": sum_rule()})
+    with pytest.raises(RequestError) as info:
+        await client.push_gradients(grads)
+    assert info.value.code == code
+    assert words in str(info.value)
+    got = await client.get_parameters(["w"])
+    assert got.params[0].version == 1
+    assert np.frombuffer(got.params[0].data, np.float32).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("push_", "code"),
+    [
+        (thrift.GradientPush(grads=[], request_id=""), ErrorCode.BAD_REQUEST),
+        (thrift.GradientPush(grads=[], request_id="x" * 257), ErrorCode.BAD_REQUEST),
+        (thrift.GradientPush(grads=[thrift.Parameter(name="w", data=b"ab")]), None),
+    ],
+)
+async def test_malformed_pushes_get_typed_errors(client: ParameterClient, push_, code) -> None:
+    await client.update_arrays({"w": ones(2)}, rules=sum_rule())
+    with pytest.raises(RequestError) as info:
+        await client.call("push_gradients", push=push_)
+    if code is not None:
+        assert info.value.code == code
+    assert await client.ping()  # the connection is fine
+
+
+async def test_bad_rules_in_updates_are_refused(client: ParameterClient) -> None:
+    with pytest.raises(RequestError) as info:
+        await client.update_arrays({"w": ones(2)}, rules=thrift.Rule(kind="sgd", lr=-1.0))
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(RequestError):
+        await client.update_arrays({"w": np.arange(3)}, rules=sgd(0.1))  # integers
+    assert (await client.get_parameters(["w"])).params == []
+
+
+# -- encodings --------------------------------------------------------------------------------
+
+
+async def test_encoded_gradients_and_error_feedback(client: ParameterClient) -> None:
+    rng = np.random.default_rng(1)
+    await client.update_arrays({"w": np.zeros(1000, np.float32)}, rules=sum_rule())
+    total = np.zeros(1000)
+    for _ in range(20):
+        g = rng.standard_normal(1000).astype(np.float32)
+        total += g
+        await client.push_gradients({"w": g}, encoding="topk", ratio=0.1)
+    got = (await client.get_arrays(["w"]))["w"]
+    residual = client._feedback.residual("w")
+    # Nothing is lost: what reached the node plus what waits in the residual
+    # is everything that was pushed.
+    np.testing.assert_allclose(got + residual, total, atol=1e-3)
+    for encoding in ("fp16", "bf16", "int8", "zlib"):
+        before = (await client.get_arrays(["w"]))["w"].astype(np.float64)
+        g = rng.standard_normal(1000).astype(np.float32)
+        await client.push_gradients({"w": g}, encoding=encoding, error_feedback=False)
+        after = (await client.get_arrays(["w"]))["w"].astype(np.float64)
+        tolerance = {"fp16": 2e-3, "bf16": 2e-2, "int8": np.abs(g).max() / 127, "zlib": 1e-6}
+        assert np.abs(after - before - g).max() <= tolerance[encoding] * 1.01 + 1e-4
+
+
+async def test_updates_and_pulls_in_any_encoding(client: ParameterClient) -> None:
+    w = np.linspace(-3, 3, 600, dtype=np.float32).reshape(20, 30)
+    ints = np.arange(10, dtype=np.int64)
+    await client.update_arrays({"w": w, "i": ints}, encoding="zlib")
+    got = await client.get_arrays(["w", "i"])
+    np.testing.assert_array_equal(got["w"], w)
+    np.testing.assert_array_equal(got["i"], ints)
+    for encoding, tolerance in [("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3 / 254), ("zlib", 0)]:
+        response = await client.get_parameters(["w", "i"], encoding=encoding)
+        by_name = {p.name: p for p in response.params}
+        assert by_name["w"].encoding == encoding
+        # integers cannot go as floats: they come raw
+        assert by_name["i"].encoding == (encoding if encoding == "zlib" else None)
+        got = await client.get_arrays(["w", "i"], encoding=encoding)
+        assert got["w"].shape == (20, 30) and got["w"].dtype == np.float32
+        np.testing.assert_allclose(got["w"], w, atol=tolerance * 3 + 1e-7, rtol=tolerance)
+        np.testing.assert_array_equal(got["i"], ints)
+    zlib_bytes = sum(
+        len(p.data) for p in (await client.get_parameters(["i"], encoding="zlib")).params
+    )
+    assert zlib_bytes < ints.nbytes
+
+
+async def test_bad_encodings_are_refused(node: Node, client: ParameterClient) -> None:
+    await client.update_arrays({"w": ones(4)}, rules=sum_rule())
+    with pytest.raises(RequestError) as info:
+        await client.get_parameters(["w"], encoding="topk")
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(RequestError):
+        await client.get_parameters(["w"], encoding="gzip")
+    # A few bytes of topk that claim a huge array: refused before any allocation.
+    bomb = thrift.Parameter(
+        name="w",
+        data=np.ones(1, np.float32).tobytes(),
+        dtype="<f4",
+        shape=[1 << 40],
+        encoding="topk",
+        indices=np.zeros(1, "<i8").tobytes(),
+    )
+    with pytest.raises(RequestError) as info:
+        await push(client, [bomb])
+    assert info.value.code in (ErrorCode.LIMIT_EXCEEDED, ErrorCode.SHAPE_MISMATCH)
+    corrupt = encode("w", ones(4), "zlib")
+    corrupt.data = b"not zlib at all"
+    for call in (push(client, [corrupt]), client.update_parameters([corrupt])):
+        with pytest.raises(RequestError) as info:
+            await call
+        assert info.value.code in (ErrorCode.BAD_REQUEST, ErrorCode.SHAPE_MISMATCH)
+    got = await client.get_parameters(["w"])
+    assert got.params[0].version == 1
+    assert node.store.updates_applied == 1
+
+
+# -- delta pulls --------------------------------------------------------------------------------
+
+
+async def test_delta_pulls_answer_only_what_changed(client: ParameterClient) -> None:
+    versions = await client.update_arrays({"a": ones(1), "b": ones(1), "c": ones(1)})
+    assert await client.get_arrays(None, known_versions=versions) == {}
+    await client.update_arrays({"b": ones(1) * 2})
+    changed = await client.get_arrays(["a", "b", "c"], known_versions=versions)
+    assert list(changed) == ["b"] and changed["b"].tolist() == [2.0]
+    everything = await client.get_arrays(None)
+    assert sorted(everything) == ["a", "b", "c"]
+    unknown = await client.get_arrays(None, known_versions={"a": 1})
+    assert sorted(unknown) == ["b", "c"]  # never held: changed
+
+
+# -- long polls -------------------------------------------------------------------------------
+
+
+async def test_a_long_poll_wakes_when_the_version_arrives(client: ParameterClient) -> None:
+    await client.update_arrays({"w": ones(2)})
+    poll = asyncio.ensure_future(client.get_arrays(["w"], min_version=3, wait=20))
+    await eventually(lambda: _waiting(client, 1))
+    info = await client.info()
+    (waiter,) = info.waiting
+    assert (waiter.kind, waiter.waiting_for) == ("pull", ["w"])
+    assert "version >= 3" in waiter.what
+    # Other calls are not held up behind it.
+    started = time.monotonic()
+    await client.update_arrays({"w": ones(2) * 2})
+    assert time.monotonic() - started < 5
+    assert not poll.done()
+    await client.update_arrays({"w": ones(2) * 3})
+    got = await asyncio.wait_for(poll, 10)
+    assert got["w"].tolist() == [3.0, 3.0]
+    assert (await client.info()).waiting == []
+
+
+async def test_a_long_poll_already_satisfied_answers_at_once(client: ParameterClient) -> None:
+    await client.update_arrays({"w": ones(2)})
+    got = await client.get_arrays(["w"], min_version=1, wait=0)
+    assert list(got) == ["w"]
+
+
+async def test_a_long_poll_ends_at_its_deadline_naming_what_is_missing(
+    client: ParameterClient,
+) -> None:
+    await client.update_arrays({"w": ones(2)})
+    started = time.monotonic()
+    with pytest.raises(RequestError) as info:
+        await client.get_parameters(["w", "never"], min_version=2, wait=0.3)
+    assert 0.25 < time.monotonic() - started < 5
+    assert info.value.code == ErrorCode.TIMEOUT
+    assert "'never'" in str(info.value) and "'w'" in str(info.value)
+    counters = (await client.info()).counters
+    assert counters["wait_timeouts"] == 1 and counters["long_polls_waiting"] == 0
+
+
+async def test_the_founding_method_long_polls_too(node: Node, client: ParameterClient) -> None:
+    request = thrift.ParameterRequest(param_names=["w"], min_version=1, wait_ms=5000)
+    poll = asyncio.ensure_future(client.call("get_parameters", request=request))
+    await asyncio.sleep(0.05)
+    await client.update_arrays({"w": ones(1)})
+    assert [p.name for p in (await poll).params] == ["w"]
+    request.min_version, request.wait_ms = 9, 100
+    with pytest.raises(ServerError, match="TIMEOUT"):
+        await client.call("get_parameters", request=request)
+
+
+async def test_a_long_poll_whose_caller_left_is_dropped(node: Node) -> None:
+    async with ParameterClient(node.address, timeout=0.3) as impatient:
+        with pytest.raises(CallTimeout):
+            await impatient.get_parameters(["w"], min_version=1, wait=30, timeout=0.3)
+
+    def dropped() -> None:
+        assert node.service.waiting.statistics()["long_polls_waiting"] == 0
+
+    await eventually(dropped)
+
+
+async def test_bad_long_polls_are_refused(client: ParameterClient) -> None:
+    for request in (
+        thrift.ParameterRequest(param_names=[], all_names=True, wait_ms=10),
+        thrift.ParameterRequest(param_names=["w"], wait_ms=-1),
+    ):
+        with pytest.raises(RequestError) as info:
+            await client.call("pull_parameters", request=request)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(ValueError):
+        await client.get_parameters(["w"], wait=-1)
+
+
+async def _waiting(client: ParameterClient, n: int) -> None:
+    waiting = (await client.info()).waiting or []
+    assert len(waiting) == n, waiting
+
+
+# -- barriers -----------------------------------------------------------------------------------
+
+
+async def test_a_barrier_opens_when_every_worker_arrives(client: ParameterClient) -> None:
+    first = [
+        asyncio.ensure_future(client.barrier("train", f"w{i}", 1, 3, timeout=20)) for i in (0, 1)
+    ]
+    await eventually(lambda: _waiting(client, 2))
+    waiters = (await client.info()).waiting
+    assert {w.who for w in waiters} == {"w0", "w1"}
+    assert all(w.kind == "barrier" and w.waiting_for == ["1 never seen"] for w in waiters)
+    assert not any(f.done() for f in first)
+    last = await client.barrier("train", "w2", 1, 3, timeout=20)
+    results = [await asyncio.wait_for(f, 10) for f in first]
+    for result in [*results, last]:
+        assert (result.group, result.step, result.workers) == ("train", 1, ["w0", "w1", "w2"])
+    # A worker ahead waits for the one behind, and says who.
+    ahead = asyncio.ensure_future(client.barrier("train", "w0", 2, 3, timeout=20))
+    await eventually(lambda: _waiting(client, 1))
+    (waiter,) = (await client.info()).waiting
+    assert sorted(waiter.waiting_for) == ["w1 (at step 1)", "w2 (at step 1)"]
+    middle = asyncio.ensure_future(client.barrier("train", "w1", 2, 3, timeout=20))
+    await eventually(lambda: _waiting(client, 2))
+    assert not ahead.done()
+    await client.barrier("train", "w2", 2, 3, timeout=20)
+    assert (await asyncio.wait_for(ahead, 10)).step == 2
+    assert (await asyncio.wait_for(middle, 10)).step == 2
+
+
+async def test_a_barrier_times_out_naming_the_absent(client: ParameterClient) -> None:
+    await asyncio.gather(
+        client.barrier("g", "a", 1, 2, timeout=5), client.barrier("g", "b", 1, 2, timeout=5)
+    )
+    with pytest.raises(RequestError) as info:
+        await client.barrier("g", "a", 2, 2, timeout=0.2)
+    assert info.value.code == ErrorCode.TIMEOUT
+    assert "b (at step 1)" in str(info.value)
+    assert (await client.info()).waiting == []
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (thrift.BarrierRequest(group="", worker="a", step=1, world_size=2), "group"),
+        (thrift.BarrierRequest(group="g", worker="", step=1, world_size=2), "worker"),
+        (thrift.BarrierRequest(group="g", worker="a", step=1, world_size=0), "world_size"),
+        (thrift.BarrierRequest(group="g", worker="a", step=1, world_size=10**9), "world_size"),
+        (thrift.BarrierRequest(group="g", worker="a", step=1, world_size=2, wait_ms=-5), "wait"),
+    ],
+)
+async def test_bad_barriers_are_refused(client: ParameterClient, request_, words: str) -> None:
+    with pytest.raises(RequestError) as info:
+        await client.call("barrier", request=request_)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    assert words in str(info.value)
+
+
+async def test_a_barrier_group_keeps_its_size_and_its_workers(client: ParameterClient) -> None:
+    one = asyncio.ensure_future(client.barrier("g", "a", 1, 2, timeout=10))
+    await eventually(lambda: _waiting(client, 1))
+    with pytest.raises(RequestError, match="world_size 2"):
+        await client.barrier("g", "b", 1, 3, timeout=1)
+    await client.barrier("g", "b", 1, 2, timeout=10)
+    await one
+    with pytest.raises(RequestError, match="one more"):
+        await client.barrier("g", "c", 1, 2, timeout=1)
+
+
+# -- durability and the cluster --------------------------------------------------------------
+
+
+async def test_rules_survive_a_restart(tmp_path) -> None:
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        await client.update_arrays({"w": ones(2), "v": ones(2)}, rules={"w": sgd(0.5)})
+        await client.push_gradients({"w": ones(2)})
+    # once from the log, once from a snapshot
+    for _ in range(2):
+        async with (
+            Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+            ParameterClient(node.address) as client,
+        ):
+            got = await client.get_parameters(["w", "v"])
+            rules_ = {p.name: p.rule for p in got.params}
+            assert rules_ == {"w": sgd(0.5), "v": None}
+            await client.push_gradients({"w": ones(2)})
+            await client.update_arrays({"w": np.zeros(2, np.float32)})  # (keeps the rule)
+            await client.push_gradients({"w": ones(2)})
+            assert (await client.get_arrays(["w"]))["w"].tolist() == [-0.5, -0.5]
+
+
+async def test_gradients_pushed_at_every_node_are_all_folded() -> None:
+    """Each node passes a name's gradients to the one node that folds them: none is lost."""
+    procs = ProcessCluster(repair_interval=0.5)
+    try:
+        a = await procs.spawn()
+        b = await procs.spawn(peers=[a])
+        c = await procs.spawn(peers=[a])
+        nodes = [a, b, c]
+        clients = [n.client() for n in nodes]
+        try:
+
+            async def meshed() -> bool:
+                infos = [await cl.info() for cl in clients]
+                return all(len([p for p in i.peers or [] if p.state == "up"]) == 2 for i in infos)
+
+            await eventually(meshed, timeout=20)
+            names = [f"layer{i}" for i in range(8)]
+            await clients[0].update_arrays(
+                {n: np.zeros(16, np.float32) for n in names}, rules=sum_rule()
+            )
+
+            async def worker(cl: ParameterClient) -> None:
+                # As a worker starts: the initial values, once its node has them.
+                await cl.get_arrays(names, min_version=1, wait=10)
+                for _ in range(40):
+                    await cl.push_gradients({n: ones(16) for n in names})
+
+            await asyncio.gather(*(worker(cl) for cl in clients))
+
+            async def folded() -> None:
+                for cl in clients:
+                    got = await cl.get_arrays(names)
+                    wrong = {n: g.tolist() for n, g in got.items() if g.tolist() != [120.0] * 16}
+                    assert not wrong, wrong
+
+            await eventually(folded, timeout=20)
+            counters = [(await cl.info()).counters for cl in clients]
+            assert sum(c["gradient_pushes_forwarded"] for c in counters) > 0
+            assert sum(c["gradient_forward_failures"] for c in counters) == 0
+        finally:
+            for cl in clients:
+                await cl.close()
+    finally:
+        await procs.close()
+
+
+async def test_plain_bytes_pull_zlib_encoded(client: ParameterClient) -> None:
+    await client.update_parameters([thrift.Parameter(name="blob", data=b"seed bytes " * 100)])
+    response = await client.get_parameters(["blob"], encoding="zlib")
+    (p,) = response.params
+    assert p.encoding == "zlib" and p.dtype is None and len(p.data) < 1100
+    got = await client.get_arrays(["blob"], encoding="zlib")
+    assert got["blob"].tobytes() == b"seed bytes " * 100
