@@ -4,6 +4,7 @@
 
     aioparamsync-ctl stats 127.0.0.1:9090        # id, version, parameters, uptime, counters
     aioparamsync-ctl peers 127.0.0.1:9090        # the node's peer links, as a table
+    aioparamsync-ctl waiting 127.0.0.1:9090      # long polls and barriers: who waits for whom
     aioparamsync-ctl get 127.0.0.1:9090 w b      # version, origin, dtype, shape, a preview
     aioparamsync-ctl ping 127.0.0.1:9090         # the node's id and a round trip
     aioparamsync-ctl --json stats 127.0.0.1:9090 # any of them, as JSON
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("stats", "the node's id, version, parameters, timestamp, uptime and counters")
     command("peers", "the node's peer links: state, outbox, updates sent, failures, lag")
+    command("waiting", "the long polls and barriers the node holds, and whom each waits for")
     get = command("get", "parameters: version, origin, dtype, shape and a preview of the value")
     get.add_argument("names", nargs="+", metavar="NAME", help="a parameter's name")
     command("ping", "the node's id and the round trip of one call")
@@ -298,6 +300,33 @@ async def peers(client: ParameterClient, args: argparse.Namespace) -> int:
     return OK
 
 
+async def waiting(client: ParameterClient, args: argparse.Namespace) -> int:
+    info = await client.info()
+    held = sorted(info.waiting or [], key=lambda w: -w.seconds)
+    if args.json:
+        document = [
+            {
+                "kind": w.kind,
+                "what": w.what,
+                "who": w.who or "",
+                "seconds": w.seconds,
+                "waiting_for": list(w.waiting_for),
+            }
+            for w in held
+        ]
+        _print_json({"node_id": info.node_id, "waiting": document})
+        return OK
+    if not held:
+        print(f"{info.node_id} holds no long polls or barriers")
+        return OK
+    header = ["KIND", "WHO", "FOR", "WAITING", "WAITING FOR"]
+    rows = [
+        [w.kind, w.who or "-", w.what, _duration(w.seconds), ", ".join(w.waiting_for)] for w in held
+    ]
+    print(_table(header, rows, right={3}))
+    return OK
+
+
 async def get(client: ParameterClient, args: argparse.Namespace) -> int:
     names = list(dict.fromkeys(args.names))  # each once, in the order given
     response = await client.get_parameters(names)
@@ -361,7 +390,13 @@ async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
 
 
 Command = Callable[[ParameterClient, argparse.Namespace], Coroutine[Any, Any, int]]
-COMMANDS: dict[str, Command] = {"stats": stats, "peers": peers, "get": get, "ping": ping}
+COMMANDS: dict[str, Command] = {
+    "stats": stats,
+    "peers": peers,
+    "waiting": waiting,
+    "get": get,
+    "ping": ping,
+}
 
 
 # -- running --------------------------------------------------------------------------------

@@ -311,6 +311,46 @@ async def test_peers_of_a_lone_node(node: Node, capsys) -> None:
     assert json.loads(out) == {"node_id": node.node_id, "peers": []}
 
 
+# -- waiting ---------------------------------------------------------------------------------
+
+
+async def test_waiting_shows_who_waits_for_whom(node: Node, client, capsys) -> None:
+    rc, out, err = await ctl(capsys, "waiting", text(node.address))
+    assert (rc, out, err) == (0, f"{node.node_id} holds no long polls or barriers\n", "")
+    held = [
+        asyncio.ensure_future(client.get_parameters(["w"], min_version=1, wait=30)),
+        asyncio.ensure_future(client.barrier("train", "worker-0", 7, 2, timeout=30)),
+    ]
+    try:
+        for _ in range(200):
+            if len((await client.info()).waiting or []) == 2:
+                break
+            await asyncio.sleep(0.01)
+        rc, out, err = await ctl(capsys, "waiting", text(node.address))
+        assert rc == 0 and err == ""
+        lines = out.splitlines()
+        assert lines[0].split() == ["KIND", "WHO", "FOR", "WAITING", "WAITING", "FOR"]
+        assert any(
+            line.startswith("barrier")
+            and "worker-0" in line
+            and "'train' step 7" in line
+            and line.endswith("1 never seen")
+            for line in lines
+        ), out
+        assert any(line.startswith("pull") and line.endswith("w") for line in lines), out
+        rc, out, _ = await ctl(capsys, "--json", "waiting", text(node.address))
+        document = json.loads(out)
+        assert document["node_id"] == node.node_id
+        kinds = {w["kind"]: w for w in document["waiting"]}
+        assert kinds["barrier"]["who"] == "worker-0"
+        assert kinds["barrier"]["waiting_for"] == ["1 never seen"]
+        assert kinds["pull"]["waiting_for"] == ["w"] and kinds["pull"]["seconds"] >= 0
+    finally:
+        for call in held:
+            call.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
 # -- what goes wrong -------------------------------------------------------------------------
 
 
