@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import warnings
 
 import pytest
 import uvloop
 
 from aioparamsync import Node, ParameterClient
+
+# Hypothesis reports a failure with a patch made by libcst, whose import warns
+# (mypy_extensions.TypedDict) and so, under filterwarnings=error, turns any
+# failing example into an INTERNALERROR that hides it: import it now, quietly.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with contextlib.suppress(ImportError):
+        import hypothesis.extra._patching  # noqa: F401
 
 
 def pytest_asyncio_loop_factories(config, item):

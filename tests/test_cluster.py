@@ -9,11 +9,9 @@ port 0; every wait is a poll bounded by a deadline, and no timing is asserted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import statistics
 import time
-import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,13 +35,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aioparamsync import ConnectError, Node, ParameterClient, to_parameter
-
-# Hypothesis reports a failure with a patch made by libcst, whose import warns
-# (and, under filterwarnings=error, would turn a failure into an INTERNALERROR).
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    with contextlib.suppress(ImportError):
-        import hypothesis.extra._patching  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 

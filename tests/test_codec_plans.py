@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import struct
 import time
-import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,13 +39,6 @@ from aioparamsync.wire import (
     method,
     thrift,
 )
-
-# As in test_fuzz: import hypothesis' patch writer now, quietly, so that a
-# failure is reported, not turned into an INTERNALERROR by its import warning.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    with contextlib.suppress(ImportError):
-        import hypothesis.extra._patching  # noqa: F401
 
 PROPERTY = settings(
     max_examples=300,

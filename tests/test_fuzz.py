@@ -21,7 +21,6 @@ import math
 import struct
 import time
 import tracemalloc
-import warnings
 from typing import Any, ClassVar
 
 import pytest
@@ -43,14 +42,6 @@ from aioparamsync.wire import (
     method,
     thrift,
 )
-
-# Hypothesis reports a failure with a patch made by libcst, whose import warns
-# (mypy_extensions.TypedDict) and so, under filterwarnings=error, turns any
-# failure into an INTERNALERROR: import it now, quietly.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    with contextlib.suppress(ImportError):
-        import hypothesis.extra._patching  # noqa: F401
 
 FUZZ = settings(
     max_examples=200,
