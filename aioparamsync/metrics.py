@@ -41,6 +41,9 @@ Metrics (every name starts with ``aioparamsync_``):
   ``connections_idle_closed_total``;
 - the store: ``parameters``, ``parameter_bytes``, ``pending_updates``,
   ``batches_total``, ``updates_applied_total``, ``updates_refused_total``;
+- training: ``long_polls_waiting``, ``barrier_waiters``, ``barrier_groups``,
+  ``wait_timeouts_total``, ``gradient_pushes_repeated_total``,
+  ``gradient_pushes_forwarded_total``, ``gradient_forward_failures_total``;
 - each peer (label ``peer``, its ``host:port``): ``peer_outbox_depth``,
   ``peer_updates_sent_total``, ``peer_updates_coalesced_total``,
   ``peer_send_failures_total``, ``peer_repaired_total``,
@@ -271,6 +274,33 @@ class _NodeCollector:
         yield counter("batches", "Batches of updates the writer applied.", s["batches"])
         yield counter("updates_applied", "Updates applied.", s["updates_applied"])
         yield counter("updates_refused", "Updates refused.", s["updates_refused"])
+
+        # -- training: waits and gradients --------------------------------------------
+        service = node.service
+        w = service.waiting.statistics()
+        yield gauge("long_polls_waiting", "Long polls held, waiting.", w["long_polls_waiting"])
+        yield gauge("barrier_waiters", "Workers held at barriers.", w["barrier_waiters"])
+        yield gauge("barrier_groups", "Barrier groups the node keeps.", w["barrier_groups"])
+        yield counter(
+            "wait_timeouts",
+            "Long polls and barriers that reached their deadline.",
+            w["wait_timeouts"],
+        )
+        yield counter(
+            "gradient_pushes_repeated",
+            "Gradient pushes answered from an earlier push with their request id.",
+            service.pushes_repeated,
+        )
+        yield counter(
+            "gradient_pushes_forwarded",
+            "Parts of gradient pushes folded by their owner, another node.",
+            service.pushes_forwarded,
+        )
+        yield counter(
+            "gradient_forward_failures",
+            "Parts of gradient pushes whose owner could not be reached (folded here).",
+            service.forward_failures,
+        )
 
         # -- the peers --------------------------------------------------------------
         labels = ["peer"]

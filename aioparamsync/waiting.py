@@ -295,11 +295,11 @@ class Waiting:
         return found
 
     def statistics(self) -> dict[str, int]:
+        """Counts of what waits (safe to call from another thread: it reads copies)."""
+        groups = list(self._groups.values())
         return {
             "long_polls_waiting": len(self._all_polls),
-            "barrier_waiters": sum(
-                len(w) for g in self._groups.values() for w in g.waiting.values()
-            ),
-            "barrier_groups": len(self._groups),
+            "barrier_waiters": sum(len(w) for g in groups for w in list(g.waiting.values())),
+            "barrier_groups": len(groups),
             "wait_timeouts": self.timeouts,
         }

@@ -28,6 +28,7 @@ from aioparamsync import (
     ParameterRequest,
     RequestError,
     __version__,
+    sum_rule,
     to_parameter,
 )
 from aioparamsync.metrics import LATENCY_BUCKETS, CallStats, MetricsBindError
@@ -153,6 +154,39 @@ async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalClu
         assert value(samples, "node_info", node_id=node.node_id, version=__version__) == 1
         assert any(name == "process_cpu_seconds_total" for name, _ in samples)
         assert not any(name.startswith("aioparamsync_peer") for name, _ in samples)
+
+
+async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -> None:
+    node = await cluster.start(metrics_port=0)
+    async with ParameterClient(node.address, timeout=15) as client:
+        await client.update_arrays({"w": np.zeros(2)}, rules=sum_rule())
+        await client.push_gradients({"w": np.ones(2)}, request_id="once")
+        await client.push_gradients({"w": np.ones(2)}, request_id="once")
+        with pytest.raises(RequestError):
+            await client.get_parameters(["w"], min_version=9, wait=0.05)
+        held = [
+            asyncio.ensure_future(client.get_parameters(["w"], min_version=9, wait=30)),
+            asyncio.ensure_future(client.barrier("g", "a", 1, 2, timeout=30)),
+        ]
+        try:
+
+            async def holding() -> Samples:
+                samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
+                assert value(samples, "long_polls_waiting") == 1
+                assert value(samples, "barrier_waiters") == 1
+                return samples
+
+            samples = await eventually(holding)
+            assert value(samples, "barrier_groups") == 1
+            assert value(samples, "wait_timeouts_total") == 1
+            assert value(samples, "gradient_pushes_repeated_total") == 1
+            assert value(samples, "gradient_pushes_forwarded_total") == 0
+            assert value(samples, "gradient_forward_failures_total") == 0
+            assert value(samples, "requests_total", method="push_gradients") == 2
+        finally:
+            for call in held:
+                call.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
 
 
 async def test_two_nodes_show_their_peer_links(cluster: LocalCluster) -> None:
