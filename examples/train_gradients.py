@@ -58,10 +58,11 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,13 +255,20 @@ async def train_worker(args: argparse.Namespace, mine: Data, node: str) -> Worke
 
 def worker_main(args: argparse.Namespace) -> int:
     """Run as worker ``--worker-rank``: ready, wait for "go" on stdin, train, report."""
+    # A Ctrl-C in the terminal reaches the whole process group: the coordinator
+    # alone handles it, and stops its workers by closing their stdin.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     nodes = [f"{h}:{p}" for h, p in parse_addresses(args.nodes)]
     node = nodes[args.worker_rank % len(nodes)]
     mine = shard(make_data(args.samples, args.features, args.seed), args.worker_rank, args.workers)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1  # the coordinator went away before the start
-    report = asyncio.run(train_worker(args, mine, node))
+    try:
+        report = asyncio.run(train_worker(args, mine, node))
+    except Exception as exc:  # noqa: BLE001 - one line, the coordinator names the worker
+        print(f"worker {args.worker_rank} ({node}): {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(asdict(report)), flush=True)
     return 0
 
@@ -551,6 +559,14 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
+async def stoppable(coroutine: Coroutine[Any, Any, Result]) -> Result:
+    """Run ``coroutine``; SIGTERM cancels it, as Ctrl-C does (the workers are stopped)."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await coroutine
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -561,8 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker_rank is not None:
         return worker_main(args)
     try:
-        result = asyncio.run(coordinate(args, worker_argv(args)))
-    except KeyboardInterrupt:
+        result = asyncio.run(stoppable(coordinate(args, worker_argv(args))))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted: the workers were stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback

@@ -10,18 +10,29 @@ rule. The example reports (JSON) the loss reached and the loss of
 single-process SGD over the same mini-batches, lr and number of steps.
 
 The margins, and why. Simulated in numpy on this very problem (the same
-batches): the order in which the 900 steps of the three workers land, and a
-staleness of a few steps, move the final loss by about 0.1%; the worst case
-of an uneven finish (one worker's steps all last, over-fitting its shard)
-by +1.6%. Losing gradients costs more: a third of them +3%, half +6%, two
-thirds (each node keeping only its own workers' steps) +12.5%. Raw pushes
-must therefore come within ``PLAIN_MARGIN`` = 2.5% of the reference: an
-uneven finish passes, a third of the pushes lost does not. topk with error
-feedback delays what it leaves out (about 1/ratio steps per element) but
-loses nothing; in simulation it lands within 0.2% of the raw run, so
-``TOPK_MARGIN`` = 4% adds room for that delay without letting half of the
-pushes go missing. ``EPSILON`` absorbs float32 rounding in the comparison.
-Measured figures are in the assertion messages (and printed with ``-s``).
+batches, ``examples/train_gradients.py``'s own functions): the order in
+which the 900 steps of the three workers land, and a staleness of a few
+steps, move the final loss by about 0.1%; a worker finishing alone (its last
+150 steps after the others') by up to +0.7%; the worst order there is (no
+concurrency at all: each worker's 300 steps one after another, the worst
+shard last, over-fitting it) by +2.4% raw and +2.6% with topk. Losing
+pushed gradients costs more: a third of them +3%, half +6%, two thirds +12.5%.
+So raw pushes must land within ``PLAIN_MARGIN`` = 2.5% of single-process
+SGD, and topk pushes, whose error feedback delays what they leave out but
+loses nothing, within ``TOPK_MARGIN`` = 3%: any order of the steps passes,
+a third of the pushes lost does not. ``EPSILON`` (1e-4, 0.03% of the loss)
+only absorbs rounding.
+
+Measured on 2 busy cores (load ~4), about 25 runs of each: with every push
+folded once (no push lost: the weight's version advances by exactly 900),
+0.998-1.013x the reference raw and 0.997-1.017x with topk (unevenly paced
+workers account for the spread). With each node folding the pushes sent to
+it and replicating the result (last writer wins, before pushes were
+forwarded to one owner), only 455-632 of 900 pushes survived (7 runs of
+each), and the loss reached 1.033-1.057x: both loss checks fail then, the
+topk one at worst by a thin 0.3%; ``test_no_pushed_gradient_is_lost`` is the
+check that does not depend on a margin. The figures are in the assertion
+messages (printed with ``-s``).
 
 Every wait is bounded; the test kills (by PID) only the processes it started:
 the nodes, and the example (which stops its own workers; they also stop once
@@ -66,8 +77,8 @@ TOPK = ["--encoding", "topk", "--ratio", "0.05"]
 
 # Loss reached <= reference * (1 + margin) + EPSILON (see the module's docstring).
 PLAIN_MARGIN = 0.025
-TOPK_MARGIN = 0.04
-EPSILON = 1e-3
+TOPK_MARGIN = 0.03
+EPSILON = 1e-4
 # "Well below the initial loss" (ln 2 at zero weights; the optimum is ~0.29).
 WELL_BELOW = 0.5
 # topk at 5% sends 13 of 256 weights as (float32, int64) pairs: 168 payload bytes
@@ -136,7 +147,7 @@ async def _scenario(out: Path) -> dict[str, Run]:
                 retry_on=RETRY_WIRE,
             )
             runs[prefix] = Run(report, stdout, held)
-            print(runs[prefix].figures())
+            print(f"\n{runs[prefix].figures()}")
         return runs
     finally:
         await cluster.close()
