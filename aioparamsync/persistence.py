@@ -85,6 +85,7 @@ _SAFETENSORS_DTYPES = {
     "|u1": "U8",
     "|b1": "BOOL",
     "<c8": "C64",
+    "bfloat16": "BF16",  # (its wire bytes are little-endian, as safetensors wants)
 }
 
 

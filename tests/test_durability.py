@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -498,6 +499,10 @@ def mixed_parameters() -> list[Any]:
         thrift.Parameter(name=n, data=a.tobytes(), dtype=a.dtype.str, shape=list(a.shape))
         for n, a in arrays.items()
     ]
+    bf16 = rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
+    params.append(
+        thrift.Parameter(name="bf16", data=bf16.tobytes(), dtype="bfloat16", shape=[3, 5])
+    )
     params.append(thrift.Parameter(name="raw", data=b"\x00\x01plain bytes\xff"))
     params.append(thrift.Parameter(name="raw_shaped", data=bytes(range(6)), shape=[2, 3]))
     return params
@@ -555,6 +560,7 @@ async def test_sigterm_writes_a_snapshot_safetensors_reads_and_a_restart_recover
     assert after == before
     assert arrays["big_endian"].dtype == np.dtype(">i4") and arrays["big_endian"].shape == (3, 2)
     assert arrays["scalar"].shape == () and arrays["empty"].shape == (0, 3)
+    assert tensors["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)  # safetensors' BF16
     assert await terminate(node) == 0, node.stderr
     assert_no_traceback(node.stderr)
 
