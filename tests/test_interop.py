@@ -640,6 +640,51 @@ async def test_ours_typed_methods(node: Node, ours: types.SimpleNamespace) -> No
         assert info.counters["requests"] >= 7
 
 
+async def test_ours_training_methods(node: Node, ours: types.SimpleNamespace) -> None:
+    """Gradients, encodings, delta pulls, long polls and barriers from a generated client."""
+    T = ours.ttypes
+    async with apache_client(ours, node, "framed-compact") as c:
+        await c.push_parameters(
+            T.ParameterUpdate(
+                params=[
+                    T.Parameter(
+                        "w", f32(1.0, 2.0), dtype="<f4", shape=[2], rule=T.Rule(kind="sgd", lr=0.5)
+                    )
+                ],
+                timestamp=1,
+            )
+        )
+        grad = T.Parameter("w", f32(2.0, 2.0), dtype="<f4", shape=[2])
+        push = T.GradientPush(grads=[grad], request_id="step-1")
+        assert (await c.push_gradients(push)).versions == {"w": 2}
+        assert (await c.push_gradients(push)).versions == {"w": 2}  # a retry: applied once
+        with pytest.raises(T.ParameterError) as raised:
+            await c.push_gradients(T.GradientPush(grads=[T.Parameter("nope", f32(1.0))]))
+        assert raised.value.code == T.ErrorCode.UNKNOWN_PARAMETER
+
+        # An encoded pull: fp16 bytes, with the dtype of the stored array.
+        response = await c.pull_parameters(T.ParameterRequest(param_names=["w"], encoding="fp16"))
+        (p,) = response.params
+        assert (p.encoding, p.dtype, p.shape, p.version) == ("fp16", "<f4", [2], 2)
+        assert np.frombuffer(p.data, "<f2").tolist() == [0.0, 1.0]
+        assert p.rule == T.Rule(kind="sgd", lr=0.5)
+        # A delta pull, and a long poll that times out with the typed error.
+        same = await c.pull_parameters(
+            T.ParameterRequest(param_names=[], all_names=True, known_versions={"w": 2})
+        )
+        assert same.params == []
+        with pytest.raises(T.ParameterError) as raised:
+            await c.pull_parameters(
+                T.ParameterRequest(param_names=["w"], min_version=5, wait_ms=50)
+            )
+        assert raised.value.code == T.ErrorCode.TIMEOUT
+        # A barrier of one.
+        passed = await c.barrier(T.BarrierRequest(group="g", worker="a", step=3, world_size=1))
+        assert (passed.group, passed.step, passed.workers) == ("g", 3, ["a"])
+        info = await c.info()
+        assert info.waiting == []
+
+
 async def test_ours_dtype_and_shape_round_trip_and_seed_skips_them(
     node: Node, ours: types.SimpleNamespace, seed: types.SimpleNamespace, stack: str
 ) -> None:
