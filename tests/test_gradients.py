@@ -451,3 +451,17 @@ async def test_plain_bytes_pull_zlib_encoded(client: ParameterClient) -> None:
     assert p.encoding == "zlib" and p.dtype is None and len(p.data) < 1100
     got = await client.get_arrays(["blob"], encoding="zlib")
     assert got["blob"].tobytes() == b"seed bytes " * 100
+
+
+async def test_client_side_mistakes_are_clear_errors(client: ParameterClient) -> None:
+    with pytest.raises(TypeError, match="mapping"):
+        await client.push_gradients([ones(2)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="encoding"):
+        await client.push_gradients({"w": ones(2)}, encoding="gzip")
+    with pytest.raises(TypeError):
+        await client.push_gradients({"w": np.arange(3)}, encoding="fp16")  # integers
+    with pytest.raises(TypeError, match="mapping"):
+        await client.update_parameters([thrift.Parameter(name="w", data=b"x")], encoding="zlib")
+    with pytest.raises(TypeError, match="one string"):
+        await client.get_arrays("w")  # type: ignore[arg-type]
+    assert (await client.info()).counters["requests"] == 1  # only info reached the node
