@@ -98,16 +98,29 @@ class ServerConfig:
 
 
 class _Call:
-    """A call awaiting its reply, in its connection's order."""
+    """A call awaiting its reply, in its connection's order.
 
-    __slots__ = ("frame", "method", "reply", "seqid", "started")
+    It is also the done callback of its handler's future (``call(future)``
+    settles it), so a call that goes through a future costs no closure.
+    """
 
-    def __init__(self, method_: Method, seqid: int, frame: Frame) -> None:
+    __slots__ = ("conn", "frame", "method", "reply", "seqid", "started")
+
+    def __init__(self, conn: ServerConnection, method_: Method, seqid: int, frame: Frame) -> None:
+        self.conn = conn
         self.method = method_
         self.seqid = seqid
         self.frame = frame
         self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
         self.started = 0.0  # time.perf_counter() at dispatch, when calls are observed
+
+    def __call__(self, future: asyncio.Future) -> None:
+        """Settle the call with its handler's future, once that is done."""
+        if future.cancelled():
+            self.conn._settle(self, None, asyncio.CancelledError())
+        else:
+            exc = future.exception()
+            self.conn._settle(self, None if exc else future.result(), exc)
 
 
 # Where a closing connection's incoming bytes go (they are dropped).
@@ -125,6 +138,13 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.server = server
         self.receiver = Receiver(server.config.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
+        # The loop (set by connection_made), kept: on CPython 3.11 every
+        # asyncio.get_running_loop() makes a getpid() system call.
+        self._loop: asyncio.AbstractEventLoop
+        # The server's, kept for the per-call paths (neither is ever replaced).
+        self._counters = server.counters
+        self._handler = server.handler
+        self._writes = server.handler.writes
         self.peer: Any = None
         self._calls: collections.deque[_Call] = collections.deque()
         self._last_write: asyncio.Future | None = None
@@ -136,6 +156,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._eof_sent = False
         self._idle_handle: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
+        # While a read's requests are dispatched: the replies to write at its end.
+        self._out: list[Any] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -149,6 +171,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are no subclasses of asyncio.Transport.
         self.transport = transport = cast(asyncio.Transport, transport)
+        self._loop = asyncio.get_running_loop()
         self.peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -167,8 +190,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         return self.receiver.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._touch()
-        self.server.counters["bytes_in"] += nbytes
+        self._last_activity = self._loop.time()
+        self._counters["bytes_in"] += nbytes
         if self._closing:
             return
         try:
@@ -176,10 +199,20 @@ class ServerConnection(asyncio.BufferedProtocol):
         except RemoteProtocolError as exc:
             self._protocol_failure(exc, None)
             return
-        for frame in frames:
-            if self._closing:
-                return
-            self._dispatch(frame)
+        if len(frames) <= 1:
+            if frames:
+                self._dispatch(frames[0])
+            return
+        # Several requests in one read: the replies ready by the end of this
+        # callback go out in one write (corked), none later than that.
+        self._out = []
+        try:
+            for frame in frames:
+                if self._closing:
+                    break
+                self._dispatch(frame)
+        finally:
+            self._uncork()
 
     def eof_received(self) -> bool:
         self._peer_eof = True
@@ -188,7 +221,7 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self.receiver.check_eof()
             except RemoteProtocolError as exc:
                 log.info("%s: %s", self.peer, exc)
-                self.server.counters["protocol_errors"] += 1
+                self._counters["protocol_errors"] += 1
             self._closing = True
         # Keep the socket open for the replies still owed; close after them.
         # A caller that has stopped sending is not held for: its long polls
@@ -220,7 +253,7 @@ class ServerConnection(asyncio.BufferedProtocol):
     # -- requests -----------------------------------------------------------------
 
     def _dispatch(self, frame: Frame) -> None:
-        counters = self.server.counters
+        counters = self._counters
         counters["requests"] += 1
         try:
             name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
@@ -233,7 +266,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             if mtype == MessageType.ONEWAY:
                 log.info("%s: oneway call of unknown method %r dropped", self.peer, name)
                 return
-            call = _Call(Method(name, type(None), None, False), seqid, frame)
+            call = _Call(self, Method(name, type(None), None, False), seqid, frame)
             if m is None:
                 error = _app_error(TApplicationException.UNKNOWN_METHOD, f"unknown method {name!r}")
             else:
@@ -249,59 +282,52 @@ class ServerConnection(asyncio.BufferedProtocol):
         except RemoteProtocolError as exc:
             self._protocol_failure(exc, frame, name=name, seqid=seqid)
             return
-        call = _Call(m, seqid, frame)
+        call = _Call(self, m, seqid, frame)
         if self.server.call_observer is not None:
             call.started = time.perf_counter()
+        calls = self._calls
         if not m.oneway:
-            self._calls.append(call)
-        handler = self.server.handler
-        if name in handler.writes:
-            outcome = self._call_handler(call, args)
+            calls.append(call)
+        if name in self._writes:
+            outcome = self._call_handler(call, args, True)
             if isinstance(outcome, asyncio.Future):
                 self._last_write = outcome
-        elif self._last_write is not None and not self._last_write.done():
+        elif (last_write := self._last_write) is not None and not last_write.done():
             # Read-your-writes: run the read once the writes before it are applied.
-            self._last_write.add_done_callback(lambda _: self._call_handler(call, args))
+            last_write.add_done_callback(lambda _: self._call_handler(call, args, False))
         else:
-            self._call_handler(call, args)
-        if len(self._calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
+            self._call_handler(call, args, False)
+        if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
             self._update_reading()
 
-    def _call_handler(self, call: _Call, args: Any) -> Any:
+    def _call_handler(self, call: _Call, args: Any, write: bool) -> Any:
         try:
-            outcome = self.server.handler.handle(call.method, args)
+            outcome = self._handler.handle(call.method, args)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
             self._settle(call, None, exc)
             return None
         if isinstance(outcome, asyncio.Future):
-            outcome.add_done_callback(lambda fut: self._settle_future(call, fut))
-            if not outcome.done() and call.method.name not in self.server.handler.writes:
+            outcome.add_done_callback(call)  # call(outcome) settles it
+            if not write and not outcome.done():
                 # A read held for a long poll or a barrier: it has its own deadline.
                 self._held.add(outcome)
                 outcome.add_done_callback(self._held.discard)
                 return outcome
             deadline = self.server.config.request_timeout
             if deadline is not None and not call.method.oneway:
-                asyncio.get_running_loop().call_later(deadline, self._expire, call, deadline)
+                self._loop.call_later(deadline, self._expire, call, deadline)
         else:
             self._settle(call, outcome, None)
         return outcome
 
     def _expire(self, call: _Call, deadline: float) -> None:
         if call.reply is None:
-            self.server.counters["timeouts"] += 1
+            self._counters["timeouts"] += 1
             error = RequestError(
                 ErrorCode.UNAVAILABLE,
                 f"{call.method.name} not done within {deadline} s; it may still complete",
             )
             self._settle(call, None, error)
-
-    def _settle_future(self, call: _Call, future: asyncio.Future) -> None:
-        if future.cancelled():
-            self._settle(call, None, asyncio.CancelledError())
-        else:
-            exc = future.exception()
-            self._settle(call, None if exc else future.result(), exc)
 
     def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
         if call.reply is not None:
@@ -314,7 +340,7 @@ class ServerConnection(asyncio.BufferedProtocol):
                 return
             call.reply = (_REPLY, result)
         else:
-            self.server.counters["errors"] += 1
+            self._counters["errors"] += 1
             if m.oneway:
                 log.warning("%s: oneway %s failed: %s", self.peer, m.name, exc)
                 return
@@ -339,22 +365,35 @@ class ServerConnection(asyncio.BufferedProtocol):
     # -- replies ------------------------------------------------------------------
 
     def _flush(self) -> None:
-        """Send every reply that is ready and owed before any still pending."""
+        """Send every reply that is ready and owed before any still pending.
+
+        The replies ready at once go out in one write.
+        """
         calls = self._calls
         transport = self.transport
+        out: list[Any] | None = None
         while calls and calls[0].reply is not None:
             call = calls.popleft()
             if transport is None or transport.is_closing():
                 continue
             mtype, body = call.reply  # type: ignore[misc]
-            self._send(call.method.name, mtype, call.seqid, body, call.frame)
+            parts = self._encode(call.method.name, mtype, call.seqid, body, call.frame)
+            if out is None:
+                out = parts
+            else:
+                out += parts
+        if out is not None:
+            if self._out is not None:  # corked: written at the end of this callback
+                self._out += out
+            else:
+                transport.writelines(out)  # type: ignore[union-attr]
         if self._read_paused:  # (a flush can only resume reading)
             self._update_reading()
         if self._closing:
             self._maybe_finish()
 
-    def _send(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> None:
-        assert self.transport is not None
+    def _encode(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> list[Any]:
+        """A reply's buffers (counted as sent)."""
         try:
             parts, size = encode_message(
                 name, mtype, seqid, body, frame.protocol, framed=frame.framed
@@ -367,14 +406,22 @@ class ServerConnection(asyncio.BufferedProtocol):
             parts, size = encode_message(
                 name, MessageType.EXCEPTION, seqid, error, frame.protocol, framed=frame.framed
             )
-        self.server.counters["bytes_out"] += size
-        self.transport.writelines(parts)
+        self._counters["bytes_out"] += size
+        return parts
+
+    def _uncork(self) -> None:
+        """Write the replies held back while a read's requests were dispatched."""
+        out, self._out = self._out, None
+        transport = self.transport
+        if out and transport is not None and not transport.is_closing():
+            transport.writelines(out)
 
     def _protocol_failure(
         self, exc: RemoteProtocolError, frame: Frame | None, *, name: str = "", seqid: int = 0
     ) -> None:
         """Bytes that are not a valid message: say so where we can, then close."""
-        self.server.counters["protocol_errors"] += 1
+        self._uncork()  # the replies before it go first
+        self._counters["protocol_errors"] += 1
         log.info("%s: closing the connection: %s", self.peer, exc)
         self._closing = True
         self._calls.clear()
@@ -419,6 +466,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if not self._closing or self._calls or transport is None or transport.is_closing():
             return
+        self._uncork()  # the last replies go before the end
         if self._peer_eof or not transport.can_write_eof():
             transport.close()
         elif not self._eof_sent:
@@ -427,26 +475,25 @@ class ServerConnection(asyncio.BufferedProtocol):
             if self._read_paused:
                 self._read_paused = False
                 transport.resume_reading()
-            asyncio.get_running_loop().call_later(LINGER_SECONDS, self.abort)
+            self._loop.call_later(LINGER_SECONDS, self.abort)
 
     def _touch(self) -> None:
-        self._last_activity = asyncio.get_running_loop().time()
+        self._last_activity = self._loop.time()
 
     def _schedule_idle_check(self, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._idle_handle = loop.call_later(delay, self._idle_check)
+        self._idle_handle = self._loop.call_later(delay, self._idle_check)
 
     def _idle_check(self) -> None:
         timeout = self.server.config.idle_timeout
         assert timeout
-        idle = asyncio.get_running_loop().time() - self._last_activity
+        idle = self._loop.time() - self._last_activity
         if self._calls or idle < timeout:
             self._schedule_idle_check(max(timeout - idle, 0.05) if not self._calls else timeout)
             return
         log.info("%s: closing the connection after %.1f s of silence", self.peer, idle)
-        self.server.counters["idle_closed"] += 1
+        self._counters["idle_closed"] += 1
         if self.receiver.pending_bytes:
-            self.server.counters["protocol_errors"] += 1
+            self._counters["protocol_errors"] += 1
         if self.transport is not None:
             self.transport.close()
 

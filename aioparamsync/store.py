@@ -434,7 +434,11 @@ class ParameterStore:
         self._queue: collections.deque[
             tuple[Sequence[Any], int, int, asyncio.Future, Callable[[Applied], Any] | None]
         ] = collections.deque()
-        self._wakeup: asyncio.Event | None = None
+        # The writer's loop, kept (on CPython 3.11 every asyncio.get_running_loop()
+        # makes a getpid() system call), and the future the idle writer awaits:
+        # the next submit (or close) resolves it.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Future[None] | None = None
         self._room: asyncio.Event | None = None
         self._closed = False
         self._subscribers: list[Callable[[Sequence[Entry], bool], None]] = []
@@ -520,11 +524,15 @@ class ParameterStore:
                 ErrorCode.UNAVAILABLE,
                 f"the node has {len(self._queue)} updates waiting; try again",
             )
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         mode = _MERGE if replicated else _FOLD if gradients else _APPLY
         self._queue.append((params, timestamp, mode, future, then))
-        if self._wakeup is not None:
-            self._wakeup.set()
+        wakeup = self._wakeup  # (self._wake(), inlined)
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
         return future
 
     async def update(
@@ -545,7 +553,7 @@ class ParameterStore:
         ``fsync`` mode says) before its callers are answered; at the end a
         snapshot is written.
         """
-        self._wakeup = asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
         syncer = None
         if self.data_dir is not None and self.data_dir.fsync == "batch":
             syncer = asyncio.ensure_future(self._sync_periodically())
@@ -553,8 +561,11 @@ class ParameterStore:
             if not self._queue:
                 if self._closed:
                     break
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                self._wakeup = loop.create_future()
+                try:
+                    await self._wakeup
+                finally:
+                    self._wakeup = None
                 continue
             if self._failure is not None:
                 self._refuse_queued()  # not applied: they could not be kept
@@ -690,10 +701,15 @@ class ParameterStore:
                 except Exception:  # one subscriber's bug must not stop the writer
                     log.exception("store subscriber %r failed", callback)
 
+    def _wake(self) -> None:
+        """Wake the writer if it waits for work."""
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
     def close(self) -> None:
         """Refuse new updates; :meth:`run` returns once the queued ones are applied."""
         self._closed = True
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wake()
         if self._room is not None:
             self._room.set()
