@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import pieces
 from .client import ParameterClient
 from .errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, RequestError
 from .store import Entry, ParameterStore
@@ -73,6 +74,18 @@ BATCH_PARAMS = 1024
 def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
     """The peers that hold ``name``: today every one (full replication)."""
     return members
+
+
+def _messages(entries: list[Entry]) -> Iterable[list[Any]]:
+    """The replication messages of a batch: one, or the pieces of a large parameter."""
+    if len(entries) == 1 and entries[0].nbytes > pieces.INLINE_BYTES:
+        e = entries[0]
+        for piece in pieces.split(
+            e.to_parameter(), f"peer:{e.origin}:{e.version}:{e.name}", pieces.PIECE_BYTES
+        ):
+            yield [piece]
+    else:
+        yield [e.to_parameter() for e in entries]
 
 
 def _batches(items: Iterable[Any], nbytes: Any) -> Iterable[list[Any]]:
@@ -275,13 +288,18 @@ class PeerLink:
             if mine is None or (mine.version, mine.origin) < (item.version, item.origin):
                 wanted.append(item)
         for batch in _batches(wanted, lambda item: item.nbytes):
-            request = thrift.ParameterRequest(param_names=[item.name for item in batch])
+            request = thrift.ParameterRequest(
+                param_names=[item.name for item in batch], max_inline_bytes=pieces.INLINE_BYTES
+            )
             response = await client.call("pull_parameters", request=request)
-            if response.params:
-                await self.cluster.store.update(
-                    response.params, response.timestamp, replicated=True
-                )
-                self.repaired += len(response.params)
+            # A large parameter comes without its data: read it in pieces.
+            params = [
+                p if p.total_bytes is None else await pieces.fetch(client, p, pieces.PIECE_BYTES)
+                for p in response.params
+            ]
+            if params:
+                await self.cluster.store.update(params, response.timestamp, replicated=True)
+                self.repaired += len(params)
 
     async def _send(self, client: ParameterClient) -> None:
         """Send the outbox as it fills; repair every ``repair_interval`` seconds.
@@ -317,11 +335,10 @@ class PeerLink:
         timestamp = self.cluster.store.timestamp
         batches = list(_batches(taken.values(), lambda e: e.nbytes))
         for i, batch in enumerate(batches):
-            update = thrift.ParameterUpdate(
-                params=[e.to_parameter() for e in batch], timestamp=timestamp
-            )
             try:
-                await client.call("broadcast_update", update=update)
+                for params in _messages(batch):
+                    update = thrift.ParameterUpdate(params=params, timestamp=timestamp)
+                    await client.call("broadcast_update", update=update)
             except BaseException:
                 # Not sent (or maybe half): keep it for the next connection,
                 # unless a newer version of a name came meanwhile.

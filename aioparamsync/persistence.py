@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import pieces
 from .errors import ParamSyncError
 from .store import Entry, ParameterTable
 from .wire import thrift
@@ -206,16 +208,26 @@ class DataDir:
             int(m[1]) for p in self.path.iterdir() if (m := _SEGMENT.fullmatch(p.name))
         )
         segments = [n for n in segments if n >= start]
+        # Large parameters are logged in pieces: put together here.
+        uploads = pieces.Uploads(max_bytes=2**63, timeout=math.inf)
         for i, n in enumerate(segments):
             last = i == len(segments) - 1
-            records, torn = self._replay(n, table, last=last)
+            records, torn = self._replay(n, table, uploads, last=last)
             found.records += records
             found.torn_bytes += torn
+        if uploads.statistics()["uploads_open"]:
+            log.warning(
+                "the log ends amid %d large parameters written in pieces (a crash while "
+                "writing them: their updates were not acknowledged); they are dropped",
+                uploads.statistics()["uploads_open"],
+            )
         self.segment = max([start, *segments], default=0) or 1
         self._open_segment(self.segment)
         return found
 
-    def _replay(self, n: int, table: ParameterTable, *, last: bool) -> tuple[int, int]:
+    def _replay(
+        self, n: int, table: ParameterTable, uploads: pieces.Uploads, *, last: bool
+    ) -> tuple[int, int]:
         path = self.path / _segment_name(n)
         records = 0
         try:
@@ -264,7 +276,12 @@ class DataDir:
             try:
                 # A copy per record: the entries it leaves must not keep the segment alive.
                 update = BinaryReader(bytes(payload)).read_struct(thrift.ParameterUpdate)
-                table.merge(update.params, update.timestamp)
+                params = [
+                    whole
+                    for p in update.params
+                    if (whole := p if p.total_bytes is None else uploads.add(p)) is not None
+                ]
+                table.merge(params, update.timestamp)
             except ParamSyncError as exc:
                 raise PersistenceError(
                     f"{path}: record at byte {pos} passes its checksum but cannot be applied: {exc}"
@@ -365,12 +382,27 @@ class DataDir:
         self.segment = n
 
     def append(self, entries: Sequence[Entry], timestamp: int) -> None:
-        """Write one record of ``entries`` (call from a worker thread for large ones)."""
+        """Write ``entries`` to the log (call from a worker thread for large ones).
+
+        One record holds them, but for parameters too large for one record
+        (more than ``pieces.INLINE_BYTES``): each of those is written as
+        records of pieces, put together again on replay. A crash amid them
+        leaves an unfinished upload, dropped on replay: its update was not
+        acknowledged.
+        """
+        assert self._fd is not None, "recover() opens the log"
+        small = [e.to_parameter() for e in entries if e.nbytes <= pieces.INLINE_BYTES]
+        if small or not entries:
+            self._write_record(thrift.ParameterUpdate(params=small, timestamp=timestamp))
+        for e in entries:
+            if e.nbytes > pieces.INLINE_BYTES:
+                upload_id = f"log:{e.origin}:{e.version}:{e.name}"
+                for piece in pieces.split(e.to_parameter(), upload_id, pieces.PIECE_BYTES):
+                    self._write_record(thrift.ParameterUpdate(params=[piece], timestamp=timestamp))
+
+    def _write_record(self, update: Any) -> None:
         assert self._fd is not None, "recover() opens the log"
         writer = BinaryWriter()
-        update = thrift.ParameterUpdate(
-            params=[e.to_parameter() for e in entries], timestamp=timestamp
-        )
         writer.write_struct(update)
         parts, size = writer.getvalue()
         crc = 0

@@ -11,11 +11,16 @@ from typing import Any
 
 from . import __version__
 from .errors import ErrorCode, ParamSyncError, RequestError
+from .pieces import MAX_UPLOAD_BYTES, Uploads
 from .store import Applied, Entry, ParameterStore
 from .waiting import Waiting
 from .wire import DEFAULT_MAX_FRAME_BYTES, Method, thrift
 
 log = logging.getLogger(__name__)
+
+# The largest parameter answered in one message: a Thrift binary holds less
+# than 2 GiB (and the message has a little more than the data).
+MAX_INLINE_BYTES = 2**31 - 1 - 64 * 1024
 
 # Request ids of gradient pushes remembered (with their outcome) for retries.
 MAX_REQUEST_IDS = 100_000
@@ -92,7 +97,10 @@ class ParameterService:
         store: where parameters live; ``ping`` answers its table's node id.
         cluster: the node's :class:`~aioparamsync.peers.Cluster` (membership calls).
         counters: the server's counters, reported by ``info``.
-        max_decoded_bytes: the largest array an encoded parameter may decode to.
+        max_decoded_bytes: the largest array an encoded parameter may decode to,
+            and the largest piece of a parameter answered.
+        max_upload_bytes: the most bytes unfinished uploads of large
+            parameters may hold (see :mod:`aioparamsync.pieces`).
     """
 
     writes = frozenset(
@@ -106,9 +114,11 @@ class ParameterService:
         counters: Mapping[str, int] | None = None,
         *,
         max_decoded_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_upload_bytes: int = MAX_UPLOAD_BYTES,
     ) -> None:
         self.store = store
         self.max_decoded_bytes = max_decoded_bytes
+        self.uploads = Uploads(max_upload_bytes)
         self.cluster = cluster
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
@@ -144,11 +154,75 @@ class ParameterService:
         known = request.known_versions
         if known:
             entries = [e for e in entries if e.version > known.get(e.name, 0)]
-        if request.encoding:
+        if request.piece_offset is not None:
+            params = self._piece(request, entries)
+        elif request.max_inline_bytes is not None or any(
+            e.nbytes > MAX_INLINE_BYTES for e in entries
+        ):
+            params = [self._inline_or_header(request, e) for e in entries]
+        elif request.encoding:
             params = [self._encoded(e, request.encoding) for e in entries]
         else:
             params = [e.to_parameter() for e in entries]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
+
+    def _inline_or_header(self, request: Any, entry: Entry) -> Any:
+        """A parameter in the answer, or (too large for it) its header: no data, total_bytes."""
+        limit = request.max_inline_bytes
+        limit = MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
+        if entry.nbytes > limit:
+            if request.max_inline_bytes is None:  # a client that cannot take pieces
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"{entry.name!r} has {entry.nbytes} bytes, more than one message holds: "
+                    "read it in pieces (ParameterRequest.max_inline_bytes)",
+                )
+            header = entry.to_parameter()
+            header.data, header.total_bytes = b"", entry.nbytes
+            return header
+        if request.encoding:
+            return self._encoded(entry, request.encoding)
+        return entry.to_parameter()
+
+    def _piece(self, request: Any, entries: list[Entry]) -> list[Any]:
+        """The piece ``[piece_offset, piece_offset + piece_bytes)`` of the one name asked."""
+        offset, size = request.piece_offset, request.piece_bytes
+        if len(request.param_names) != 1 or request.all_names:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a piece is read of exactly one name")
+        if size is None or not 0 < size <= self.max_decoded_bytes or offset < 0:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"a piece needs piece_offset >= 0 and piece_bytes from 1 to "
+                f"{self.max_decoded_bytes}",
+            )
+        if not entries:
+            return []
+        entry = entries[0]
+        if offset >= max(entry.nbytes, 1):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{entry.name!r} has {entry.nbytes} bytes; no piece starts at {offset}",
+            )
+        piece = entry.to_parameter()
+        piece.data = entry.data[offset : offset + size]
+        piece.offset, piece.total_bytes = offset, entry.nbytes
+        return [piece]
+
+    def _whole(self, params: Sequence[Any]) -> Sequence[Any]:
+        """``params`` with the pieces of large ones put aside until each is whole.
+
+        A piece that completes its parameter brings the whole in its place;
+        the others are held (see :class:`~aioparamsync.pieces.Uploads`).
+        """
+        if not any(p.total_bytes is not None for p in params):
+            return params
+        whole = []
+        for p in params:
+            if p.total_bytes is None:
+                whole.append(p)
+            elif (done := self.uploads.add(p)) is not None:
+                whole.append(done)
+        return whole
 
     @staticmethod
     def _encoded(entry: Entry, encoding: str) -> Any:
@@ -190,7 +264,9 @@ class ParameterService:
         # The store's writer makes the reply as it answers the batch.
         params, timestamp = _params(args.update)
         return self.store.submit(
-            _decoded(params, self.max_decoded_bytes), timestamp, then=lambda _: method.result()
+            _decoded(self._whole(params), self.max_decoded_bytes),
+            timestamp,
+            then=lambda _: method.result(),
         )
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
@@ -199,7 +275,7 @@ class ParameterService:
         params, timestamp = _params(args.update)
         replicated = bool(params) and all(p.origin for p in params)
         return self.store.submit(
-            _decoded(params, self.max_decoded_bytes), timestamp, replicated=replicated
+            _decoded(self._whole(params), self.max_decoded_bytes), timestamp, replicated=replicated
         )
 
     # -- the typed methods --------------------------------------------------------
@@ -215,7 +291,9 @@ class ParameterService:
             )
 
         params, timestamp = _params(args.update)
-        return self.store.submit(_decoded(params, self.max_decoded_bytes), timestamp, then=result)
+        return self.store.submit(
+            _decoded(self._whole(params), self.max_decoded_bytes), timestamp, then=result
+        )
 
     def _push_gradients(self, method: Method, args: Any) -> asyncio.Future:
         push = args.push
@@ -343,6 +421,7 @@ class ParameterService:
         counters = {k: int(v) for k, v in self.counters.items()}
         counters.update(self.store.statistics())
         counters.update(self.waiting.statistics())
+        counters.update(self.uploads.statistics())
         counters["gradient_pushes_repeated"] = self.pushes_repeated
         counters["gradient_pushes_forwarded"] = self.pushes_forwarded
         counters["gradient_forward_failures"] = self.forward_failures

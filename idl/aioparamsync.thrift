@@ -58,6 +58,16 @@ struct Parameter {
     // an update (where the parameter is created, or to change it); an update
     // without one keeps the stored rule.
     10: optional Rule rule,
+    // A piece of a parameter too large for one message (a Thrift binary, and
+    // a frame, hold less than 2 GiB): `data` is bytes [offset, offset +
+    // len(data)) of the parameter's `total_bytes`; dtype, shape, version,
+    // origin and rule are the whole parameter's. The pieces of one upload
+    // share its `upload_id`; a node applies the parameter, as one update,
+    // once it holds every byte. A read answers a parameter larger than the
+    // request's max_inline_bytes with `total_bytes` and no data.
+    11: optional i64 offset,
+    12: optional i64 total_bytes,
+    13: optional string upload_id,
 }
 
 struct ParameterUpdate {
@@ -81,6 +91,13 @@ struct ParameterRequest {
     // Encode the answered data so ("fp16", "bf16", "int8", "zlib"; see
     // Parameter.encoding); absent: raw.
     6: optional string encoding,
+    // Answer a parameter larger than this without its data (total_bytes
+    // set); read it in pieces (see Parameter.offset).
+    7: optional i64 max_inline_bytes,
+    // Read one piece: bytes [piece_offset, piece_offset + piece_bytes) of
+    // the one parameter named (at most what remains).
+    8: optional i64 piece_offset,
+    9: optional i64 piece_bytes,
 }
 
 struct ParameterResponse {

@@ -1,0 +1,299 @@
+"""Parameters larger than one message travel in pieces.
+
+A Thrift ``binary`` and a frame hold less than 2 GiB, and a node takes frames
+up to ``--max-frame-bytes``. So a larger parameter is sent as pieces:
+``Parameter`` structs whose ``data`` is the byte range ``[offset, offset +
+len(data))`` of the whole (``total_bytes``), every piece carrying the whole's
+name, dtype, shape, version, origin and rule, and one ``upload_id``.
+
+Writing: :func:`split` cuts a parameter into pieces (views of its bytes, no
+copy); a node puts the pieces of each upload together in an
+:class:`Uploads` (one buffer of the whole's size, filled in place) and
+applies the parameter as one update once every byte has come, so no reader
+ever sees part of it. A write-ahead log and a peer link use the same pieces.
+
+Reading: a request's ``max_inline_bytes`` makes the node answer a larger
+parameter without data (``total_bytes`` set); :func:`fetch` then reads its
+pieces (``piece_offset``, ``piece_bytes``) into one numpy buffer, checking
+that every piece is of the same version (else it starts over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from .arrays import check_layout
+from .errors import ErrorCode, RequestError
+from .wire import thrift
+
+__all__ = [
+    "INLINE_BYTES",
+    "PIECE_BYTES",
+    "Uploads",
+    "fetch",
+    "is_piece",
+    "split",
+]
+
+# Parameters larger than this travel in pieces (bytes).
+INLINE_BYTES = 128 * 1024 * 1024
+# The size of a piece (bytes).
+PIECE_BYTES = 64 * 1024 * 1024
+# Longest id of an upload (bytes).
+MAX_UPLOAD_ID_BYTES = 256
+# An upload that receives nothing this long is dropped (seconds).
+UPLOAD_TIMEOUT = 300.0
+# Bytes a node holds in unfinished uploads, by default.
+MAX_UPLOAD_BYTES = 16 * 1024**3
+# Pieces a reader asks for at once; tries before it gives up on a parameter
+# that keeps changing while it reads.
+FETCH_CONCURRENCY = 4
+FETCH_TRIES = 3
+
+
+def is_piece(param: Any) -> bool:
+    """Whether ``param`` is a piece of a larger parameter (or, read, its header)."""
+    return param.total_bytes is not None
+
+
+def split(param: Any, upload_id: str, piece_bytes: int = PIECE_BYTES) -> list[Any]:
+    """Cut a whole ``Parameter`` into pieces of at most ``piece_bytes`` (views, no copy)."""
+    if piece_bytes < 1:
+        raise ValueError(f"piece_bytes must be at least 1, not {piece_bytes}")
+    data = memoryview(param.data).cast("B")
+    total = data.nbytes
+    return [
+        thrift.Parameter(
+            name=param.name,
+            data=data[offset : offset + piece_bytes],
+            version=param.version,
+            dtype=param.dtype,
+            shape=param.shape,
+            origin=param.origin,
+            rule=param.rule,
+            offset=offset,
+            total_bytes=total,
+            upload_id=upload_id,
+        )
+        for offset in range(0, max(total, 1), piece_bytes)
+    ]
+
+
+@dataclass(eq=False)
+class _Upload:
+    first: Any  # the first piece: what every other must agree with
+    buffer: np.ndarray
+    starts: list[int] = field(default_factory=list)  # sorted starts of the pieces held
+    ends: list[int] = field(default_factory=list)  # their ends, in the same order
+    filled: int = 0
+    seen: float = 0.0
+
+
+_SAME = ("name", "version", "dtype", "shape", "origin", "total_bytes")
+
+
+class Uploads:
+    """Pieces being put together: a node's (or a log replay's) staging area.
+
+    Args:
+        max_bytes: the most bytes all unfinished uploads may hold.
+        timeout: an upload that receives nothing this long is dropped.
+        clock: seconds, for the timeout.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int = MAX_UPLOAD_BYTES,
+        timeout: float = UPLOAD_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self.clock = clock
+        self._uploads: dict[str, _Upload] = {}
+        self.staged_bytes = 0
+        self.completed = 0
+        self.dropped = 0
+
+    def __repr__(self) -> str:
+        return f"<Uploads [{len(self._uploads)} open | {self.staged_bytes} bytes staged]>"
+
+    def add(self, piece: Any) -> Any | None:
+        """Take one piece; answer the whole ``Parameter`` once it is complete, else None.
+
+        The whole's ``data`` is a read-only view of the buffer the pieces
+        were put together in.
+
+        Raises:
+            RequestError: a malformed piece (BAD_REQUEST, SHAPE_MISMATCH), one
+                that disagrees with its upload, or no room (LIMIT_EXCEEDED).
+                The upload keeps what it had.
+        """
+        self.sweep()
+        name, upload_id, total = piece.name, piece.upload_id, piece.total_bytes
+        if not isinstance(name, str) or not name:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a piece's parameter name is empty")
+        if not upload_id or len(upload_id.encode()) > MAX_UPLOAD_ID_BYTES:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{name!r}: a piece needs an upload_id of 1 to {MAX_UPLOAD_ID_BYTES} bytes",
+            )
+        if piece.encoding:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r}: pieces are not encoded")
+        data = memoryview(piece.data).cast("B") if piece.data is not None else None
+        offset = piece.offset
+        if data is None or offset is None or total is None:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"{name!r}: a piece needs data, offset and total_bytes"
+            )
+        end = offset + data.nbytes
+        if total < 1 or offset < 0 or end > total or (data.nbytes == 0 and total > 0):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{name!r}: a piece of {data.nbytes} bytes at {offset} does not fit in {total}",
+            )
+        upload = self._uploads.get(upload_id)
+        if upload is None:
+            check_layout(name, total, piece.dtype, piece.shape)
+            if self.staged_bytes + total > self.max_bytes:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"{name!r}: {total} bytes would take the node's unfinished uploads past "
+                    f"{self.max_bytes} bytes; try again later",
+                )
+            upload = _Upload(piece, np.empty(total, np.uint8))  # not zeroed: filled below
+            self._uploads[upload_id] = upload
+            self.staged_bytes += total
+        else:
+            for attribute in _SAME:
+                if getattr(piece, attribute) != getattr(upload.first, attribute):
+                    raise RequestError(
+                        ErrorCode.BAD_REQUEST,
+                        f"{name!r}: a piece of upload {upload_id!r} has another {attribute}",
+                    )
+        upload.seen = self.clock()
+        i = bisect.bisect_right(upload.starts, offset)
+        if i and upload.starts[i - 1] == offset and upload.ends[i - 1] == end:
+            return None  # the same piece again (a peer's resend): nothing new
+        if (i and upload.ends[i - 1] > offset) or (
+            i < len(upload.starts) and upload.starts[i] < end
+        ):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{name!r}: a piece at {offset}..{end} overlaps one upload {upload_id!r} has",
+            )
+        upload.buffer[offset:end] = np.frombuffer(data, np.uint8)
+        upload.starts.insert(i, offset)
+        upload.ends.insert(i, end)
+        upload.filled += data.nbytes
+        if upload.filled < total:
+            return None
+        del self._uploads[upload_id]
+        self.staged_bytes -= total
+        self.completed += 1
+        first = upload.first
+        return thrift.Parameter(
+            name=first.name,
+            data=memoryview(cast(Any, upload.buffer)).toreadonly(),
+            version=first.version,
+            dtype=first.dtype,
+            shape=first.shape,
+            origin=first.origin,
+            rule=first.rule,
+        )
+
+    def sweep(self) -> None:
+        """Drop the uploads that have received nothing for ``timeout`` seconds."""
+        if not self._uploads:
+            return
+        limit = self.clock() - self.timeout
+        for upload_id in [u for u, up in self._uploads.items() if up.seen < limit]:
+            upload = self._uploads.pop(upload_id)
+            self.staged_bytes -= upload.buffer.nbytes
+            self.dropped += 1
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "uploads_open": len(self._uploads),
+            "upload_bytes_staged": self.staged_bytes,
+            "uploads_completed": self.completed,
+            "uploads_dropped": self.dropped,
+        }
+
+
+async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any:
+    """Read a parameter a node answered without data (its ``total_bytes`` set), in pieces.
+
+    Args:
+        client: a :class:`~aioparamsync.client.ParameterClient` (or anything
+            with its ``call``).
+        header: the ``Parameter`` the node answered: name, version, total_bytes.
+        piece_bytes: the size of each piece asked for.
+
+    Returns:
+        The whole ``Parameter``: its data one writable numpy buffer's bytes.
+
+    Raises:
+        RequestError: (UNAVAILABLE) the parameter changed under every try;
+            or what the node answered.
+    """
+    name = header.name
+    for _ in range(FETCH_TRIES):
+        buffer, versions = await _read_pieces(client, header, piece_bytes)
+        if versions == {(header.version, header.origin)}:
+            return thrift.Parameter(
+                name=name,
+                data=memoryview(cast(Any, buffer)),
+                version=header.version,
+                dtype=header.dtype,
+                shape=header.shape,
+                origin=header.origin,
+                rule=header.rule,
+            )
+        # It changed while we read: read the newest whole again.
+        response = await client.call(
+            "pull_parameters",
+            request=thrift.ParameterRequest(param_names=[name], max_inline_bytes=0),
+        )
+        if not response.params:
+            raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"{name!r} is gone")
+        header = response.params[0]
+    raise RequestError(
+        ErrorCode.UNAVAILABLE, f"{name!r} changed during each of {FETCH_TRIES} reads of it"
+    )
+
+
+async def _read_pieces(
+    client: Any, header: Any, piece_bytes: int
+) -> tuple[np.ndarray, set[tuple[int, str]]]:
+    """Every piece of ``header``'s parameter, into one buffer; and the versions they had."""
+    name, total = header.name, header.total_bytes
+    buffer = np.empty(total, np.uint8)
+    versions: set[tuple[int, str]] = set()
+    gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+    async def piece(offset: int) -> None:
+        async with gate:
+            request = thrift.ParameterRequest(
+                param_names=[name], piece_offset=offset, piece_bytes=piece_bytes
+            )
+            response = await client.call("pull_parameters", request=request)
+        if not response.params:
+            raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"{name!r} is gone")
+        p = response.params[0]
+        data = memoryview(p.data).cast("B")
+        if p.offset != offset or p.total_bytes != total or offset + data.nbytes > total:
+            versions.add((-1, "changed size"))
+            return
+        versions.add((p.version, p.origin))
+        buffer[offset : offset + data.nbytes] = np.frombuffer(data, np.uint8)
+
+    await asyncio.gather(*(piece(o) for o in range(0, total, piece_bytes)))
+    return buffer, versions

@@ -1,0 +1,272 @@
+"""Parameters larger than one message, in pieces: staging, reading, the log, the cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cluster_helpers import LocalCluster, eventually
+
+from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
+from aioparamsync import pieces as pieces_module
+from aioparamsync.arrays import from_parameter, to_parameter
+from aioparamsync.pieces import Uploads, fetch, split
+
+pytestmark = pytest.mark.timeout(60)
+
+KIB = 1024
+
+
+def whole(name: str = "w", n: int = 10_000, seed: int = 0) -> object:
+    return to_parameter(name, np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+
+
+# -- staging --------------------------------------------------------------------------------
+
+
+def test_split_cuts_views_that_cover_the_whole() -> None:
+    p = whole()
+    parts = split(p, "u", 4096)
+    assert [q.offset for q in parts] == list(range(0, 40_000, 4096))
+    assert {q.total_bytes for q in parts} == {40_000}
+    assert b"".join(bytes(q.data) for q in parts) == bytes(p.data)
+    assert all(
+        (q.name, q.dtype, q.shape, q.upload_id) == ("w", "<f4", [10_000], "u") for q in parts
+    )
+    with pytest.raises(ValueError):
+        split(p, "u", 0)
+
+
+@pytest.mark.parametrize("order", ["forward", "backward", "shuffled"])
+def test_pieces_in_any_order_make_the_whole_once(order: str) -> None:
+    p = whole()
+    parts = split(p, "u", 3000)
+    if order == "backward":
+        parts.reverse()
+    elif order == "shuffled":
+        np.random.default_rng(3).shuffle(parts)
+    uploads = Uploads()
+    done = [uploads.add(q) for q in parts]
+    assert all(d is None for d in done[:-1])
+    made = done[-1]
+    assert made is not None and made.total_bytes is None and made.offset is None
+    assert bytes(made.data) == bytes(p.data) and memoryview(made.data).readonly
+    np.testing.assert_array_equal(from_parameter(made), from_parameter(p))
+    assert uploads.statistics() == {
+        "uploads_open": 0,
+        "upload_bytes_staged": 0,
+        "uploads_completed": 1,
+        "uploads_dropped": 0,
+    }
+
+
+def test_a_piece_sent_again_is_taken_once() -> None:
+    parts = split(whole(), "u", 30_000)
+    uploads = Uploads()
+    assert uploads.add(parts[0]) is None
+    assert uploads.add(parts[0]) is None  # a resend: nothing new
+    assert uploads.add(parts[1]) is not None
+
+
+def piece(**changes) -> object:
+    p = split(whole(), "u", 16_000)[1]
+    for key, value in changes.items():
+        setattr(p, key, value)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"name": ""}, ErrorCode.BAD_REQUEST),
+        ({"upload_id": ""}, ErrorCode.BAD_REQUEST),
+        ({"upload_id": "x" * 300}, ErrorCode.BAD_REQUEST),
+        ({"offset": -1}, ErrorCode.BAD_REQUEST),
+        ({"offset": 39_000}, ErrorCode.BAD_REQUEST),  # runs past the end
+        ({"offset": None}, ErrorCode.BAD_REQUEST),
+        ({"total_bytes": 0}, ErrorCode.BAD_REQUEST),
+        ({"total_bytes": 40_001}, ErrorCode.SHAPE_MISMATCH),  # not the dtype's size
+        ({"data": b""}, ErrorCode.BAD_REQUEST),
+        ({"encoding": "zlib"}, ErrorCode.BAD_REQUEST),
+        ({"dtype": "object"}, ErrorCode.SHAPE_MISMATCH),
+    ],
+)
+def test_malformed_pieces_are_refused(changes: dict, code: ErrorCode) -> None:
+    with pytest.raises(RequestError) as info:
+        Uploads().add(piece(**changes))
+    assert info.value.code == code
+
+
+def test_pieces_that_disagree_or_overlap_are_refused_and_the_upload_goes_on() -> None:
+    p = whole()
+    parts = split(p, "u", 16_000)
+    uploads = Uploads()
+    uploads.add(parts[0])
+    other = split(whole(seed=1), "u", 16_000)[1]
+    other.version = 7
+    with pytest.raises(RequestError, match="another version"):
+        uploads.add(other)
+    overlapping = split(p, "u", 16_000)[1]
+    overlapping.offset, overlapping.data = 8_000, bytes(p.data)[8_000:24_000]
+    with pytest.raises(RequestError, match="overlaps"):
+        uploads.add(overlapping)
+    assert uploads.add(parts[1]) is None
+    made = uploads.add(parts[2])
+    assert made is not None and bytes(made.data) == bytes(p.data)
+
+
+def test_uploads_are_bounded_and_abandoned_ones_dropped() -> None:
+    clock = [1000.0]
+    uploads = Uploads(max_bytes=50_000, timeout=60, clock=lambda: clock[0])
+    uploads.add(split(whole(), "a", 16_000)[0])
+    with pytest.raises(RequestError) as info:
+        uploads.add(split(whole("v"), "b", 16_000)[0])
+    assert info.value.code == ErrorCode.LIMIT_EXCEEDED
+    assert uploads.statistics()["upload_bytes_staged"] == 40_000
+    clock[0] += 59
+    uploads.add(split(whole(), "a", 16_000)[1])  # seen now: kept
+    assert uploads.statistics()["uploads_open"] == 1
+    clock[0] += 61
+    uploads.sweep()
+    assert uploads.statistics()["uploads_open"] == 0
+    assert uploads.statistics()["uploads_dropped"] == 1
+    uploads.add(split(whole("v"), "b", 16_000)[0])  # room again
+
+
+# -- a live node ----------------------------------------------------------------------------
+
+
+async def test_a_node_puts_pieces_together_and_reads_them_out(
+    node: Node, client: ParameterClient
+) -> None:
+    p = whole(n=100_000)
+    p.rule = sum_rule()
+    parts = split(p, "up-1", 64 * KIB)
+    for q in parts[:-1]:
+        versions = await client.update_parameters([q])
+        assert versions == {}  # not whole yet: nothing applied
+        assert (await client.get_parameters(["w"])).params == []
+    assert await client.update_parameters([parts[-1], whole("small", 3)]) == {"w": 1, "small": 1}
+    assert node.service.uploads.statistics()["uploads_completed"] == 1
+
+    # Larger than max_inline_bytes: a header, then its pieces.
+    request = thrift.ParameterRequest(param_names=["w", "small"], max_inline_bytes=1000)
+    response = await client.call("pull_parameters", request=request)
+    header, small = response.params
+    assert (header.data, header.total_bytes, header.version, header.dtype) == (
+        b"",
+        400_000,
+        1,
+        "<f4",
+    )
+    assert header.rule == sum_rule() and small.total_bytes is None and len(small.data) == 12
+    got = await fetch(client, header, 50_000)
+    np.testing.assert_array_equal(from_parameter(got), from_parameter(p))
+    # One piece, at most what remains.
+    request = thrift.ParameterRequest(param_names=["w"], piece_offset=390_000, piece_bytes=50_000)
+    (last,) = (await client.call("pull_parameters", request=request)).params
+    assert (last.offset, last.total_bytes, len(last.data)) == (390_000, 400_000, 10_000)
+    assert bytes(last.data) == bytes(p.data)[390_000:]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        thrift.ParameterRequest(param_names=["w", "v"], piece_offset=0, piece_bytes=10),
+        thrift.ParameterRequest(param_names=[], all_names=True, piece_offset=0, piece_bytes=10),
+        thrift.ParameterRequest(param_names=["w"], piece_offset=0),
+        thrift.ParameterRequest(param_names=["w"], piece_offset=0, piece_bytes=0),
+        thrift.ParameterRequest(param_names=["w"], piece_offset=-1, piece_bytes=10),
+        thrift.ParameterRequest(param_names=["w"], piece_offset=40_000, piece_bytes=10),
+        thrift.ParameterRequest(param_names=["w"], piece_offset=0, piece_bytes=2**40),
+    ],
+)
+async def test_bad_piece_reads_are_refused(client: ParameterClient, request_) -> None:
+    await client.update_parameters([whole()])
+    with pytest.raises(RequestError) as info:
+        await client.call("pull_parameters", request=request_)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+
+
+async def test_a_piece_read_of_a_missing_name_answers_nothing(client: ParameterClient) -> None:
+    request = thrift.ParameterRequest(param_names=["nope"], piece_offset=0, piece_bytes=10)
+    assert (await client.call("pull_parameters", request=request)).params == []
+
+
+async def test_fetch_starts_over_when_the_parameter_changes_while_read(
+    client: ParameterClient,
+) -> None:
+    await client.update_parameters([whole(n=50_000)])
+    request = thrift.ParameterRequest(param_names=["w"], max_inline_bytes=0)
+    (header,) = (await client.call("pull_parameters", request=request)).params
+
+    class Changing:
+        """Calls through to the node; after the first piece read, changes the parameter."""
+
+        changed = False
+
+        async def call(self, name, **args):
+            result = await client.call(name, **args)
+            if args["request"].piece_offset is not None and not self.changed:
+                self.changed = True
+                await client.update_parameters([whole(n=50_000, seed=9)])
+            return result
+
+    got = await fetch(Changing(), header, 20_000)
+    assert got.version == 2
+    assert bytes(got.data) == bytes(whole(n=50_000, seed=9).data)
+
+
+# -- the log and the cluster, with small pieces ------------------------------------------
+
+
+@pytest.fixture
+def small_pieces(monkeypatch) -> None:
+    """Parameters over 64 KiB travel (and are logged) in 16 KiB pieces."""
+    monkeypatch.setattr(pieces_module, "INLINE_BYTES", 64 * KIB)
+    monkeypatch.setattr(pieces_module, "PIECE_BYTES", 16 * KIB)
+
+
+async def test_large_parameters_are_logged_in_pieces_and_recovered(small_pieces, tmp_path) -> None:
+    big, small = whole("big", 100_000), whole("small", 10)
+    async with Node("127.0.0.1", 0, data_dir=tmp_path) as node:
+        async with ParameterClient(node.address) as client:
+            await client.update_parameters([big, small])
+        records = node.data_dir.records_written
+    assert records == 1 + 25  # the small one, then 400 000 bytes in 16 KiB pieces
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        got = await client.get_parameters(["big", "small"])
+    assert {p.name: bytes(p.data) for p in got.params} == {
+        "big": bytes(big.data),
+        "small": bytes(small.data),
+    }
+
+
+async def test_peers_send_and_repair_large_parameters_in_pieces(small_pieces) -> None:
+    cluster = LocalCluster()
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        await cluster.formed([a, b])
+        big = whole("big", 100_000)
+        async with ParameterClient(a.address) as client:
+            await client.update_parameters([big])
+
+        def replicated() -> None:
+            entry = b.store.table.entry("big")
+            assert entry is not None and bytes(entry.data) == bytes(big.data)
+
+        await eventually(replicated)
+        assert b.service.uploads.statistics()["uploads_completed"] == 1
+        # A node that joins later gets it by repair (a digest, then pieces).
+        c = await cluster.start(peers=[a])
+
+        def repaired() -> None:
+            entry = c.store.table.entry("big")
+            assert entry is not None and bytes(entry.data) == bytes(big.data)
+
+        await eventually(repaired)
+    finally:
+        await cluster.close()
