@@ -18,6 +18,7 @@ from .metrics import MetricsBindError
 from .node import Node
 from .peers import DEFAULT_REPAIR_INTERVAL
 from .persistence import FSYNC_MODES, PersistenceError
+from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from .store import Limits
 from .tls import client_context, server_context
@@ -171,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest message accepted, e.g. 256MiB (default: %(default)s bytes)",
     )
     parser.add_argument(
+        "--max-upload-bytes",
+        type=byte_size,
+        default=MAX_UPLOAD_BYTES,
+        metavar="SIZE",
+        help="most bytes held at once for parameters larger than one message while their "
+        "pieces arrive, e.g. 16GiB (default: %(default)s bytes)",
+    )
+    parser.add_argument(
         "--idle-timeout",
         type=seconds,
         default=DEFAULT_IDLE_TIMEOUT,
@@ -269,6 +278,7 @@ async def serve(args: argparse.Namespace) -> int:
         fsync=args.fsync,
         ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
         max_frame_bytes=args.max_frame_bytes,
+        max_upload_bytes=args.max_upload_bytes,
         idle_timeout=args.idle_timeout,
         request_timeout=args.request_timeout,
         max_connections=args.max_connections,

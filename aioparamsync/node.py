@@ -13,6 +13,7 @@ from .client import Address, parse_address, parse_addresses
 from .metrics import NodeMetrics
 from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
 from .persistence import DataDir
+from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
@@ -48,6 +49,8 @@ class Node:
         max_connections: client connections open at once; more are refused.
         request_timeout: seconds after which a call not yet answered fails.
         max_frame_bytes: the largest frame (message) accepted.
+        max_upload_bytes: the most bytes held for parameters larger than one
+            message while their pieces arrive (see :mod:`aioparamsync.pieces`).
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
         metrics_port: serve Prometheus metrics on this port of ``host`` (0: a free
@@ -69,6 +72,7 @@ class Node:
         fsync: str = "batch",
         ignore_corrupt_snapshot: bool = False,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_upload_bytes: int = MAX_UPLOAD_BYTES,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         limits: Limits | None = None,
         ssl: ssl_module.SSLContext | None = None,
@@ -102,7 +106,12 @@ class Node:
             repair_interval=repair_interval,
             ssl=peer_ssl,
         )
-        self.service = ParameterService(self.store, self.cluster, max_decoded_bytes=max_frame_bytes)
+        self.service = ParameterService(
+            self.store,
+            self.cluster,
+            max_decoded_bytes=max_frame_bytes,
+            max_upload_bytes=max_upload_bytes,
+        )
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
         self._writer: asyncio.Task[None] | None = None

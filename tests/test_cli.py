@@ -501,6 +501,7 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--port", "-1"], ["--port", "-1"]),
         (["--max-frame-bytes", "0"], ["--max-frame-bytes", "'0'"]),
         (["--max-frame-bytes", "12XB"], ["--max-frame-bytes", "'12XB'"]),
+        (["--max-upload-bytes", "lots"], ["--max-upload-bytes", "'lots'"]),
         (["--idle-timeout", "-1"], ["--idle-timeout", "'-1'"]),
         (["--idle-timeout", "soon"], ["--idle-timeout", "'soon'"]),
         (["--log-level", "loud"], ["--log-level", "'loud'"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cluster_helpers import LocalCluster, eventually
+from cluster_helpers import LocalCluster, ProcessCluster, eventually
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
 from aioparamsync import pieces as pieces_module
@@ -270,3 +270,18 @@ async def test_peers_send_and_repair_large_parameters_in_pieces(small_pieces) ->
         await eventually(repaired)
     finally:
         await cluster.close()
+
+
+async def test_the_cli_bounds_the_bytes_staged() -> None:
+    procs = ProcessCluster()
+    try:
+        node = await procs.spawn(extra=["--max-upload-bytes", "100KiB"])
+        async with node.client() as client:
+            parts = split(whole(n=50_000), "u", 64 * KIB)  # 200 000 bytes
+            with pytest.raises(RequestError) as info:
+                await client.update_parameters([parts[0]])
+            assert info.value.code == ErrorCode.LIMIT_EXCEEDED
+            assert "102400" in str(info.value)
+            assert (await client.info()).counters["uploads_open"] == 0
+    finally:
+        await procs.close()
