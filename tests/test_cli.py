@@ -558,7 +558,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
         "--repair-interval", "--data-dir", "--fsync", "--ignore-corrupt-snapshot",
-        "--max-frame-bytes", "--idle-timeout", "--log-level", "--version",
+        "--max-frame-bytes", "--max-upload-bytes", "--idle-timeout", "--log-level", "--version",
         "--request-timeout", "--max-connections", "--max-names-per-request",
         "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
         "--metrics-port",
