@@ -1,16 +1,40 @@
-"""The small-call path: replies coalesced per read, in order; the writer's wake-up."""
+"""The small-call path: replies coalesced per read, in order; the writer's wake-up;
+the codec's in-place maps and lists read and write as the general walk does."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 import numpy as np
+import pytest
+import thriftpy2
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from thriftpy2.protocol import TBinaryProtocolFactory
 from thriftpy2.thrift import TApplicationException
+from thriftpy2.transport import TMemoryBuffer
 
 from aioparamsync import Node, to_parameter
+from aioparamsync.errors import LocalProtocolError, RemoteProtocolError
 from aioparamsync.store import ParameterStore
-from aioparamsync.wire import Receiver, decode_header, encode_message, method, thrift
+from aioparamsync.wire import (
+    MessageType,
+    Protocol,
+    Receiver,
+    codec,
+    decode_header,
+    encode_message,
+    method,
+    thrift,
+)
+
+PROPERTY = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class RecordingTransport:
@@ -155,3 +179,171 @@ async def test_a_cancelled_writer_leaves_submit_working() -> None:
     assert (await queued).entries[0].version == 1
     store.close()
     await asyncio.wait_for(again, 10)
+
+
+# ---------------------------------------------------------------------------
+# The codec: maps of strings to integers, lists of strings, read and written in place
+
+
+class GeneralReader(codec.BinaryReader):
+    """The binary protocol with the general walk only: the reference."""
+
+    __slots__ = ()
+
+    def read_struct(self, cls: Any) -> Any:
+        plan = codec._plan(cls)
+        self._enter()
+        values: dict[str, Any] = {}
+        self._read_fields(plan.by_id, values)
+        self.depth -= 1
+        for name in plan.required:
+            if name not in values:
+                raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
+        return cls(**values)
+
+
+def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
+    reader = reader_cls(data, stream=stream, limit=1 << 20)
+    try:
+        reader.read_message_begin()
+        body = reader.read_body(cls)
+    except RemoteProtocolError as exc:
+        return ("RemoteProtocolError", str(exc))
+    except codec.NeedData as exc:
+        return ("NeedData", exc.needed)
+    return repr(body), reader.pos, reader.elements
+
+
+def message(body: bytes) -> bytes:
+    return struct.pack("!Ii", 0x80010002, 1) + b"x" + struct.pack("!i", 1) + body
+
+
+def entry(key: bytes, value: int, size: int = 4) -> bytes:
+    return struct.pack("!i", len(key)) + key + value.to_bytes(size, "big", signed=True)
+
+
+keys = st.one_of(st.text(max_size=5).map(str.encode), st.just(b"\xff\xfe"))
+entries = st.lists(st.tuples(keys, st.integers(-(2**31), 2**31 - 1)), max_size=4)
+
+
+@st.composite
+def update_results(draw: st.DrawFn) -> bytes:
+    """An UpdateResult's body: versions (a map, its header maybe lying) and a timestamp."""
+    found = draw(entries)
+    count = draw(st.one_of(st.just(len(found)), st.integers(-2, 6)))
+    kwire, vwire = draw(st.sampled_from([(11, 8), (11, 8), (8, 8), (11, 10)]))
+    versions = struct.pack("!bhbbi", 13, 1, kwire, vwire, count)
+    versions += b"".join(entry(k, v) for k, v in found)
+    timestamp = struct.pack("!bhq", 10, 2, draw(st.integers(-(2**63), 2**63 - 1)))
+    chunks = draw(st.permutations([versions, timestamp]))
+    return b"".join(chunks) + b"\x00"
+
+
+def mutate(data: bytes, cut: int | None, flips: list[tuple[int, int]]) -> bytes:
+    buf = bytearray(data)
+    for where, xor in flips:
+        buf[where % len(buf)] ^= xor
+    if cut is not None:
+        del buf[cut % (len(buf) + 1) :]
+    return bytes(buf)
+
+
+@PROPERTY
+@given(
+    body=update_results(),
+    cut=st.one_of(st.none(), st.integers(0, 1000)),
+    flips=st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 255)), max_size=2),
+    stream=st.booleans(),
+)
+@example(body=struct.pack("!bhbbi", 13, 1, 11, 8, 0) + b"\x00", cut=None, flips=[], stream=False)
+@example(  # a key that is not UTF-8, its value cut short
+    body=struct.pack("!bhbbi", 13, 1, 11, 8, 1) + entry(b"\xff", 1)[:-2],
+    cut=None,
+    flips=[],
+    stream=False,
+)
+def test_a_map_of_versions_reads_as_the_general_walk_reads_it(
+    body: bytes, cut: int | None, flips: list, stream: bool
+) -> None:
+    data = mutate(message(body), cut, flips)
+    expected = outcome(GeneralReader, data, thrift.UpdateResult, stream)
+    assert outcome(codec.BinaryReader, data, thrift.UpdateResult, stream) == expected
+
+
+def thriftpy2_bytes(obj: Any) -> bytes:
+    buf = TMemoryBuffer()
+    TBinaryProtocolFactory().get_protocol(buf).write_struct(obj)
+    return buf.getvalue()
+
+
+def ours(obj: Any) -> bytes:
+    writer = codec.BinaryWriter()
+    writer.write_struct(obj)
+    parts, _ = writer.getvalue()
+    return b"".join(bytes(p) for p in parts)
+
+
+texts = st.text(max_size=6)
+
+
+@PROPERTY
+@given(
+    versions=st.dictionaries(texts, st.integers(-(2**31), 2**31 - 1), max_size=4),
+    names=st.lists(texts, max_size=4),
+    shape=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12),
+)
+def test_maps_and_lists_are_written_as_thriftpy2_writes_them(
+    versions: dict, names: list, shape: list
+) -> None:
+    for obj in (
+        thrift.UpdateResult(versions=versions, timestamp=7),
+        thrift.ParameterRequest(param_names=names, min_version=1),
+        thrift.Parameter(name="w", data=b"ab", shape=shape),
+        thrift.ParameterUpdate(
+            params=[thrift.Parameter(name=n, data=b"") for n in names], timestamp=1
+        ),
+    ):
+        assert ours(obj) == thriftpy2_bytes(obj)
+    request = thrift.ParameterRequest(param_names=names)
+    _, _, _, reader = decode_header(message(ours(request)), Protocol.BINARY)
+    assert reader.read_body(thrift.ParameterRequest).param_names == names
+
+
+class Name(str):
+    pass
+
+
+def test_keys_and_names_of_other_types_go_the_general_way() -> None:
+    big = "k" * codec.ZERO_COPY_MIN_BYTES
+    obj = thrift.UpdateResult(versions={Name("a"): 1, big: 2}, timestamp=3)
+    assert ours(obj) == thriftpy2_bytes(thrift.UpdateResult(versions={"a": 1, big: 2}, timestamp=3))
+    request = thrift.ParameterRequest(param_names=(n for n in ["a", b"b"]))
+    assert ours(request) == thriftpy2_bytes(thrift.ParameterRequest(param_names=["a", "b"]))
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        thrift.UpdateResult(versions={"a": 2**31}, timestamp=1),
+        thrift.UpdateResult(versions={"a": None}, timestamp=1),
+        thrift.UpdateResult(versions={1: 1}, timestamp=1),
+        thrift.ParameterRequest(param_names=["a", None]),
+        thrift.ParameterRequest(param_names=["\udc80"]),
+        thrift.ParameterUpdate(params=[object()], timestamp=1),
+        thrift.ParameterUpdate(params=5, timestamp=1),
+    ],
+    ids=["overflow", "none-value", "int-key", "none-name", "surrogate", "no-struct", "no-list"],
+)
+def test_bad_maps_and_lists_are_local_protocol_errors(obj: Any) -> None:
+    with pytest.raises(LocalProtocolError):
+        encode_message("x", MessageType.REPLY, 1, obj)
+
+
+def test_a_struct_of_a_subclass_is_written_as_its_own_class() -> None:
+    class Special(thrift.Parameter):  # type: ignore[misc, name-defined]
+        pass
+
+    update = thrift.ParameterUpdate(params=[Special(name="s", data=b"x")], timestamp=1)
+    plain = thrift.ParameterUpdate(params=[thrift.Parameter(name="s", data=b"x")], timestamp=1)
+    assert ours(update) == thriftpy2_bytes(plain)
+    assert thriftpy2  # (the reference implementation)

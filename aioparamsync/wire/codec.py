@@ -611,7 +611,7 @@ class BinaryReader(Reader):
     def read_struct(self, cls: Any) -> Any:
         read = _BINARY_READERS.get(cls)
         if read is None:
-            read = _BINARY_READERS[cls] = _binary_reader(cls)
+            read = _binary_reader_of(cls)
         return read(self)
 
     def _read_fields(self, by_id: dict[int, tuple[int, str, int, Any]], values: dict) -> None:
@@ -752,9 +752,30 @@ _S_HEAD = struct.Struct("!bh")  # a binary field header
 _S_HEAD_I32 = struct.Struct("!bhi")  # a field header and the 4 bytes after it
 _S_HEAD_I64 = struct.Struct("!bhq")  # a field header and the 8 bytes after it
 _S_HEAD_LIST = struct.Struct("!bhbi")  # a field header and a list's header
+_S_HEAD_MAP = struct.Struct("!bhbbi")  # a field header and a map's header
+# Lists of a few i64 (shapes), by count: unpacked without making a format each time.
+_UNPACK_I64S = [struct.Struct(f"!{n}q").unpack_from for n in range(9)]
 
 
 _BINARY_READERS: dict[Any, Callable[[BinaryReader], Any]] = {}
+
+
+def _binary_reader_of(cls: Any) -> Callable[[BinaryReader], Any]:
+    read = _BINARY_READERS.get(cls)
+    if read is None:
+        read = _BINARY_READERS[cls] = _binary_reader(cls)
+    return read
+
+
+def _lazy_reader(env: dict[str, Any], key: str, cls: Any) -> Callable[[BinaryReader], Any]:
+    """A stand-in for the reader of ``cls`` in ``env[key]``: on its first call it
+    puts the real one there (made then, so that recursive structs are no problem)."""
+
+    def first_call(reader: BinaryReader) -> Any:
+        read = env[key] = _binary_reader_of(cls)
+        return read(reader)
+
+    return first_call
 
 
 def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
@@ -762,10 +783,12 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
 
     It expects each field in id order and reads it in place when its header
     is there and its bytes are all there; else it moves on to the next one.
-    After the last, a STOP ends the struct. Whatever it does not read (it
-    never reads past ``end``, and breaks off on a bad length or invalid
-    UTF-8) the general walk reads from there, so the outcome is the general
-    walk's. Names and sub-specs are the code's constants, never its text.
+    A STOP after a field ends the struct at once (the fields after it are
+    absent). Whatever it does not read (it never reads past ``end``, and
+    breaks off on a bad length or invalid UTF-8) the general walk reads from
+    there, so the outcome is the general walk's. Names and sub-specs are the
+    code's constants, never its text. A nested struct is read by its class's
+    own code, called directly.
     """
     plan = _plan(cls)
     env: dict[str, Any] = {
@@ -777,6 +800,10 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
         "U_BHI": _S_HEAD_I32.unpack_from,
         "U_BHQ": _S_HEAD_I64.unpack_from,
         "U_BHBI": _S_HEAD_LIST.unpack_from,
+        "U_BHBBI": _S_HEAD_MAP.unpack_from,
+        "U_I": _unpack_i32,
+        "U_Q": _unpack_i64,
+        "U_QS": _UNPACK_I64S,
         "UNPACK": struct.unpack_from,
     }
     code = [
@@ -792,6 +819,18 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
         "    while True:  # once: a break goes on to the general walk",
     ]
     env["DEEP"] = f"message nests deeper than {MAX_DEPTH} levels"
+    # The end: a STOP, read here; else (and after any break) the general walk.
+    finish = ["{}self.depth = depth - 1"]
+    for i, name in enumerate(plan.required):
+        env[f"R{i}"], env[f"MISSING{i}"] = name, f"required field {cls.__name__}.{name} is missing"
+        finish += [f"{{}}if R{i} not in values:", f"{{}}    raise RemoteProtocolError(MISSING{i})"]
+    finish += ["{}return CLS(**values)"]
+    # After a field: a STOP ends the struct (no need to look for the fields after it).
+    stop_after = [
+        "                if pos < end and buf[pos] == 0:",
+        "                    self.pos = pos + 1",
+        *(line.format(" " * 20) for line in finish),
+    ]
     for i, (name, fid, ttype, sub, _, header) in enumerate(plan.in_order):
         if header is None:
             continue  # not a binary field header: the general walk's
@@ -830,7 +869,6 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
             # The list's header too, then as BinaryReader._read_list reads it
             # (the same checks, in the same order); any other list, its way.
             etype, esub, ewire = sub
-            env[f"E{i}"] = esub
             code += [
                 "        if pos + 8 <= end:",
                 "            w, f, e, count = U_BHBI(buf, pos)",
@@ -844,21 +882,70 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
                     "                pos += 8",
                     "                if pos + 8 * count > end:",
                     "                    self._overrun(8 * count)",
-                    f"                values[N{i}] = list(UNPACK(f'!{{count}}q', buf, pos))",
+                    "                if count < 9:",
+                    f"                    values[N{i}] = list(U_QS[count](buf, pos))",
+                    "                else:",
+                    f"                    values[N{i}] = list(UNPACK(f'!{{count}}q', buf, pos))",
                     "                pos += 8 * count",
                 ]
             else:
+                env[f"RS{i}"] = _lazy_reader(env, f"RS{i}", esub)
                 code += [
                     "                self._check_count_of(count, 1)",
                     "                self.depth = depth + 1",
-                    "                read_struct = self.read_struct",
-                    f"                values[N{i}] = [read_struct(E{i}) for _ in range(count)]",
+                    "                if count == 1:",
+                    f"                    values[N{i}] = [RS{i}(self)]",
+                    "                else:",
+                    f"                    values[N{i}] = [RS{i}(self) for _ in range(count)]",
                     "                self.depth = depth",
                     "                pos = self.pos",
                 ]
+        elif (
+            ttype == _T_MAP
+            and sub[0] == _T_STRING
+            and sub[3] in (_T_I32, _T_I64)
+            and -128 <= int(sub[2]) < 128
+            and -128 <= int(sub[5]) < 128
+        ):
+            # e.g. versions by name: the map's header too, then as
+            # BinaryReader._read_map reads it (the same checks, in the same
+            # order); it breaks off where that would raise.
+            _, _, kwire, vtype, _, vwire = sub
+            size, unpack = (4, "U_I") if vtype == _T_I32 else (8, "U_Q")
+            code += [
+                "        if pos + 9 <= end:",
+                "            w, f, kw, vw, count = U_BHBBI(buf, pos)",
+                f"            if f == {fid} and w == {wire} and count >= 0 and depth < MAX_DEPTH "
+                f"and (not count or (kw == {int(kwire)} and vw == {int(vwire)})):",
+                "                self.pos = pos + 9",
+                f"                self._check_count_of(count, {4 + size})",
+                "                p = pos + 9",
+                "                found = {}",
+                "                for _ in range(count):",
+                "                    if p + 4 > end:",
+                "                        break",
+                "                    n = U_I(buf, p)[0]",
+                "                    p += 4",
+                f"                    if n < 0 or p + n + {size} > end:",
+                "                        break",
+                "                    try:",
+                "                        key = str(buf[p : p + n], 'utf-8')",
+                "                    except UnicodeDecodeError:",
+                "                        break",
+                "                    p += n",
+                f"                    found[key] = {unpack}(buf, p)[0]",
+                f"                    p += {size}",
+                "                else:",
+                f"                    values[N{i}] = found",
+                "                    pos = p",
+                "                if pos != p:  # (the general walk counts them again)",
+                "                    self.elements -= count",
+                "                    break",
+            ]
         else:
             if ttype == _T_STRUCT:
-                reading = f"self.read_struct(S{i})"
+                env[f"RS{i}"] = _lazy_reader(env, f"RS{i}", sub)
+                reading = f"RS{i}(self)"
             elif ttype in _T_SEQUENCES:
                 reading = f"self._read_list({ttype}, S{i})"
             elif ttype == _T_MAP:
@@ -873,12 +960,7 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
                 f"                values[N{i}] = {reading}",
                 "                pos = self.pos",
             ]
-    # The end: a STOP, read here; else (and after any break) the general walk.
-    finish = ["{}self.depth = depth - 1"]
-    for i, name in enumerate(plan.required):
-        env[f"R{i}"], env[f"MISSING{i}"] = name, f"required field {cls.__name__}.{name} is missing"
-        finish += [f"{{}}if R{i} not in values:", f"{{}}    raise RemoteProtocolError(MISSING{i})"]
-    finish += ["{}return CLS(**values)"]
+        code += stop_after
     code += [
         "        if pos < end and buf[pos] == 0:",
         "            self.pos = pos + 1",
@@ -1399,7 +1481,7 @@ class BinaryWriter(Writer):
     def write_struct(self, obj: Any) -> None:
         write = _BINARY_WRITERS.get(type(obj))
         if write is None:
-            write = _BINARY_WRITERS[type(obj)] = _binary_writer(type(obj))
+            write = _binary_writer_of(type(obj))
         write(self, obj)
 
     def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
@@ -1446,23 +1528,61 @@ class BinaryWriter(Writer):
 
 
 _BINARY_WRITERS: dict[Any, Callable[[BinaryWriter, Any], None]] = {}
+# A list's header and its few i64 (shapes), by count: packed without making a format each time.
+_PACK_LIST_I64S = [struct.Struct(f"!bi{n}q").pack for n in range(9)]
+
+
+def _binary_writer_of(cls: Any) -> Callable[[BinaryWriter, Any], None]:
+    write = _BINARY_WRITERS.get(cls)
+    if write is None:
+        write = _BINARY_WRITERS[cls] = _binary_writer(cls)
+    return write
+
+
+def _lazy_writer(env: dict[str, Any], key: str, cls: Any) -> Callable[[BinaryWriter, Any], None]:
+    """A stand-in for the writer of ``cls`` in ``env[key]``: on its first call it
+    puts the real one there (made then, so that recursive structs are no problem)."""
+
+    def first_call(writer: BinaryWriter, obj: Any) -> None:
+        write = env[key] = _binary_writer_of(cls)
+        write(writer, obj)
+
+    return first_call
 
 
 def _binary_writer(cls: Any) -> Callable[[BinaryWriter, Any], None]:
     """Make the code that writes a struct of class ``cls`` (BinaryWriter.write_struct).
 
     Field by field in id order, as Writer.write_struct: a header packed once,
-    the common values written in place, the others (and every binary that
-    goes by reference) by the writer's methods. Names are the code's
-    constants, never its text.
+    the common values written in place (strings, binaries, i32, i64, and
+    lists of structs, strings or i64, maps of strings to i32 or i64), the
+    others (and every binary that goes by reference) by the writer's
+    methods. A nested struct of the field's class is written by that class's
+    own code, called directly (any other object, by ``write_struct``). Names
+    are the code's constants, never its text.
     """
     plan = _plan(cls)
     env: dict[str, Any] = {
         "LocalProtocolError": LocalProtocolError,
         "PACK_I32": _pack_i32,
         "PACK_I64": _pack_i64,
+        "PACK_LIST": _S_LIST.pack,
+        "PACK_MAP": _S_MAP.pack,
+        "PACK_LIST_I64S": _PACK_LIST_I64S,
+        "PACK": struct.pack,
         "SMALL": ZERO_COPY_MIN_BYTES,
     }
+    # A string or binary ``{value}`` (in place if it is small text or bytes).
+    write_bytes = [
+        "{0}if type({1}) is str:",
+        "{0}    {1} = {1}.encode('utf-8')",
+        "{0}if type({1}) is bytes and len({1}) < SMALL:",
+        "{0}    out += PACK_I32(len({1}))",
+        "{0}    out += {1}",
+        "{0}else:",
+        "{0}    self._write_bytes({1})",
+        "{0}    out = self.out",
+    ]
     code = ["def write(self, obj):", "    out = self.out"]
     for i, (name, _, ttype, sub, required, header) in enumerate(plan.in_order):
         ttype = int(ttype)
@@ -1478,22 +1598,63 @@ def _binary_writer(cls: Any) -> Callable[[BinaryWriter, Any], None]:
             continue
         code += [f"        out += H{i}"]
         if ttype in _T_BYTES:
-            code += [
-                "        if type(v) is str:",
-                "            v = v.encode('utf-8')",
-                "        if type(v) is bytes and len(v) < SMALL:",
-                "            out += PACK_I32(len(v))",
-                "            out += v",
-                "        else:",
-                "            self._write_bytes(v)",
-                "            out = self.out",
-            ]
+            code += [line.format(" " * 8, "v") for line in write_bytes]
         elif ttype == _T_I32:
             code += ["        out += PACK_I32(v)"]
         elif ttype == _T_I64:
             code += ["        out += PACK_I64(v)"]
         elif ttype == _T_STRUCT:
-            code += ["        self.write_struct(v)", "        out = self.out"]
+            env[f"C{i}"], env[f"W{i}"] = sub, _lazy_writer(env, f"W{i}", sub)
+            code += [
+                f"        if type(v) is C{i}:",
+                f"            W{i}(self, v)",
+                "        else:",
+                "            self.write_struct(v)",
+                "        out = self.out",
+            ]
+        elif ttype == _T_LIST and sub[0] in (_T_STRUCT, _T_I64, _T_STRING, _T_BINARY):
+            # As BinaryWriter._write_value writes a list, in place.
+            etype, esub, ewire = sub
+            code += [
+                "        items = v if type(v) is list else list(v)",
+                "        count = len(items)",
+            ]
+            if etype == _T_I64:
+                code += [
+                    "        if not count:",
+                    f"            out += PACK_LIST({int(ewire)}, 0)",
+                    "        elif count < 9:",
+                    f"            out += PACK_LIST_I64S[count]({int(ewire)}, count, *items)",
+                    "        else:",
+                    f"            out += PACK(f'!bi{{count}}q', {int(ewire)}, count, *items)",
+                ]
+            elif etype == _T_STRUCT:
+                env[f"C{i}"], env[f"W{i}"] = esub, _lazy_writer(env, f"W{i}", esub)
+                code += [
+                    f"        out += PACK_LIST({int(ewire)}, count)",
+                    "        for item in items:",
+                    f"            if type(item) is C{i}:",
+                    f"                W{i}(self, item)",
+                    "            else:",
+                    "                self.write_struct(item)",
+                    "        out = self.out",
+                ]
+            else:
+                code += [
+                    f"        out += PACK_LIST({int(ewire)}, count)",
+                    "        for item in items:",
+                    *(line.format(" " * 12, "item") for line in write_bytes),
+                ]
+        elif ttype == _T_MAP and sub[0] == _T_STRING and sub[3] in (_T_I32, _T_I64):
+            # As BinaryWriter._write_value writes such a map, in place.
+            _, _, kwire, vtype, _, vwire = sub
+            pack = "PACK_I32" if vtype == _T_I32 else "PACK_I64"
+            code += [
+                f"        out += PACK_MAP({int(kwire)}, {int(vwire)}, len(v))",
+                "        for key, item in v.items():",
+                *(line.format(" " * 12, "key") for line in write_bytes),
+                f"            out += {pack}(item)",
+            ]
         else:
             code += [f"        self._write_value({ttype}, S{i}, v)", "        out = self.out"]
     code += ["    out.append(0)"]
