@@ -39,6 +39,7 @@ from typing import Any, cast
 import numpy as np
 from thriftpy2.thrift import TApplicationException
 
+from . import pieces
 from .arrays import from_parameter, to_parameter, to_parameters
 from .errors import (
     CallTimeout,
@@ -332,6 +333,10 @@ class ParameterClient:
         connect_timeout: deadline of opening a connection.
         max_connections: connections to keep to the node.
         max_frame_bytes: the largest reply accepted.
+        max_inline_bytes: parameters larger than this travel in pieces of
+            ``piece_bytes``, both ways (see :mod:`aioparamsync.pieces`): so a
+            parameter may be larger than a frame, or than 2 GiB.
+        piece_bytes: the size of those pieces.
         ssl: an ``ssl.SSLContext`` to reach TLS nodes with (see :mod:`aioparamsync.tls`).
     """
 
@@ -343,6 +348,8 @@ class ParameterClient:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_inline_bytes: int = pieces.INLINE_BYTES,
+        piece_bytes: int = pieces.PIECE_BYTES,
         ssl: ssl_module.SSLContext | None = None,
     ) -> None:
         if max_connections < 1:
@@ -353,6 +360,13 @@ class ParameterClient:
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
+        if not 0 < piece_bytes < max_frame_bytes or max_inline_bytes < 0:
+            raise ValueError(
+                "piece_bytes must be above 0 and below max_frame_bytes, and max_inline_bytes "
+                "not negative"
+            )
+        self.max_inline_bytes = max_inline_bytes
+        self.piece_bytes = piece_bytes
         self.ssl = ssl
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
@@ -637,7 +651,15 @@ class ParameterClient:
                 raise ValueError(f"wait must not be negative, not {wait}")
             request.wait_ms = round(wait * 1000)
             timeout = self._held_timeout(wait, timeout)
-        return await self.call("pull_parameters", timeout=timeout, request=request)
+        request.max_inline_bytes = self.max_inline_bytes
+        response = await self.call("pull_parameters", timeout=timeout, request=request)
+        if any(p.total_bytes is not None for p in response.params):
+            # Larger than one message: answered without data; read in pieces.
+            response.params = [
+                p if p.total_bytes is None else await pieces.fetch(self, p, self.piece_bytes)
+                for p in response.params
+            ]
+        return response
 
     def _held_timeout(
         self, wait: float, timeout: float | EllipsisType | None
@@ -656,6 +678,10 @@ class ParameterClient:
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Apply an update atomically: every parameter in it, or none.
+
+        A parameter larger than ``max_inline_bytes`` (see the constructor)
+        goes in pieces, and the node applies it once it is whole: atomically
+        by itself, not together with the rest of the update.
 
         Args:
             params: ``Parameter`` objects, or a mapping of name -> array.
@@ -676,8 +702,32 @@ class ParameterClient:
                 not have been applied.
         """
         update = self._update(params, timestamp, rules=rules, encoding=encoding)
-        result = await self.call("push_parameters", timeout=timeout, update=update)
-        return dict(result.versions)
+        large = [p for p in update.params if memoryview(p.data).nbytes > self.max_inline_bytes]
+        if not large:
+            result = await self.call("push_parameters", timeout=timeout, update=update)
+            return dict(result.versions)
+        # Larger than one message: each such parameter in pieces, applied once
+        # whole; the others together, as one update.
+        versions: dict[str, int] = {}
+        small = [p for p in update.params if memoryview(p.data).nbytes <= self.max_inline_bytes]
+        if small:
+            update.params = small
+            result = await self.call("push_parameters", timeout=timeout, update=update)
+            versions.update(result.versions)
+        gate = asyncio.Semaphore(pieces.FETCH_CONCURRENCY)
+
+        async def send(piece: Any) -> dict[str, int]:
+            async with gate:
+                message = thrift.ParameterUpdate(params=[piece], timestamp=update.timestamp)
+                result = await self.call("push_parameters", timeout=timeout, update=message)
+            return dict(result.versions)
+
+        for p in large:
+            for done in await asyncio.gather(
+                *map(send, pieces.split(p, uuid.uuid4().hex, self.piece_bytes))
+            ):
+                versions.update(done)
+        return versions
 
     async def push_gradients(
         self,

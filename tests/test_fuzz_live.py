@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from test_fuzz import PROTOCOLS, encode, hostile_bytes, messages, mutate, mutations
 
 from aioparamsync import Node, ParameterClient
-from aioparamsync.wire import Protocol, Receiver, decode_header, method
+from aioparamsync.wire import MessageType, Protocol, Receiver, decode_header, method
 
 # How long one hostile connection may take to be answered or closed (seconds).
 ANSWER_WITHIN = 5.0
@@ -107,20 +107,32 @@ def send_and_drain(address: tuple[str, int], data: bytes) -> bytes:
 
 
 def valid_updates(data: bytes) -> bool:
-    """Whether ``data`` holds a well-formed update call (one the node may apply)."""
+    """Whether ``data`` holds a well-formed update call (one the node may apply).
+
+    The node reads the messages in turn: one that is no request (a reply
+    sent to it) or names no method is answered with an error and passed
+    over; one it cannot decode ends the connection.
+    """
+    frames = []
     try:
         for frame in Receiver(1 << 20).feed(data):
-            name, _, _, reader = decode_header(frame.payload, frame.protocol)
-            m = method(name)
-            if m is not None and name in (
-                "update_parameters",
-                "push_parameters",
-                "broadcast_update",
-            ):
-                reader.read_body(m.args)
-                return True
-    except Exception:  # noqa: BLE001 - not decodable: not a valid update
-        return False
+            frames.append(frame)
+    except Exception:  # noqa: BLE001 - bytes that are no frame: nothing after them is read
+        pass
+    for frame in frames:
+        try:
+            name, mtype, _, reader = decode_header(frame.payload, frame.protocol)
+        except Exception:  # noqa: BLE001 - the connection ends here
+            return False
+        m = method(name)
+        if m is None or mtype not in (MessageType.CALL, MessageType.ONEWAY):
+            continue  # answered with an error, passed over
+        try:
+            reader.read_body(m.args)
+        except Exception:  # noqa: BLE001 - the connection ends here
+            return False
+        if name in ("update_parameters", "push_parameters", "broadcast_update"):
+            return True
     return False
 
 

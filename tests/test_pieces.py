@@ -285,3 +285,56 @@ async def test_the_cli_bounds_the_bytes_staged() -> None:
             assert (await client.info()).counters["uploads_open"] == 0
     finally:
         await procs.close()
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+async def test_the_client_sends_and_reads_large_parameters_in_pieces(node: Node) -> None:
+    big = np.random.default_rng(5).standard_normal((300, 100)).astype(np.float32)  # 120 000 B
+    async with ParameterClient(node.address, max_inline_bytes=50_000, piece_bytes=16_000) as c:
+        versions = await c.update_arrays({"big": big, "small": np.arange(3)})
+        assert versions == {"big": 1, "small": 1}
+        assert node.service.uploads.statistics()["uploads_completed"] == 1
+        got = await c.get_arrays(["big", "small", "missing"])
+        assert sorted(got) == ["big", "small"]
+        np.testing.assert_array_equal(got["big"], big)
+        assert got["big"].shape == (300, 100) and got["big"].dtype == np.float32
+        np.testing.assert_array_equal(got["small"], np.arange(3))
+        assert (await c.update_arrays({"big": big * 2})) == {"big": 2}
+        np.testing.assert_array_equal((await c.get_arrays(["big"]))["big"], big * 2)
+    # A client that reads whole messages gets it whole (it is under 2 GiB).
+    async with ParameterClient(node.address) as whole_reader:
+        np.testing.assert_array_equal((await whole_reader.get_arrays(["big"]))["big"], big * 2)
+
+
+def test_client_piece_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        ParameterClient("127.0.0.1:1", piece_bytes=0)
+    with pytest.raises(ValueError):
+        ParameterClient("127.0.0.1:1", piece_bytes=2**40)
+    with pytest.raises(ValueError):
+        ParameterClient("127.0.0.1:1", max_inline_bytes=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_parameter_larger_than_2_gib(node: Node) -> None:
+    """More than a Thrift binary (and a frame) can hold: in pieces both ways, whole at the end."""
+    n = (2**31 + 64 * 1024**2) // 8  # 2 GiB + 64 MiB
+    big = np.arange(n, dtype=np.uint64)
+    async with ParameterClient(node.address, timeout=240) as client:
+        assert await client.update_arrays({"huge": big}) == {"huge": 1}
+        entry = node.store.table.entry("huge")
+        assert entry is not None and entry.nbytes == big.nbytes
+        del entry
+        got = (await client.get_arrays(["huge"]))["huge"]
+        assert got.shape == (n,) and got.dtype == np.uint64
+        assert np.array_equal(got, big)
+        del got
+        # A client that cannot take pieces is told why, not sent a broken message.
+        request = thrift.ParameterRequest(param_names=["huge"])
+        with pytest.raises(RequestError) as info:
+            await client.call("pull_parameters", request=request)
+        assert info.value.code == ErrorCode.LIMIT_EXCEEDED
+        assert "in pieces" in str(info.value)
