@@ -160,8 +160,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._seqids = itertools.count()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._write_paused = False  # (self._writable cleared: a cheaper test of it)
         self.lost: BaseException | None = None
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The loop, kept: on CPython 3.11 every asyncio.get_running_loop() makes a
+        # getpid() system call. (A connection is made by its loop's protocol factory.)
+        self._loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = self._loop.create_future()
         # Per-call deadlines share one timer, armed at the earliest of them:
         # cheaper than an asyncio.timeout (a timer and a cancellation) per call.
         self._deadlines: dict[int, float] = {}  # seqid -> loop time
@@ -221,14 +225,17 @@ class _Connection(asyncio.BufferedProtocol):
         self._break(
             ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}")
         )
+        self._write_paused = False
         self._writable.set()
         if not self.closed.done():
             self.closed.set_result(None)
 
     def pause_writing(self) -> None:
+        self._write_paused = True
         self._writable.clear()
 
     def resume_writing(self) -> None:
+        self._write_paused = False
         self._writable.set()
 
     # -- calls --------------------------------------------------------------------
@@ -257,12 +264,12 @@ class _Connection(asyncio.BufferedProtocol):
         if self._timer is None or when < self._timer_when:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+            self._timer = self._loop.call_at(when, self._expire)
             self._timer_when = when
 
     def _expire(self) -> None:
         self._timer = None
-        now = asyncio.get_running_loop().time() + TIMER_SLACK
+        now = self._loop.time() + TIMER_SLACK
         deadlines = self._deadlines
         for seqid in [s for s, when in deadlines.items() if when <= now]:
             del deadlines[seqid]
@@ -271,7 +278,7 @@ class _Connection(asyncio.BufferedProtocol):
                 future.set_exception(TimeoutError())
         if deadlines:
             when = min(deadlines.values())
-            self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+            self._timer = self._loop.call_at(when, self._expire)
             self._timer_when = when
 
     async def call(self, m: Method, args: Any, when: float | None = None) -> Any:
@@ -280,34 +287,57 @@ class _Connection(asyncio.BufferedProtocol):
         Raises:
             TimeoutError: not answered by the loop time ``when`` (None: no deadline).
         """
-        if not self._writable.is_set():
+        if self._write_paused:
             async with asyncio.timeout_at(when):
                 await self._writable.wait()
-        if not self.usable:
-            raise ConnectionLostError(f"the connection is closed: {self.lost}")
-        assert self.transport is not None
-        seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
-        mtype = _ONEWAY if m.oneway else _CALL
-        parts, size = encode_message(m.name, mtype, seqid, args)
-        self.traffic["bytes_sent"] += size
         if m.oneway:
+            if not self.usable:
+                raise ConnectionLostError(f"the connection is closed: {self.lost}")
+            assert self.transport is not None
+            seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
+            parts, size = encode_message(m.name, _ONEWAY, seqid, args)
+            self.traffic["bytes_sent"] += size
             self.transport.writelines(parts)
             # A ping behind it: its reply comes once the node has read (and,
             # read-your-writes, applied) the oneway message, so our buffers are
             # free again and a broken connection is not taken for a sent message.
             await self.call(_PING, _PING_ARGS, when)
             return None
-        future = asyncio.get_running_loop().create_future()
-        self.pending[seqid] = future
-        if when is not None:
-            self._watch(seqid, when)
+        seqid, future = self.send(m, args, when)
         try:
-            self.transport.writelines(parts)
             return await future
         finally:
-            self.pending.pop(seqid, None)
-            if when is not None:
-                self._deadlines.pop(seqid, None)
+            self.forget(seqid, when)
+
+    def send(self, m: Method, args: Any, when: float | None) -> tuple[int, asyncio.Future]:
+        """Send a two-way call now; answer its seqid and the future of its result.
+
+        The caller awaits the future, then calls :meth:`forget` (however it ends).
+        Only while the connection is writable (see :meth:`call`).
+
+        Raises:
+            ConnectionLostError: the connection is closed.
+        """
+        transport = self.transport
+        if self.lost is not None or transport is None or transport.is_closing():
+            raise ConnectionLostError(f"the connection is closed: {self.lost}")
+        seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
+        parts, size = encode_message(m.name, _CALL, seqid, args)
+        self.traffic["bytes_sent"] += size
+        future = self._loop.create_future()
+        self.pending[seqid] = future
+        if when is not None:  # (self._watch, inlined)
+            self._deadlines[seqid] = when
+            if self._timer is None or when < self._timer_when:
+                self._watch(seqid, when)
+        transport.writelines(parts)
+        return seqid, future
+
+    def forget(self, seqid: int, when: float | None) -> None:
+        """The call ``seqid`` is over (answered, timed out, cancelled or broken)."""
+        self.pending.pop(seqid, None)
+        if when is not None:
+            self._deadlines.pop(seqid, None)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -566,6 +596,7 @@ class ParameterClient:
         if name == "push_gradients":
             retries = 1  # at the same node, which knows the request id
         tries = 0
+        oneway = m.oneway
         held = name == "barrier" or getattr(args.get("request"), "wait_ms", None) is not None
         when = None if deadline is None else asyncio.get_running_loop().time() + deadline
         try:
@@ -578,7 +609,15 @@ class ParameterClient:
                     if conn is None:  # none open: wait for one, within the deadline
                         async with asyncio.timeout_at(when):
                             conn = await self._acquire()
-                    result = await conn.call(m, message, when)
+                    if oneway or conn._write_paused:
+                        result = await conn.call(m, message, when)
+                        break
+                    # conn.call's common case, without a coroutine of its own
+                    seqid, future = conn.send(m, message, when)
+                    try:
+                        result = await future
+                    finally:
+                        conn.forget(seqid, when)
                     break
                 except ConnectionLostError:
                     if retries == 0 or self._closed:

@@ -145,6 +145,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._counters = server.counters
         self._handler = server.handler
         self._writes = server.handler.writes
+        self._request_timeout = server.config.request_timeout
         self.peer: Any = None
         self._calls: collections.deque[_Call] = collections.deque()
         self._last_write: asyncio.Future | None = None
@@ -282,23 +283,68 @@ class ServerConnection(asyncio.BufferedProtocol):
         except RemoteProtocolError as exc:
             self._protocol_failure(exc, frame, name=name, seqid=seqid)
             return
-        call = _Call(self, m, seqid, frame)
-        if self.server.call_observer is not None:
-            call.started = time.perf_counter()
         calls = self._calls
-        if not m.oneway:
-            calls.append(call)
-        if name in self._writes:
-            outcome = self._call_handler(call, args, True)
-            if isinstance(outcome, asyncio.Future):
-                self._last_write = outcome
-        elif (last_write := self._last_write) is not None and not last_write.done():
-            # Read-your-writes: run the read once the writes before it are applied.
-            last_write.add_done_callback(lambda _: self._call_handler(call, args, False))
+        write = name in self._writes
+        last_write = self._last_write
+        if not calls and not write and not m.oneway and (last_write is None or last_write.done()):
+            # A read with nothing owed before it: answered at once, in the common
+            # case, without queueing (see _answer).
+            self._answer(m, seqid, frame, args)
         else:
-            self._call_handler(call, args, False)
+            call = _Call(self, m, seqid, frame)
+            if self.server.call_observer is not None:
+                call.started = time.perf_counter()
+            if not m.oneway:
+                calls.append(call)
+            if write:
+                outcome = self._call_handler(call, args, True)
+                if isinstance(outcome, asyncio.Future):
+                    self._last_write = outcome
+            elif last_write is not None and not last_write.done():
+                # Read-your-writes: run the read once the writes before it are applied.
+                last_write.add_done_callback(lambda _: self._call_handler(call, args, False))
+            else:
+                self._call_handler(call, args, False)
         if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
             self._update_reading()
+
+    def _answer(self, m: Method, seqid: int, frame: Frame, args: Any) -> None:
+        """Call the handler for a read that is owed first; reply at once if it answers at once.
+
+        What _call_handler, _settle and _flush do for such a call, without a
+        _Call in the queue; an answer that is a future is queued as usual.
+        """
+        started = time.perf_counter() if self.server.call_observer is not None else 0.0
+        error: Exception | None = None
+        try:
+            outcome = self._handler.handle(m, args)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+            error = exc
+        else:
+            if isinstance(outcome, asyncio.Future):
+                call = _Call(self, m, seqid, frame)
+                call.started = started
+                self._calls.append(call)
+                self._await(call, outcome, False)
+                return
+        if started and (observe := self.server.call_observer) is not None:
+            observe(m.name, time.perf_counter() - started, error)
+        if error is None:
+            mtype, body = _REPLY, outcome
+        else:
+            self._counters["errors"] += 1
+            mtype, body = self._error_reply(m, error)
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            parts = self._encode(m.name, mtype, seqid, body, frame)
+            if self._out is not None:  # corked: written at the end of this callback
+                self._out += parts
+            else:
+                transport.writelines(parts)
+        if self._read_paused:  # (as after a flush)
+            self._update_reading()
+        if self._closing:
+            self._maybe_finish()
 
     def _call_handler(self, call: _Call, args: Any, write: bool) -> Any:
         try:
@@ -307,18 +353,22 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._settle(call, None, exc)
             return None
         if isinstance(outcome, asyncio.Future):
-            outcome.add_done_callback(call)  # call(outcome) settles it
-            if not write and not outcome.done():
-                # A read held for a long poll or a barrier: it has its own deadline.
-                self._held.add(outcome)
-                outcome.add_done_callback(self._held.discard)
-                return outcome
-            deadline = self.server.config.request_timeout
-            if deadline is not None and not call.method.oneway:
-                self._loop.call_later(deadline, self._expire, call, deadline)
+            self._await(call, outcome, write)
         else:
             self._settle(call, outcome, None)
         return outcome
+
+    def _await(self, call: _Call, outcome: asyncio.Future, write: bool) -> None:
+        """Settle ``call`` once its handler's future ``outcome`` is done."""
+        outcome.add_done_callback(call)  # call(outcome) settles it
+        if not write and not outcome.done():
+            # A read held for a long poll or a barrier: it has its own deadline.
+            self._held.add(outcome)
+            outcome.add_done_callback(self._held.discard)
+            return
+        deadline = self._request_timeout
+        if deadline is not None and not call.method.oneway:
+            self._loop.call_later(deadline, self._expire, call, deadline)
 
     def _expire(self, call: _Call, deadline: float) -> None:
         if call.reply is None:

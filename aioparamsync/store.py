@@ -55,7 +55,7 @@ class Limits:
     max_names_per_request: int = 100_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Entry:
     """One stored parameter; never changed once made.
 
@@ -77,6 +77,26 @@ class Entry:
     origin: str
     rule: Any = None
 
+    def __init__(
+        self,
+        name: str,
+        data: memoryview,
+        version: int,
+        dtype: str | None,
+        shape: tuple[int, ...] | None,
+        origin: str,
+        rule: Any = None,
+    ) -> None:
+        # A frozen dataclass's own __init__ sets each field by object.__setattr__;
+        # setting the slots directly takes half the time (one Entry per update).
+        _set_entry_name(self, name)
+        _set_entry_data(self, data)
+        _set_entry_version(self, version)
+        _set_entry_dtype(self, dtype)
+        _set_entry_shape(self, shape)
+        _set_entry_origin(self, origin)
+        _set_entry_rule(self, rule)
+
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
@@ -94,12 +114,29 @@ class Entry:
         )
 
 
-@dataclass(frozen=True, slots=True)
+_set_entry_name = vars(Entry)["name"].__set__
+_set_entry_data = vars(Entry)["data"].__set__
+_set_entry_version = vars(Entry)["version"].__set__
+_set_entry_dtype = vars(Entry)["dtype"].__set__
+_set_entry_shape = vars(Entry)["shape"].__set__
+_set_entry_origin = vars(Entry)["origin"].__set__
+_set_entry_rule = vars(Entry)["rule"].__set__
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Applied:
     """What one update did: the entries it stored and the node's timestamp after it."""
 
     entries: tuple[Entry, ...]
     timestamp: int
+
+    def __init__(self, entries: tuple[Entry, ...], timestamp: int) -> None:
+        _set_applied_entries(self, entries)  # (as Entry.__init__)
+        _set_applied_timestamp(self, timestamp)
+
+
+_set_applied_entries = vars(Applied)["entries"].__set__
+_set_applied_timestamp = vars(Applied)["timestamp"].__set__
 
 
 # How a queued update is applied.
@@ -209,7 +246,9 @@ class ParameterTable:
                 raise RequestError(
                     ErrorCode.BAD_REQUEST, f"{name!r}: encoded data must be decoded first"
                 )
-            check_layout(name, memoryview(p.data).nbytes, p.dtype, p.shape)
+            data = p.data
+            nbytes = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
+            check_layout(name, nbytes, p.dtype, p.shape)
             if p.rule is not None:
                 _check_rule_fits(name, p.rule, p.dtype)
             if replicated:

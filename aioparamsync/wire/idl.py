@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,6 @@ def _methods(service: Any) -> dict[str, Method]:
 
 _METHODS = _methods(thrift.ParameterSyncService)
 
-
-def method(name: str) -> Method | None:
-    """The service's method called ``name``, or None."""
-    return _METHODS.get(name)
+#: method(name): the service's method called ``name``, or None. (The dict's own
+#: ``get``: looked up once or twice per call, on both sides.)
+method: Callable[[str], Method | None] = _METHODS.get
