@@ -33,6 +33,7 @@ and nothing else; a value that cannot be encoded raises
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -1572,24 +1573,43 @@ def _binary_writer(cls: Any) -> Callable[[BinaryWriter, Any], None]:
         "PACK": struct.pack,
         "SMALL": ZERO_COPY_MIN_BYTES,
     }
-    # A string or binary ``{value}`` (in place if it is small text or bytes).
+    # A string or binary ``{value}`` (in place if it is small text or bytes, or
+    # a small flat view of bytes: what _write_bytes would do with them).
     write_bytes = [
         "{0}if type({1}) is str:",
         "{0}    {1} = {1}.encode('utf-8')",
         "{0}if type({1}) is bytes and len({1}) < SMALL:",
         "{0}    out += PACK_I32(len({1}))",
         "{0}    out += {1}",
+        "{0}elif (",
+        "{0}    type({1}) is memoryview and {1}.nbytes < SMALL and {1}.format == 'B'",
+        "{0}    and {1}.ndim == 1 and {1}.c_contiguous",
+        "{0}):",
+        "{0}    out += PACK_I32({1}.nbytes)",
+        "{0}    out += {1}",
         "{0}else:",
         "{0}    self._write_bytes({1})",
         "{0}    out = self.out",
     ]
-    code = ["def write(self, obj):", "    out = self.out"]
+    # Every field's value at once (as getattr(obj, name, None) each, if one is missing).
+    names = [name for name, *_ in plan.in_order]
+    env["GET"] = operator.attrgetter(*names) if names else None
+    code = ["def write(self, obj):"]
+    if names:
+        targets = ", ".join(f"v{i}" for i in range(len(names))) + ("," if len(names) == 1 else "")
+        code += [
+            "    try:",
+            f"        {targets} = {'(GET(obj),)' if len(names) == 1 else 'GET(obj)'}",
+            "    except AttributeError:",
+            *(f"        v{i} = getattr(obj, N{i}, None)" for i in range(len(names))),
+        ]
+    code += ["    out = self.out"]
     for i, (name, _, ttype, sub, required, header) in enumerate(plan.in_order):
         ttype = int(ttype)
         env[f"N{i}"], env[f"H{i}"], env[f"S{i}"] = name, header, sub
         env[f"MISSING{i}"] = f"required field {cls.__name__}.{name} is missing"
         env[f"NO_HEADER{i}"] = f"field {cls.__name__}.{name}: no binary field header"
-        code += [f"    v = getattr(obj, N{i}, None)"]
+        code += [f"    v = v{i}"]
         if required:
             code += ["    if v is None:", f"        raise LocalProtocolError(MISSING{i})"]
         code += ["    if v is not None:"]
