@@ -359,9 +359,20 @@ class ServerConnection(asyncio.BufferedProtocol):
         return outcome
 
     def _await(self, call: _Call, outcome: asyncio.Future, write: bool) -> None:
-        """Settle ``call`` once its handler's future ``outcome`` is done."""
+        """Settle ``call`` once its handler's future ``outcome`` is done.
+
+        A write's future may be the store's ``Answer``, which its writer tells
+        the moment it answers it (``eager``): the reply then goes out in the
+        writer's step, a pass of the loop before the done callback (which then
+        finds the call settled).
+        """
         outcome.add_done_callback(call)  # call(outcome) settles it
-        if not write and not outcome.done():
+        if write:
+            try:  # noqa: SIM105 - (contextlib.suppress costs more, once per write)
+                outcome.eager = call  # type: ignore[attr-defined]
+            except AttributeError:
+                pass  # another future: its done callback settles it
+        elif not outcome.done():
             # A read held for a long poll or a barrier: it has its own deadline.
             self._held.add(outcome)
             outcome.add_done_callback(self._held.discard)
@@ -381,17 +392,18 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
         if call.reply is not None:
-            return  # answered already (its deadline passed)
+            return  # settled already (its deadline passed, or its future told at once)
         if call.started and (observe := self.server.call_observer) is not None:
             observe(call.method.name, time.perf_counter() - call.started, exc)
         m = call.method
         if exc is None:
-            if m.oneway:
-                return
             call.reply = (_REPLY, result)
+            if m.oneway:
+                return  # (settled: a oneway call has no reply to send)
         else:
             self._counters["errors"] += 1
             if m.oneway:
+                call.reply = (_REPLY, None)  # (settled)
                 log.warning("%s: oneway %s failed: %s", self.peer, m.name, exc)
                 return
             call.reply = self._error_reply(m, exc)

@@ -32,7 +32,7 @@ from .arrays import check_layout, from_parameter
 from .errors import ErrorCode, RequestError
 from .wire import thrift
 
-__all__ = ["Applied", "Entry", "Limits", "ParameterStore", "ParameterTable"]
+__all__ = ["Answer", "Applied", "Entry", "Limits", "ParameterStore", "ParameterTable"]
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,42 @@ _set_applied_timestamp = vars(Applied)["timestamp"].__set__
 # How a queued update is applied.
 _APPLY, _MERGE, _FOLD = 0, 1, 2
 
+
+class Answer(asyncio.Future[Any]):
+    """The future :meth:`ParameterStore.submit` answers with.
+
+    Attributes:
+        eager: None, or a quick callable that the writer calls with the future
+            the moment it answers it: one pass of the event loop before the
+            loop runs the future's done callbacks. (The server sets it to
+            write the reply in the writer's own step.) An exception it raises
+            is logged.
+    """
+
+    __slots__ = ("eager",)
+    eager: Callable[[Answer], Any] | None
+
+
+def _tell(future: Answer) -> None:
+    """Call the eager observer of a future just answered (see :class:`Answer`)."""
+    eager, future.eager = future.eager, None
+    if eager is None:
+        return
+    try:
+        eager(future)
+    except Exception:  # the observer's bug must not stop the writer
+        log.exception("the observer of an update's answer failed")
+
+
+def _fail(future: Answer, exc: BaseException) -> None:
+    future.set_exception(exc)
+    if future.eager is not None:
+        _tell(future)
+
+
 # An applied update awaiting its answer: (the caller's future, what was
 # applied, the caller's ``then`` or None).
-_Done = tuple[asyncio.Future, Applied, Callable[[Applied], Any] | None]
+_Done = tuple[Answer, Applied, Callable[[Applied], Any] | None]
 
 
 def _readonly(data: Any) -> memoryview:
@@ -471,7 +504,7 @@ class ParameterStore:
         self._failure: Exception | None = None  # the log could not be written
         self._snapshots: set[asyncio.Future[Any]] = set()
         self._queue: collections.deque[
-            tuple[Sequence[Any], int, int, asyncio.Future, Callable[[Applied], Any] | None]
+            tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None]
         ] = collections.deque()
         # The writer's loop, kept (on CPython 3.11 every asyncio.get_running_loop()
         # makes a getpid() system call), and the future the idle writer awaits:
@@ -566,7 +599,8 @@ class ParameterStore:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future = Answer(loop=loop)
+        future.eager = None
         mode = _MERGE if replicated else _FOLD if gradients else _APPLY
         self._queue.append((params, timestamp, mode, future, then))
         wakeup = self._wakeup  # (self._wake(), inlined)
@@ -646,7 +680,7 @@ class ParameterStore:
         while self._queue:
             future = self._queue.popleft()[3]
             if not future.done():
-                future.set_exception(error)
+                _fail(future, error)
 
     async def _log(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:
         data_dir = self.data_dir
@@ -665,7 +699,7 @@ class ParameterStore:
             error = RequestError(ErrorCode.UNAVAILABLE, f"the update could not be logged: {exc}")
             for future, _, _ in done:
                 if not future.done():
-                    future.set_exception(error)
+                    _fail(future, error)
             done.clear()
             return
         if data_dir.snapshot_due():
@@ -703,12 +737,12 @@ class ParameterStore:
                     applied = table.fold(params, timestamp)
             except RequestError as exc:
                 self.updates_refused += 1
-                future.set_exception(exc)
+                _fail(future, exc)
                 continue
             except Exception as exc:  # a bug must fail one update, never stop the writer
                 log.exception("applying an update failed")
                 self.updates_refused += 1
-                future.set_exception(exc)
+                _fail(future, exc)
                 continue
             done.append((future, applied, then))
             fed[mode == _MERGE].extend(applied.entries)
@@ -723,14 +757,16 @@ class ParameterStore:
                 continue
             if then is None:
                 future.set_result(applied)
-                continue
-            try:
-                result = then(applied)
-            except Exception as exc:  # the caller's bug fails its own update only
-                log.exception("answering an applied update failed")
-                future.set_exception(exc)
             else:
-                future.set_result(result)
+                try:
+                    result = then(applied)
+                except Exception as exc:  # the caller's bug fails its own update only
+                    log.exception("answering an applied update failed")
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            if future.eager is not None:
+                _tell(future)
         for kind, entries in zip((False, True), fed, strict=True):
             if not entries:
                 continue

@@ -16,8 +16,8 @@ from thriftpy2.protocol import TBinaryProtocolFactory
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TMemoryBuffer
 
-from aioparamsync import Node, to_parameter
-from aioparamsync.errors import LocalProtocolError, RemoteProtocolError
+from aioparamsync import Node, ParameterClient, to_parameter
+from aioparamsync.errors import LocalProtocolError, RemoteProtocolError, RequestError
 from aioparamsync.store import ParameterStore
 from aioparamsync.wire import (
     MessageType,
@@ -347,3 +347,67 @@ def test_a_struct_of_a_subclass_is_written_as_its_own_class() -> None:
     plain = thrift.ParameterUpdate(params=[thrift.Parameter(name="s", data=b"x")], timestamp=1)
     assert ours(update) == thriftpy2_bytes(plain)
     assert thriftpy2  # (the reference implementation)
+
+
+# ---------------------------------------------------------------------------
+# A write's reply in the writer's step (the store's Answer tells its observer at once)
+
+
+async def test_the_writer_tells_an_answers_observer_before_its_done_callbacks() -> None:
+    store = ParameterStore()
+    writer = asyncio.create_task(store.run())
+    order: list[str] = []
+    good = store.submit([thrift.Parameter(name="a", data=b"abcd")], 1)
+    bad = store.submit([thrift.Parameter(name="", data=b"abcd")], 2)
+    for name, future in (("good", good), ("bad", bad)):
+        assert future.eager is None
+        future.add_done_callback(lambda f, name=name: order.append(f"{name} callback"))
+        future.eager = lambda f, name=name: order.append(f"{name} told, done={f.done()}")
+    await asyncio.gather(good, bad, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert order.index("good told, done=True") < order.index("good callback")
+    assert order.index("bad told, done=True") < order.index("bad callback")
+    assert good.eager is None and bad.eager is None  # told once
+    store.close()
+    await writer
+
+
+async def test_a_failing_observer_fails_nothing_else(caplog) -> None:
+    store = ParameterStore()
+    writer = asyncio.create_task(store.run())
+    future = store.submit([thrift.Parameter(name="a", data=b"abcd")], 1)
+    future.eager = lambda f: 1 // 0
+    assert (await future).entries[0].version == 1
+    assert (await store.submit([thrift.Parameter(name="a", data=b"abcd")], 2)).entries
+    assert "observer" in caplog.text
+    store.close()
+    await writer
+
+
+async def test_each_call_is_observed_once(node: Node) -> None:
+    seen: list[tuple[str, bool]] = []
+    node.server.call_observer = lambda name, seconds, exc: seen.append((name, exc is None))
+    async with ParameterClient(node.address) as client:
+        await client.update_arrays({"w": np.ones(4, np.float32)})
+        await client.broadcast_update({"w": np.zeros(4, np.float32)})  # oneway, then a ping
+        await client.get_arrays(["w"])
+        with pytest.raises(RequestError):
+            await client.update_parameters([thrift.Parameter(name="", data=b"x")])
+    assert seen == [
+        ("push_parameters", True),
+        ("broadcast_update", True),
+        ("ping", True),
+        ("pull_parameters", True),
+        ("push_parameters", False),
+    ]
+
+
+async def test_a_retried_push_shares_its_answer_and_both_callers_get_it(node: Node) -> None:
+    async with ParameterClient(node.address) as setup:
+        await setup.update_arrays({"g": np.zeros(2, np.float32)}, rules=thrift.Rule(kind="sgd"))
+    async with ParameterClient(node.address) as a, ParameterClient(node.address) as b:
+        grads = {"g": np.ones(2, np.float32)}
+        first, second = await asyncio.gather(
+            a.push_gradients(grads, request_id="r-1"), b.push_gradients(grads, request_id="r-1")
+        )
+    assert first == second == {"g": 2}
