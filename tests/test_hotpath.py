@@ -270,6 +270,41 @@ def test_a_map_of_versions_reads_as_the_general_walk_reads_it(
     assert outcome(codec.BinaryReader, data, thrift.UpdateResult, stream) == expected
 
 
+@st.composite
+def requests(draw: st.DrawFn) -> bytes:
+    """A ParameterRequest's body: param_names (a list, its header maybe lying) and more."""
+    names = draw(st.lists(keys, max_size=4))
+    count = draw(st.one_of(st.just(len(names)), st.integers(-2, 6)))
+    wire = draw(st.sampled_from([11, 11, 8]))
+    listed = struct.pack("!bhbi", 15, 1, wire, count)
+    listed += b"".join(struct.pack("!i", len(n)) + n for n in names)
+    min_version = struct.pack("!bhi", 8, 2, draw(st.integers(-(2**31), 2**31 - 1)))
+    chunks = draw(st.permutations([listed, min_version]))
+    return b"".join(chunks) + b"\x00"
+
+
+@PROPERTY
+@given(
+    body=requests(),
+    cut=st.one_of(st.none(), st.integers(0, 1000)),
+    flips=st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 255)), max_size=2),
+    stream=st.booleans(),
+)
+@example(body=struct.pack("!bhbi", 15, 1, 11, 0) + b"\x00", cut=None, flips=[], stream=False)
+@example(  # a name that is not UTF-8
+    body=struct.pack("!bhbi", 15, 1, 11, 1) + struct.pack("!i", 1) + b"\xff\x00",
+    cut=None,
+    flips=[],
+    stream=False,
+)
+def test_a_list_of_names_reads_as_the_general_walk_reads_it(
+    body: bytes, cut: int | None, flips: list, stream: bool
+) -> None:
+    data = mutate(message(body), cut, flips)
+    expected = outcome(GeneralReader, data, thrift.ParameterRequest, stream)
+    assert outcome(codec.BinaryReader, data, thrift.ParameterRequest, stream) == expected
+
+
 def thriftpy2_bytes(obj: Any) -> bytes:
     buf = TMemoryBuffer()
     TBinaryProtocolFactory().get_protocol(buf).write_struct(obj)

@@ -901,6 +901,38 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
                     "                self.depth = depth",
                     "                pos = self.pos",
                 ]
+        elif ttype == _T_LIST and sub[0] == _T_STRING:
+            # e.g. names: the list's header too, then as BinaryReader._read_list
+            # reads it (the same checks, in the same order); it breaks off where
+            # that would raise.
+            code += [
+                "        if pos + 8 <= end:",
+                "            w, f, e, count = U_BHBI(buf, pos)",
+                f"            if f == {fid} and w == {wire} and count >= 0 and depth < MAX_DEPTH "
+                f"and (not count or e == {int(sub[2])}):",
+                "                self.pos = pos + 8",
+                "                self._check_count_of(count, 4)",
+                "                p = pos + 8",
+                "                found = []",
+                "                for _ in range(count):",
+                "                    if p + 4 > end:",
+                "                        break",
+                "                    n = U_I(buf, p)[0]",
+                "                    p += 4",
+                "                    if n < 0 or p + n > end:",
+                "                        break",
+                "                    try:",
+                "                        found.append(str(buf[p : p + n], 'utf-8'))",
+                "                    except UnicodeDecodeError:",
+                "                        break",
+                "                    p += n",
+                "                else:",
+                f"                    values[N{i}] = found",
+                "                    pos = p",
+                "                if pos != p:  # (the general walk counts them again)",
+                "                    self.elements -= count",
+                "                    break",
+            ]
         elif (
             ttype == _T_MAP
             and sub[0] == _T_STRING
