@@ -275,9 +275,11 @@ class ParameterTable:
             name = p.name
             if p.data is None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
-            if p.encoding:
+            if p.encoding or p.total_bytes is not None:
                 raise RequestError(
-                    ErrorCode.BAD_REQUEST, f"{name!r}: encoded data must be decoded first"
+                    ErrorCode.BAD_REQUEST,
+                    f"{name!r}: encoded data, or a piece, reached the store (a node decodes "
+                    "and puts together first)",
                 )
             data = p.data
             nbytes = data.nbytes if type(data) is memoryview else memoryview(data).nbytes

@@ -338,3 +338,12 @@ async def test_a_parameter_larger_than_2_gib(node: Node) -> None:
             await client.call("pull_parameters", request=request)
         assert info.value.code == ErrorCode.LIMIT_EXCEEDED
         assert "in pieces" in str(info.value)
+
+
+def test_the_table_refuses_a_piece_that_was_not_put_together() -> None:
+    from aioparamsync.store import ParameterTable
+
+    table = ParameterTable("n")
+    with pytest.raises(RequestError, match="piece"):
+        table.apply([split(whole(), "u", 16_000)[0]], 1)
+    assert len(table) == 0
