@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from codec_helpers import GeneralReader
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -47,23 +48,6 @@ PROPERTY = settings(
 )
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
-
-
-class GeneralReader(codec.BinaryReader):
-    """The binary protocol with the general walk only: the reference."""
-
-    __slots__ = ()
-
-    def read_struct(self, cls: Any) -> Any:
-        plan = codec._plan(cls)
-        self._enter()
-        values: dict[str, Any] = {}
-        self._read_fields(plan.by_id, values)
-        self.depth -= 1
-        for name in plan.required:
-            if name not in values:
-                raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
-        return cls(**values)
 
 
 def plain(value: Any) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import thriftpy2
+from codec_helpers import GeneralReader
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from thriftpy2.protocol import TBinaryProtocolFactory
@@ -183,23 +184,6 @@ async def test_a_cancelled_writer_leaves_submit_working() -> None:
 
 # ---------------------------------------------------------------------------
 # The codec: maps of strings to integers, lists of strings, read and written in place
-
-
-class GeneralReader(codec.BinaryReader):
-    """The binary protocol with the general walk only: the reference."""
-
-    __slots__ = ()
-
-    def read_struct(self, cls: Any) -> Any:
-        plan = codec._plan(cls)
-        self._enter()
-        values: dict[str, Any] = {}
-        self._read_fields(plan.by_id, values)
-        self.depth -= 1
-        for name in plan.required:
-            if name not in values:
-                raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
-        return cls(**values)
 
 
 def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
