@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 from aioparamsync.errors import RemoteProtocolError
 from aioparamsync.wire import codec
+
+# How hard the codec's property tests try.
+PROPERTY = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class GeneralReader(codec.BinaryReader):

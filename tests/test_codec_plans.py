@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from codec_helpers import GeneralReader
-from hypothesis import HealthCheck, example, given, settings
+from codec_helpers import PROPERTY, GeneralReader
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from aioparamsync import ParameterClient
@@ -41,11 +41,6 @@ from aioparamsync.wire import (
     thrift,
 )
 
-PROPERTY = settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import thriftpy2
-from codec_helpers import GeneralReader
-from hypothesis import HealthCheck, example, given, settings
+from codec_helpers import PROPERTY, GeneralReader
+from hypothesis import example, given
 from hypothesis import strategies as st
 from thriftpy2.protocol import TBinaryProtocolFactory
 from thriftpy2.thrift import TApplicationException
@@ -29,12 +29,6 @@ from aioparamsync.wire import (
     encode_message,
     method,
     thrift,
-)
-
-PROPERTY = settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
 
