@@ -1,4 +1,4 @@
-"""Helpers of ``test_cluster.py``: in-process clusters, node processes, bounded polls.
+"""Test helpers: in-process clusters, node processes (and the ``spawn`` fixture's), bounded polls.
 
 Everything listens on 127.0.0.1 and a port the kernel picks (port 0), and every
 wait is bounded by a deadline. Node processes are killed by PID at cleanup,
@@ -15,7 +15,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aioparamsync import NetworkError, Node, ParameterClient
@@ -171,6 +171,26 @@ class LocalCluster:
 # -- node processes --------------------------------------------------------------------------
 
 
+class NodeExited(AssertionError):
+    """The node exited (or never printed its listening line) when it should be serving."""
+
+
+# The ``spawn`` fixture (conftest.py): ``await spawn(*flags, listening=True)``.
+Spawn = Callable[..., Awaitable["NodeProcess"]]
+
+
+async def launch(*flags: str) -> NodeProcess:
+    """Start ``python -m aioparamsync *flags`` (not yet waited for: see ``wait_listening``)."""
+    proc = await asyncio.create_subprocess_exec(
+        *NODE_COMMAND,
+        *flags,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    return NodeProcess(proc)
+
+
 class NodeProcess:
     """One ``python -m aioparamsync`` child process, its output pumped into lists."""
 
@@ -205,6 +225,10 @@ class NodeProcess:
         return f"{self.host}:{self.port}"
 
     @property
+    def stdout(self) -> str:
+        return "".join(self.stdout_lines)
+
+    @property
     def stderr(self) -> str:
         return "".join(self.stderr_lines)
 
@@ -214,23 +238,51 @@ class NodeProcess:
             self._changed.set()
         self._changed.set()
 
-    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait for the listening line; learn the node's id, host and port from it."""
+    async def _until(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         try:
             async with asyncio.timeout(timeout):
-                while not self.stdout_lines and not all(p.done() for p in self._pumps):
+                while not predicate():
                     self._changed.clear()
                     await self._changed.wait()
         except TimeoutError:
             raise AssertionError(
-                f"node {self.pid}: no listening line within {timeout} s; stderr:\n{self.stderr}"
+                f"node {self.pid}: no {what} within {timeout} s; stderr:\n{self.stderr}"
             ) from None
-        assert self.stdout_lines, f"node {self.pid} exited before listening:\n{self.stderr}"
+
+    async def wait_line_or_exit(self, timeout: float = START_TIMEOUT) -> bool:
+        """Wait for a first line on stdout or the end of output; answer whether a line came."""
+        await self._until(
+            lambda: bool(self.stdout_lines) or all(p.done() for p in self._pumps),
+            timeout,
+            "listening line or exit",
+        )
+        return bool(self.stdout_lines)
+
+    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait for the listening line; learn the node's id, host and port from it."""
+        if not await self.wait_line_or_exit(timeout):
+            rc = await self.wait_exit()
+            raise NodeExited(f"node exited with {rc} before listening; stderr:\n{self.stderr}")
         match = LISTENING.match(self.stdout_lines[0].rstrip("\n"))
         assert match, f"unparseable first line: {self.stdout_lines[0]!r}"
         self.node_id = match["node_id"]
         self.host = match["host"]
         self.port = int(match["port"])
+
+    async def wait_stderr(self, text: str, timeout: float = EXIT_TIMEOUT) -> None:
+        await self._until(
+            lambda: text in self.stderr or all(p.done() for p in self._pumps),
+            timeout,
+            f"{text!r} on stderr",
+        )
+        assert text in self.stderr, f"the node exited without writing {text!r}:\n{self.stderr}"
+
+    async def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """Wait for the process to exit and its output to end; answer its exit code."""
+        async with asyncio.timeout(timeout):
+            rc = await self.proc.wait()
+            await asyncio.gather(*self._pumps)
+        return rc
 
     def signal(self, sig: int) -> None:
         if sig == signal.SIGSTOP:
@@ -252,6 +304,14 @@ class NodeProcess:
             await asyncio.gather(*self._pumps, return_exceptions=True)
         return rc
 
+    async def close(self) -> None:
+        """Kill the process if it still runs (by its PID), and reap it, quietly."""
+        with contextlib.suppress(TimeoutError):
+            await self.kill()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
     def client(self, **kwargs: Any) -> ParameterClient:
         kwargs.setdefault("timeout", CALL_TIMEOUT)
         kwargs.setdefault("connect_timeout", 5.0)
@@ -272,15 +332,7 @@ class ProcessCluster:
         peers = list(peers)
         if peers:
             flags += ["--peers", ",".join(p.address_text for p in peers)]
-        proc = await asyncio.create_subprocess_exec(
-            *NODE_COMMAND,
-            *flags,
-            *extra,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        node = NodeProcess(proc)
+        node = await launch(*flags, *extra)
         self.started.append(node)
         await node.wait_listening()
         return node

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import warnings
+from collections.abc import AsyncIterator
 
 import pytest
 import uvloop
+from cluster_helpers import NodeProcess, Spawn, launch
 
 from aioparamsync import Node, ParameterClient
 
@@ -40,3 +42,26 @@ async def node():
 async def client(node: Node):
     async with ParameterClient(node.address, timeout=30) as c:
         yield c
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Spawn]:
+    """``await spawn(*flags)``: a node process on 127.0.0.1 and a free port, listening.
+
+    ``listening=False`` returns at once (for a node expected to exit). Every
+    process started here is killed (by PID) at teardown if it still runs.
+    """
+    started: list[NodeProcess] = []
+
+    async def spawn_(*flags: str, listening: bool = True) -> NodeProcess:
+        node = await launch("--port", "0", *flags)
+        started.append(node)
+        if listening:
+            await node.wait_listening()
+        return node
+
+    try:
+        yield spawn_
+    finally:
+        for node in started:
+            await node.close()

@@ -8,7 +8,6 @@ PID) whatever node a test leaves running, and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import socket
@@ -16,11 +15,16 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster_helpers import (
+    LISTENING,
+    NODE_COMMAND,
+    START_TIMEOUT,
+    NodeProcess,
+)
 
 from aioparamsync import (
     ConnectError,
@@ -35,163 +39,17 @@ from aioparamsync.wire import MessageType, Protocol, decode_header, encode_messa
 
 pytestmark = pytest.mark.timeout(90)
 
-NODE = [sys.executable, "-m", "aioparamsync"]
-LISTENING = re.compile(
-    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)$"
-)
-# The first start imports numpy and thriftpy2: generous, but bounded.
-START_TIMEOUT = 30.0
-# How long a node may take to exit once told to (its drain grace is 5 s).
-EXIT_TIMEOUT = 10.0
+NODE = NODE_COMMAND
 # "Promptly": well under the node's 5 s grace for calls in flight.
 PROMPT_SECONDS = 4.0
 CALL_TIMEOUT = 15.0
 MIB = 1024 * 1024
 
 
-class NodeExited(AssertionError):
-    """The node exited (or never printed its listening line) when it should be serving."""
-
-
-class NodeProcess:
-    """One ``aioparamsync-node`` child process, its output pumped into lists."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.stdout_lines: list[str] = []
-        self.stderr_lines: list[str] = []
-        self._changed = asyncio.Event()
-        assert proc.stdout is not None and proc.stderr is not None
-        self._pumps = [
-            asyncio.ensure_future(self._pump(proc.stdout, self.stdout_lines)),
-            asyncio.ensure_future(self._pump(proc.stderr, self.stderr_lines)),
-        ]
-        self.node_id = ""
-        self.host = ""
-        self.port = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    @property
-    def stdout(self) -> str:
-        return "".join(self.stdout_lines)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.stderr_lines)
-
-    async def _pump(self, stream: asyncio.StreamReader, lines: list[str]) -> None:
-        while line := await stream.readline():
-            lines.append(line.decode(errors="replace"))
-            self._changed.set()
-        self._changed.set()
-
-    async def _until(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise AssertionError(
-                f"node {self.pid}: no {what} within {timeout} s; stderr:\n{self.stderr}"
-            ) from None
-
-    async def wait_line_or_exit(self, timeout: float = START_TIMEOUT) -> bool:
-        """Wait for a first line on stdout or the end of output; answer whether a line came."""
-        await self._until(
-            lambda: bool(self.stdout_lines) or all(p.done() for p in self._pumps),
-            timeout,
-            "listening line or exit",
-        )
-        return bool(self.stdout_lines)
-
-    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait for the listening line; learn the node's id, host and port from it."""
-        if not await self.wait_line_or_exit(timeout):
-            rc = await self.wait_exit()
-            raise NodeExited(f"node exited with {rc} before listening; stderr:\n{self.stderr}")
-        match = LISTENING.match(self.stdout_lines[0].rstrip("\n"))
-        assert match, f"unparseable first line: {self.stdout_lines[0]!r}"
-        self.node_id = match["node_id"]
-        self.host = match["host"]
-        self.port = int(match["port"])
-
-    async def wait_stderr(self, text: str, timeout: float = EXIT_TIMEOUT) -> None:
-        await self._until(
-            lambda: text in self.stderr or all(p.done() for p in self._pumps),
-            timeout,
-            f"{text!r} on stderr",
-        )
-        assert text in self.stderr, f"the node exited without writing {text!r}:\n{self.stderr}"
-
-    async def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
-        """Wait for the process to exit and its output to end; answer its exit code."""
-        async with asyncio.timeout(timeout):
-            rc = await self.proc.wait()
-            await asyncio.gather(*self._pumps)
-        return rc
-
-    def send_signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    async def close(self) -> None:
-        """Kill the process if it still runs (by its PID), and reap it."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        with contextlib.suppress(TimeoutError):
-            await self.wait_exit()
-        for pump in self._pumps:
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-
-Spawn = Callable[..., Awaitable[NodeProcess]]
-
-
-@pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
-    """``await spawn(*flags)``: a node on 127.0.0.1 and a free port, listening.
-
-    ``listening=False`` returns at once (for a node expected to exit). Every
-    node started here is killed at teardown if it still runs.
-    """
-    started: list[NodeProcess] = []
-
-    async def spawn_(*flags: str, listening: bool = True) -> NodeProcess:
-        proc = await asyncio.create_subprocess_exec(
-            *NODE,
-            "--port",
-            "0",
-            *flags,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        node = NodeProcess(proc)
-        started.append(node)
-        if listening:
-            await node.wait_listening()
-        return node
-
-    try:
-        yield spawn_
-    finally:
-        for node in started:
-            await node.close()
-
-
 async def stop(node: NodeProcess, sig: int = signal.SIGTERM) -> tuple[int, float]:
     """Signal the node; answer its exit code and how long it took to exit."""
     t0 = time.monotonic()
-    node.send_signal(sig)
+    node.signal(sig)
     rc = await node.wait_exit()
     return rc, time.monotonic() - t0
 
@@ -386,7 +244,7 @@ async def test_sigterm_lets_a_reply_in_flight_finish(spawn) -> None:
         (size,) = struct.unpack("!i", await asyncio.wait_for(reader.readexactly(4), CALL_TIMEOUT))
         assert size > big.nbytes
         t0 = time.monotonic()
-        node.send_signal(signal.SIGTERM)
+        node.signal(signal.SIGTERM)
         await node.wait_stderr("shutting down")  # the node is stopping, the reply unsent
         payload = await asyncio.wait_for(reader.readexactly(size), CALL_TIMEOUT)
         got = _decode_pull_reply(payload, 7)
@@ -418,7 +276,7 @@ async def test_sigterm_keeps_a_reply_in_flight_when_a_call_is_pipelined_behind_i
         writer.writelines(encode_message("ping", MessageType.CALL, 8, ping.args())[0])
         await writer.drain()
         await asyncio.sleep(0.1)
-        node.send_signal(signal.SIGTERM)
+        node.signal(signal.SIGTERM)
         await node.wait_stderr("shutting down")
         payload = await asyncio.wait_for(reader.readexactly(size), CALL_TIMEOUT)
         np.testing.assert_array_equal(_decode_pull_reply(payload, 7)["big"], big)

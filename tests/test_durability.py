@@ -25,11 +25,10 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from cluster_helpers import NODE_COMMAND, START_TIMEOUT, NodeProcess, Spawn
 
 from aioparamsync import (
     ErrorCode,
@@ -52,12 +52,8 @@ from aioparamsync.store import ParameterTable
 
 pytestmark = pytest.mark.timeout(60)
 
-NODE = [sys.executable, "-m", "aioparamsync"]
-LISTENING = re.compile(
-    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)$"
-)
-# The first start imports numpy and thriftpy2: generous, but bounded.
-START_TIMEOUT = 30.0
+NODE = NODE_COMMAND
+# A node with a data directory writes a snapshot as it exits: more time than elsewhere.
 EXIT_TIMEOUT = 15.0
 CALL_TIMEOUT = 15.0
 MIB = 1024 * 1024
@@ -69,117 +65,9 @@ SNAPSHOT = re.compile(r"snapshot-(\d{8})\.json")
 State = dict[str, tuple[int, str, str | None, tuple[int, ...] | None, bytes]]
 
 
-# -- node processes ----------------------------------------------------------------------
-
-
-class NodeProcess:
-    """One ``aioparamsync-node`` child process, its output pumped into lists."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.stdout_lines: list[str] = []
-        self.stderr_lines: list[str] = []
-        self._changed = asyncio.Event()
-        assert proc.stdout is not None and proc.stderr is not None
-        self._pumps = [
-            asyncio.ensure_future(self._pump(proc.stdout, self.stdout_lines)),
-            asyncio.ensure_future(self._pump(proc.stderr, self.stderr_lines)),
-        ]
-        self.host = ""
-        self.port = 0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.stderr_lines)
-
-    async def _pump(self, stream: asyncio.StreamReader, lines: list[str]) -> None:
-        while line := await stream.readline():
-            lines.append(line.decode(errors="replace"))
-            self._changed.set()
-        self._changed.set()
-
-    async def wait_listening(self, timeout: float = START_TIMEOUT) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                while not self.stdout_lines and not all(p.done() for p in self._pumps):
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise AssertionError(
-                f"node {self.pid} did not listen; stderr:\n{self.stderr}"
-            ) from None
-        if not self.stdout_lines:
-            rc = await self.wait_exit()
-            raise AssertionError(f"node exited with {rc} before listening; stderr:\n{self.stderr}")
-        match = LISTENING.match(self.stdout_lines[0].rstrip("\n"))
-        assert match, f"unparseable first line: {self.stdout_lines[0]!r}"
-        self.host, self.port = match["host"], int(match["port"])
-
-    async def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
-        async with asyncio.timeout(timeout):
-            rc = await self.proc.wait()
-            await asyncio.gather(*self._pumps)
-        return rc
-
-    def kill(self) -> None:
-        """SIGKILL, by this process's PID."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-
-    async def close(self) -> None:
-        self.kill()
-        with contextlib.suppress(TimeoutError):
-            await self.wait_exit()
-        for pump in self._pumps:
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-
-Spawn = Callable[..., Awaitable[NodeProcess]]
-
-
-@pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
-    """``await spawn(*flags)``: a node process on 127.0.0.1, port 0, listening.
-
-    Every process started here is killed (by PID) at teardown if it still runs.
-    """
-    started: list[NodeProcess] = []
-
-    async def spawn_(*flags: str) -> NodeProcess:
-        proc = await asyncio.create_subprocess_exec(
-            *NODE,
-            "--port",
-            "0",
-            *flags,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        node = NodeProcess(proc)
-        started.append(node)
-        await node.wait_listening()
-        return node
-
-    try:
-        yield spawn_
-    finally:
-        for node in started:
-            await node.close()
-
-
 async def terminate(node: NodeProcess) -> int:
     node.proc.send_signal(signal.SIGTERM)
-    return await node.wait_exit()
+    return await node.wait_exit(EXIT_TIMEOUT)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -443,8 +331,8 @@ async def test_kill_9_at_random_moments_loses_no_acknowledged_update(
             writers = [asyncio.create_task(keep_writing(client, g, ledger)) for g in GROUPS]
             await asyncio.sleep(rng.uniform(0.1, 0.5))
             assert not any(w.done() for w in writers), "a writer stopped before the kill"
-            node.kill()
-            assert await node.wait_exit() == -signal.SIGKILL
+            await node.kill()
+            assert await node.wait_exit(EXIT_TIMEOUT) == -signal.SIGKILL
             async with asyncio.timeout(CALL_TIMEOUT):
                 await asyncio.gather(*writers)
         stderr.append(node.stderr)
