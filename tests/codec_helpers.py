@@ -32,3 +32,29 @@ class GeneralReader(codec.BinaryReader):
             if name not in values:
                 raise RemoteProtocolError(f"required field {cls.__name__}.{name} is missing")
         return cls(**values)
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, memoryview):
+        return ("view", bytes(value), value.readonly)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    spec = getattr(value, "thrift_spec", None)
+    if spec is not None:
+        return type(value).__name__, {f[1]: plain(getattr(value, f[1])) for f in spec.values()}
+    return value
+
+
+def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
+    """What decoding ``data`` (a message) as ``cls`` gives: a value or the error."""
+    reader = reader_cls(data, stream=stream, limit=1 << 20)
+    try:
+        reader.read_message_begin()
+        body = reader.read_body(cls)
+    except RemoteProtocolError as exc:
+        return ("RemoteProtocolError", str(exc))
+    except codec.NeedData as exc:
+        return ("NeedData", exc.needed)
+    return plain(body), reader.pos, reader.elements

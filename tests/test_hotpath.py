@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import thriftpy2
-from codec_helpers import PROPERTY, GeneralReader
+from codec_helpers import PROPERTY, GeneralReader, outcome
 from hypothesis import example, given
 from hypothesis import strategies as st
 from thriftpy2.protocol import TBinaryProtocolFactory
@@ -18,7 +18,7 @@ from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TMemoryBuffer
 
 from aioparamsync import Node, ParameterClient, to_parameter
-from aioparamsync.errors import LocalProtocolError, RemoteProtocolError, RequestError
+from aioparamsync.errors import LocalProtocolError, RequestError
 from aioparamsync.store import ParameterStore
 from aioparamsync.wire import (
     MessageType,
@@ -178,18 +178,6 @@ async def test_a_cancelled_writer_leaves_submit_working() -> None:
 
 # ---------------------------------------------------------------------------
 # The codec: maps of strings to integers, lists of strings, read and written in place
-
-
-def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
-    reader = reader_cls(data, stream=stream, limit=1 << 20)
-    try:
-        reader.read_message_begin()
-        body = reader.read_body(cls)
-    except RemoteProtocolError as exc:
-        return ("RemoteProtocolError", str(exc))
-    except codec.NeedData as exc:
-        return ("NeedData", exc.needed)
-    return repr(body), reader.pos, reader.elements
 
 
 def message(body: bytes) -> bytes:
