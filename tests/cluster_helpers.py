@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -384,3 +385,22 @@ async def assert_mesh_over_wire(nodes: Iterable[NodeProcess]) -> None:
 
 # Network errors while a node (re)starts are expected in a poll: retry them.
 RETRY_WIRE = (AssertionError, NetworkError)
+
+
+def run_bounded(cmd: list[str], timeout: float) -> tuple[int, str, str]:
+    """Run ``cmd`` to its end; past ``timeout`` s SIGTERM it (it stops what it started).
+
+    Answers (exit code, stdout, stderr).
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    return proc.returncode, stdout, stderr

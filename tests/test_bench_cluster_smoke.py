@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from cluster_helpers import run_bounded
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cluster.py"
 
@@ -18,19 +18,8 @@ def test_bench_cluster_smoke(tmp_path: Path) -> None:
         "--peers-list", "0,2", "--sizes", "4KiB", "--count", "20", "--lag-count", "5",
         "--seconds", "0.5", "--probe-seconds", "0.1", "--json", str(out),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            # SIGTERM lets the benchmark stop the nodes it started.
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
+    rc, stdout, stderr = run_bounded(cmd, timeout=60)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
     assert "upper bound" in stdout.lower() and "lag p50 ms" in stdout
 
     doc = json.loads(out.read_text())

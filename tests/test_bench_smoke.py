@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from cluster_helpers import run_bounded
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
 VARIANTS = {"ceiling", "thriftpy2", "grpc", "node"}
@@ -41,19 +41,8 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
     ]  # fmt: skip
     if plotting:
         cmd += ["--plot", str(png)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            # SIGTERM lets the benchmark stop the servers it started.
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
+    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
     assert "/ ceiling" in stdout and "/ thriftpy2" in stdout
     assert "malloc tuned" in stdout
 
