@@ -41,19 +41,21 @@ def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
     """
     if not any(p.encoding for p in params):
         return params
+    return [_decode(p, max_nbytes) if p.encoding else p for p in params]
+
+
+def _decode(p: Any, max_nbytes: int) -> Any:
+    """The raw ``Parameter`` of an encoded one; its data a read-only view of the decoded array."""
     from .arrays import to_parameter
     from .compression import decode
 
-    raw = []
-    for p in params:
-        if p.encoding:
-            decoded = to_parameter(p.name, decode(p, max_nbytes=max_nbytes), p.version or 0)
-            decoded.origin, decoded.rule = p.origin, p.rule
-            if p.dtype is None:  # plain bytes stay plain bytes
-                decoded.dtype = decoded.shape = None
-            p = decoded
-        raw.append(p)
-    return raw
+    array = decode(p, max_nbytes=max_nbytes)
+    array.flags.writeable = False  # ours alone: the store keeps it, uncopied
+    decoded = to_parameter(p.name, array, p.version or 0)
+    decoded.origin, decoded.rule = p.origin, p.rule
+    if p.dtype is None:  # plain bytes stay plain bytes
+        decoded.dtype = decoded.shape = None
+    return decoded
 
 
 def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
@@ -208,21 +210,24 @@ class ParameterService:
         piece.offset, piece.total_bytes = offset, entry.nbytes
         return [piece]
 
-    def _whole(self, params: Sequence[Any]) -> Sequence[Any]:
-        """``params`` with the pieces of large ones put aside until each is whole.
+    def _incoming(self, params: Sequence[Any]) -> Sequence[Any]:
+        """An update's parameters as the store takes them: whole and decoded.
 
-        A piece that completes its parameter brings the whole in its place;
-        the others are held (see :class:`~aioparamsync.pieces.Uploads`).
+        The pieces of a large parameter are put aside until it is whole (see
+        :class:`~aioparamsync.pieces.Uploads`); the piece that completes it
+        brings the whole in its place. Encoded ones are decoded.
         """
-        if not any(p.total_bytes is not None for p in params):
+        if not any(p.encoding or p.total_bytes is not None for p in params):
             return params
-        whole = []
+        max_nbytes = self.max_decoded_bytes
+        ready = []
         for p in params:
-            if p.total_bytes is None:
-                whole.append(p)
-            elif (done := self.uploads.add(p)) is not None:
-                whole.append(done)
-        return whole
+            if p.total_bytes is not None:
+                if (whole := self.uploads.add(p)) is not None:
+                    ready.append(whole)
+            else:
+                ready.append(_decode(p, max_nbytes) if p.encoding else p)
+        return ready
 
     @staticmethod
     def _encoded(entry: Entry, encoding: str) -> Any:
@@ -264,7 +269,7 @@ class ParameterService:
         # The store's writer makes the reply as it answers the batch.
         params, timestamp = _params(args.update)
         return self.store.submit(
-            _decoded(self._whole(params), self.max_decoded_bytes),
+            self._incoming(params),
             timestamp,
             then=lambda _: method.result(),
         )
@@ -274,9 +279,7 @@ class ParameterService:
         # to no one. From a client: an update like any other.
         params, timestamp = _params(args.update)
         replicated = bool(params) and all(p.origin for p in params)
-        return self.store.submit(
-            _decoded(self._whole(params), self.max_decoded_bytes), timestamp, replicated=replicated
-        )
+        return self.store.submit(self._incoming(params), timestamp, replicated=replicated)
 
     # -- the typed methods --------------------------------------------------------
 
@@ -291,9 +294,7 @@ class ParameterService:
             )
 
         params, timestamp = _params(args.update)
-        return self.store.submit(
-            _decoded(self._whole(params), self.max_decoded_bytes), timestamp, then=result
-        )
+        return self.store.submit(self._incoming(params), timestamp, then=result)
 
     def _push_gradients(self, method: Method, args: Any) -> asyncio.Future:
         push = args.push

@@ -383,6 +383,7 @@ class ParameterTable:
         for current, weights, grad in work:
             value, state = rules.fold(current.rule, weights, grad, self._states.get(current.name))
             states[current.name] = state
+            value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
             made.append(
                 Entry(
                     current.name,

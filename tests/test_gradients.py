@@ -465,3 +465,13 @@ async def test_client_side_mistakes_are_clear_errors(client: ParameterClient) ->
     with pytest.raises(TypeError, match="one string"):
         await client.get_arrays("w")  # type: ignore[arg-type]
     assert (await client.info()).counters["requests"] == 1  # only info reached the node
+
+
+async def test_a_decoded_update_is_stored_without_a_copy(
+    node: Node, client: ParameterClient
+) -> None:
+    await client.update_arrays({"w": np.arange(1000, dtype=np.float32)}, encoding="zlib")
+    entry = node.store.table.entry("w")
+    assert entry is not None and entry.data.readonly
+    # The entry holds the decoded array itself, not bytes copied out of it.
+    assert isinstance(entry.data.obj, np.ndarray)

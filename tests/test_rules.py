@@ -285,3 +285,12 @@ def test_state_is_a_fresh_object_each_step() -> None:
     table.fold([grad("w", [1.0])], 2)
     assert table.state("w") is not first
     assert isinstance(first, State) and first.step == 1
+
+
+def test_a_folded_value_is_stored_without_a_copy() -> None:
+    table = table_with(w=(np.ones(1000, np.float32), sgd(0.5)))
+    table.fold([grad("w", np.ones(1000, np.float32))], 1)
+    entry = table.entry("w")
+    assert entry is not None and entry.data.readonly
+    # The entry holds the array the rule made, not bytes copied out of it.
+    assert isinstance(entry.data.obj, np.ndarray)
