@@ -217,8 +217,22 @@ class Waiting:
             timer = loop.call_later(
                 seconds, self._barrier_expired, group_name, group, step, future, seconds
             )
-            future.add_done_callback(lambda _: timer.cancel())
+
+            def done(_: asyncio.Future) -> None:
+                # Answered, timed out, or its caller left: no longer waiting.
+                timer.cancel()
+                self._leave(group, step, future)
+
+            future.add_done_callback(done)
         return future
+
+    @staticmethod
+    def _leave(group: _Group, step: int, future: asyncio.Future) -> None:
+        waiting = group.waiting.get(step)
+        if waiting is not None:
+            waiting[:] = [w for w in waiting if w[1] is not future]
+            if not waiting:
+                del group.waiting[step]
 
     def _open(self, name: str, group: _Group) -> None:
         """Answer every waiter whose step all of the group has reached."""
@@ -241,10 +255,7 @@ class Waiting:
         if future.done():
             return
         self.timeouts += 1
-        waiting = group.waiting.get(step, [])
-        group.waiting[step] = [w for w in waiting if w[1] is not future]
-        if not group.waiting[step]:
-            del group.waiting[step]
+        self._leave(group, step, future)
         absent = self._absent(group, step)
         future.set_exception(
             RequestError(

@@ -475,3 +475,16 @@ async def test_a_decoded_update_is_stored_without_a_copy(
     assert entry is not None and entry.data.readonly
     # The entry holds the decoded array itself, not bytes copied out of it.
     assert isinstance(entry.data.obj, np.ndarray)
+
+
+async def test_a_barrier_waiter_whose_caller_left_is_dropped(node: Node) -> None:
+    request = thrift.BarrierRequest(group="g", worker="a", step=1, world_size=2, wait_ms=30_000)
+    async with ParameterClient(node.address) as impatient:
+        with pytest.raises(CallTimeout):
+            await impatient.call("barrier", timeout=0.3, request=request)
+
+    def dropped() -> None:
+        assert node.service.waiting.statistics()["barrier_waiters"] == 0
+        assert node.service.waiting.report() == []
+
+    await eventually(dropped)
