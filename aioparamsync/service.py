@@ -33,6 +33,12 @@ ARRIVAL_WAIT_MS = 2_000
 FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
 
 
+def _inline_limit(request: Any) -> int:
+    """The largest parameter a read answers with its data (larger: a header)."""
+    limit = request.max_inline_bytes
+    return MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
+
+
 def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
     """``params`` with every encoded one decoded (see :mod:`aioparamsync.compression`).
 
@@ -156,11 +162,10 @@ class ParameterService:
         known = request.known_versions
         if known:
             entries = [e for e in entries if e.version > known.get(e.name, 0)]
+        limit = _inline_limit(request)
         if request.piece_offset is not None:
             params = self._piece(request, entries)
-        elif request.max_inline_bytes is not None or any(
-            e.nbytes > MAX_INLINE_BYTES for e in entries
-        ):
+        elif any(e.nbytes > limit for e in entries):
             params = [self._inline_or_header(request, e) for e in entries]
         elif request.encoding:
             params = [self._encoded(e, request.encoding) for e in entries]
@@ -170,9 +175,7 @@ class ParameterService:
 
     def _inline_or_header(self, request: Any, entry: Entry) -> Any:
         """A parameter in the answer, or (too large for it) its header: no data, total_bytes."""
-        limit = request.max_inline_bytes
-        limit = MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
-        if entry.nbytes > limit:
+        if entry.nbytes > _inline_limit(request):
             if request.max_inline_bytes is None:  # a client that cannot take pieces
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,
