@@ -22,7 +22,7 @@ from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from .store import Limits
 from .tls import client_context, server_context
-from .wire import DEFAULT_MAX_FRAME_BYTES
+from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from .wire.codec import MAX_I32
 
 __all__ = ["main"]
@@ -53,6 +53,12 @@ def frame_size(text: str) -> int:
             f"{text!r}: a frame size must lie in {MIN_FRAME_BYTES}..{MAX_I32} bytes"
         )
     return value
+
+
+def receiving_size(text: str) -> int | None:
+    """A receive budget: a size, or 0 for none."""
+    value = byte_size(text)
+    return value or None
 
 
 def port_number(text: str) -> int:
@@ -180,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
         "pieces arrive, e.g. 16GiB (default: %(default)s bytes)",
     )
     parser.add_argument(
+        "--max-receiving-bytes",
+        type=receiving_size,
+        default=DEFAULT_MAX_RECEIVING_BYTES,
+        metavar="SIZE",
+        help="most bytes that large messages being received may hold at once, all "
+        "connections together; a message that does not fit waits for those ahead of it, "
+        "and one larger than this goes alone; 0: no limit (default: %(default)s bytes)",
+    )
+    parser.add_argument(
         "--idle-timeout",
         type=seconds,
         default=DEFAULT_IDLE_TIMEOUT,
@@ -279,6 +294,7 @@ async def serve(args: argparse.Namespace) -> int:
         ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
         max_frame_bytes=args.max_frame_bytes,
         max_upload_bytes=args.max_upload_bytes,
+        max_receiving_bytes=args.max_receiving_bytes,
         idle_timeout=args.idle_timeout,
         request_timeout=args.request_timeout,
         max_connections=args.max_connections,

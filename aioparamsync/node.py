@@ -17,7 +17,7 @@ from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
-from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
+from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, thrift
 
 __all__ = ["Node"]
 
@@ -51,6 +51,9 @@ class Node:
         max_frame_bytes: the largest frame (message) accepted.
         max_upload_bytes: the most bytes held for parameters larger than one
             message while their pieces arrive (see :mod:`aioparamsync.pieces`).
+        max_receiving_bytes: the most bytes that large frames being received may
+            hold at once, all connections together (None: no limit; see
+            :class:`~aioparamsync.wire.ReceiveBudget`).
         idle_timeout: close connections silent this long (seconds; None: never).
         limits: what one request may hold.
         metrics_port: serve Prometheus metrics on this port of ``host`` (0: a free
@@ -73,6 +76,7 @@ class Node:
         ignore_corrupt_snapshot: bool = False,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_upload_bytes: int = MAX_UPLOAD_BYTES,
+        max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         limits: Limits | None = None,
         ssl: ssl_module.SSLContext | None = None,
@@ -85,6 +89,7 @@ class Node:
             host=host,
             port=port,
             max_frame_bytes=max_frame_bytes,
+            max_receiving_bytes=max_receiving_bytes,
             idle_timeout=idle_timeout,
             max_connections=max_connections,
             request_timeout=request_timeout,

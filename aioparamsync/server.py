@@ -21,7 +21,13 @@ reply), for idleness, or at shutdown; never because a handler failed.
 Backpressure: a connection stops reading while its transport's write buffer
 is over ``WRITE_HIGH_BYTES`` or while ``MAX_PIPELINE`` of its calls await
 their replies, so neither a slow reader nor a flood of calls queues
-unbounded memory.
+unbounded memory. Large frames being received share one budget of bytes
+(``max_receiving_bytes``, a :class:`~aioparamsync.wire.ReceiveBudget`): a
+connection whose next frame does not fit stops reading until frames ahead of
+it are in, so eight clients replacing 64 MiB parameters at once hold one new
+buffer at a time, not eight. Frames that hold the budget but move slower than
+``STALLED_BYTES_PER_SECOND`` (a dead or crawling sender) do not hold the others
+back: the next waiting frame is let in beyond the budget.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ from thriftpy2.thrift import TApplicationException
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
 from .wire import (
     DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_RECEIVING_BYTES,
     Frame,
     MessageType,
     Method,
     Protocol,
+    ReceiveBudget,
     Receiver,
     decode_header,
     encode_message,
@@ -68,6 +76,11 @@ DEFAULT_MAX_CONNECTIONS = 10_000
 # After its last reply and EOF, how long a closing connection may keep sending
 # before it is aborted (seconds; see ServerConnection._maybe_finish).
 LINGER_SECONDS = 5.0
+# While frames wait for the receive budget, how often the frames holding it are
+# checked for progress (seconds), and the rate below which they count as stalled
+# and the next waiting frame is let in beyond the budget (bytes per second).
+BUDGET_CHECK_SECONDS = 0.5
+STALLED_BYTES_PER_SECOND = 16 * 1024 * 1024
 
 # The message types a request may have, and a reply's (an enum member is slow to get).
 _REQUEST_TYPES = frozenset((int(MessageType.CALL), int(MessageType.ONEWAY)))
@@ -89,6 +102,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 9090
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # Bytes that large frames being received may hold, all connections
+    # together (see ReceiveBudget); None: no limit.
+    max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES
     idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     # A call not answered within this many seconds gets an UNAVAILABLE error
@@ -136,7 +152,8 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.receiver = Receiver(server.config.max_frame_bytes)
+        self.receiver = Receiver(server.config.max_frame_bytes, budget=server.budget)
+        self.receiver.on_grant = self._budget_granted
         self.transport: asyncio.Transport | None = None
         # The loop (set by connection_made), kept: on CPython 3.11 every
         # asyncio.get_running_loop() makes a getpid() system call.
@@ -203,6 +220,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         if len(frames) <= 1:
             if frames:
                 self._dispatch(frames[0])
+                # (a large frame comes alone) It is handed on: its budget can go
+                # to the next, which the older value it replaced leaves room for.
+                self.receiver.release_handed()
+            if self.receiver.waiting_for_budget:
+                self._wait_for_budget()
             return
         # Several requests in one read: the replies ready by the end of this
         # callback go out in one write (corked), none later than that.
@@ -214,6 +236,8 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self._dispatch(frame)
         finally:
             self._uncork()
+        if self.receiver.waiting_for_budget:
+            self._wait_for_budget()
 
     def eof_received(self) -> bool:
         self._peer_eof = True
@@ -224,6 +248,7 @@ class ServerConnection(asyncio.BufferedProtocol):
                 log.info("%s: %s", self.peer, exc)
                 self._counters["protocol_errors"] += 1
             self._closing = True
+            self.receiver.close()
         # Keep the socket open for the replies still owed; close after them.
         # A caller that has stopped sending is not held for: its long polls
         # and barriers end now.
@@ -234,6 +259,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self.receiver.close()
         self._calls.clear()
         # Nobody is left to answer: stop the reads held for it (long polls,
         # barriers). A write is applied all the same.
@@ -508,7 +534,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return
         should_pause = not self._closing and (
-            self._write_paused or len(self._calls) >= MAX_PIPELINE
+            self._write_paused
+            or len(self._calls) >= MAX_PIPELINE
+            or self.receiver.waiting_for_budget
         )
         if should_pause and not self._read_paused:
             self._read_paused = True
@@ -516,6 +544,23 @@ class ServerConnection(asyncio.BufferedProtocol):
         elif not should_pause and self._read_paused:
             self._read_paused = False
             transport.resume_reading()
+
+    def _wait_for_budget(self) -> None:
+        """The next frame waits for room in the receive budget: stop reading till then."""
+        self._counters["budget_waits"] += 1
+        self._update_reading()
+        self.server._watch_budget()
+
+    def _budget_granted(self) -> None:
+        # Called by the budget as another connection's frame completes: go on
+        # from the event loop, not from inside that connection's callback.
+        self._loop.call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        if self._closing:
+            return
+        self.buffer_updated(0)  # cuts the frame that waited, now with its buffer
+        self._update_reading()
 
     def _maybe_finish(self) -> None:
         """Once closing and every reply is written: end the connection gracefully.
@@ -565,6 +610,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         See :meth:`Server.close`.
         """
         self._closing = True
+        self.receiver.close()
         self._update_reading()
         # Reads held for long polls and barriers end now, rather than at their deadline.
         closing = RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
@@ -591,6 +637,9 @@ class Server:
         self.config = config or ServerConfig()
         self.connections: set[ServerConnection] = set()
         self.counters: collections.Counter[str] = collections.Counter()
+        self.budget = ReceiveBudget(self.config.max_receiving_bytes)
+        self._budget_check: asyncio.TimerHandle | None = None
+        self._budget_mark = 0
         self._server: asyncio.Server | None = None
         self._on_idle: Callable[[], None] | None = None
         # Told (method, seconds, error or None) as each call is settled (see metrics.py).
@@ -627,6 +676,32 @@ class Server:
         self.counters["connections_total"] += 1
         return True
 
+    def _watch_budget(self) -> None:
+        """While frames wait for the budget, check that the frames holding it move."""
+        if self._budget_check is None and self.budget.waiting:
+            self._budget_mark = self.budget.received
+            self._budget_check = asyncio.get_running_loop().call_later(
+                BUDGET_CHECK_SECONDS, self._check_budget
+            )
+
+    def _check_budget(self) -> None:
+        self._budget_check = None
+        budget = self.budget
+        if not budget.waiting:
+            return
+        moved = budget.received - self._budget_mark
+        if moved < STALLED_BYTES_PER_SECOND * BUDGET_CHECK_SECONDS:
+            log.info(
+                "frames holding the receive budget moved %d bytes in %.1f s; "
+                "letting the next of %d waiting frames in beyond it",
+                moved,
+                BUDGET_CHECK_SECONDS,
+                budget.waiting,
+            )
+            self.counters["budget_overruns"] += 1
+            budget.grant_next()
+        self._watch_budget()
+
     def _unregister(self, conn: ServerConnection) -> None:
         self.connections.discard(conn)
         if not self.connections and self._on_idle is not None:
@@ -636,6 +711,9 @@ class Server:
         """Stop accepting, let the calls in flight finish (up to ``grace`` s), close the rest."""
         if self._server is None:
             return
+        if self._budget_check is not None:
+            self._budget_check.cancel()
+            self._budget_check = None
         self._server.close()
         for conn in list(self.connections):
             conn.close()

@@ -333,6 +333,12 @@ async def test_max_frame_bytes_sizes_parse_and_set_the_limit(spawn, spec, limit)
         assert set(await client.get_arrays(["fits", "too_big"])) == {"fits"}
 
 
+@pytest.mark.parametrize(("spec", "budget"), [("64MiB", 64 * MIB), ("1g", 1024 * MIB), ("0", None)])
+def test_max_receiving_bytes_parses_a_size_or_0_for_no_limit(spec, budget) -> None:
+    args = build_parser().parse_args(["--max-receiving-bytes", spec])
+    assert args.max_receiving_bytes == budget
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
@@ -360,6 +366,8 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--max-frame-bytes", "0"], ["--max-frame-bytes", "'0'"]),
         (["--max-frame-bytes", "12XB"], ["--max-frame-bytes", "'12XB'"]),
         (["--max-upload-bytes", "lots"], ["--max-upload-bytes", "'lots'"]),
+        (["--max-receiving-bytes", "-1"], ["--max-receiving-bytes", "'-1'"]),
+        (["--max-receiving-bytes", "half"], ["--max-receiving-bytes", "'half'"]),
         (["--idle-timeout", "-1"], ["--idle-timeout", "'-1'"]),
         (["--idle-timeout", "soon"], ["--idle-timeout", "'soon'"]),
         (["--log-level", "loud"], ["--log-level", "'loud'"]),
@@ -416,7 +424,8 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
         "--repair-interval", "--data-dir", "--fsync", "--ignore-corrupt-snapshot",
-        "--max-frame-bytes", "--max-upload-bytes", "--idle-timeout", "--log-level", "--version",
+        "--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes", "--idle-timeout",
+        "--log-level", "--version",
         "--request-timeout", "--max-connections", "--max-names-per-request",
         "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
         "--metrics-port",

@@ -16,11 +16,18 @@ from .codec import (
     decode_header,
     encode_message,
 )
-from .framing import DEFAULT_MAX_FRAME_BYTES, Frame, Receiver
+from .framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_RECEIVING_BYTES,
+    Frame,
+    ReceiveBudget,
+    Receiver,
+)
 from .idl import IDL_PATH, SEED_IDL_PATH, Method, method, thrift
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_RECEIVING_BYTES",
     "IDL_PATH",
     "SEED_IDL_PATH",
     "Frame",
@@ -29,6 +36,7 @@ __all__ = [
     "NeedData",
     "Protocol",
     "Reader",
+    "ReceiveBudget",
     "Receiver",
     "decode_header",
     "encode_message",

@@ -30,7 +30,9 @@ arrive, resuming where it stopped, to find where it ends.
 
 from __future__ import annotations
 
+import collections
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,10 +40,19 @@ import numpy as np
 from ..errors import RemoteProtocolError
 from .codec import Protocol, StreamMeasure
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Frame", "Receiver"]
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_RECEIVING_BYTES",
+    "Frame",
+    "ReceiveBudget",
+    "Receiver",
+]
 
 # Largest frame (or unframed message) a node accepts unless told otherwise.
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+# Bytes that large frames being received may hold, all connections together,
+# unless told otherwise (see ReceiveBudget).
+DEFAULT_MAX_RECEIVING_BYTES = 64 * 1024 * 1024
 # Bytes the socket reads at once into the scratch buffer.
 SCRATCH_BYTES = 256 * 1024
 # Frames larger than this are received into a buffer of their own.
@@ -91,6 +102,87 @@ def _describe_length(header: bytes, size: int) -> str:
     return what
 
 
+class ReceiveBudget:
+    """The bytes that large frames being received may hold, all connections together.
+
+    A large frame takes its memory as it arrives, beside what the node already
+    holds: eight clients each replacing a 64 MiB parameter would otherwise have
+    eight new buffers filling at once next to the eight stored ones. So a
+    :class:`Receiver` asks the budget before it allocates a large frame's buffer.
+    A frame that does not fit waits (its owner stops reading, and TCP holds the
+    sender back) until frames ahead of it are complete. A frame bigger than the
+    whole budget goes when nothing else is being received. Waiters are let in
+    in the order they asked, so a stream of smaller frames cannot starve a big
+    one. Throughput does not suffer for it: one event loop receives one frame's
+    bytes at a time either way, and frames received one after another finish
+    sooner, on average, than frames received side by side.
+
+    It is accounting only, with no clock and no I/O: a frame that must wait
+    leaves a callback, called (from :meth:`release`, :meth:`cancel` or
+    :meth:`grant_next`) once its bytes are granted. Its owner watches
+    :attr:`received` to tell a budget held by frames that no longer move, and
+    lets the next frame in with :meth:`grant_next` (see ``server.py``).
+
+    Args:
+        limit: in bytes; ``None``: no limit, every frame goes at once.
+    """
+
+    def __init__(self, limit: int | None = DEFAULT_MAX_RECEIVING_BYTES) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"a receive budget must be at least 1 byte, not {limit}")
+        self.limit = limit
+        self.in_use = 0  # bytes granted to frames not yet complete
+        self.received = 0  # bytes that have arrived into granted buffers, ever
+        self._waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReceiveBudget {self.in_use} of {self.limit} bytes in use, "
+            f"{len(self._waiting)} frames waiting>"
+        )
+
+    @property
+    def waiting(self) -> int:
+        """How many frames wait for room."""
+        return len(self._waiting)
+
+    def reserve(self, nbytes: int, on_grant: Callable[[], None]) -> bool:
+        """Take ``nbytes`` if they fit now (True); else queue ``on_grant`` (False)."""
+        if not self._waiting and self._fits(nbytes):
+            self.in_use += nbytes
+            return True
+        self._waiting.append((nbytes, on_grant))
+        return False
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` took (or granted); let waiters in."""
+        self.in_use -= nbytes
+        self._grant(force=False)
+
+    def cancel(self, on_grant: Callable[[], None]) -> None:
+        """Withdraw a waiting request (its connection went away)."""
+        self._waiting = collections.deque(w for w in self._waiting if w[1] != on_grant)
+        self._grant(force=False)
+
+    def grant_next(self) -> None:
+        """Let the first waiting frame in, whether or not it fits."""
+        self._grant(force=True)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.limit is None or self.in_use == 0 or self.in_use + nbytes <= self.limit
+
+    def _grant(self, *, force: bool) -> None:
+        waiting = self._waiting
+        while waiting:
+            nbytes, on_grant = waiting[0]
+            if not force and not self._fits(nbytes):
+                return
+            force = False
+            waiting.popleft()
+            self.in_use += nbytes
+            on_grant()
+
+
 class Receiver:
     """The receiving half of one connection (see the module's docstring).
 
@@ -98,6 +190,11 @@ class Receiver:
         max_frame_bytes: the largest frame or unframed message accepted.
         framed: ``None`` to tell from the first byte; ``True`` to accept only
             frames (a client's connection).
+        budget: shared with other receivers; a large frame waits for room in it
+            before its buffer is allocated (see :class:`ReceiveBudget`). While
+            it waits, :attr:`waiting_for_budget` is true and the owner should
+            stop reading; once room is granted, :attr:`on_grant` is called, and
+            the owner calls ``buffer_updated(0)`` to go on.
 
     Raises (from :meth:`buffer_updated`):
         RemoteProtocolError: the bytes cannot be a valid message; the
@@ -105,7 +202,11 @@ class Receiver:
     """
 
     def __init__(
-        self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, *, framed: bool | None = None
+        self,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        *,
+        framed: bool | None = None,
+        budget: ReceiveBudget | None = None,
     ) -> None:
         if max_frame_bytes < 16:
             raise ValueError(f"max_frame_bytes must be at least 16, not {max_frame_bytes}")
@@ -122,6 +223,12 @@ class Receiver:
         self._stream = bytearray()  # unframed: bytes of the message(s) so far
         self._measure: StreamMeasure | None = None  # unframed: the walk of the message
         self.bytes_received = 0
+        self._budget = budget
+        self._asked = 0  # bytes asked of the budget
+        self._reserved = 0  # bytes granted for the large frame (next or being filled)
+        self._handed = 0  # bytes granted for large frames handed out, not yet released
+        self.waiting_for_budget = False
+        self.on_grant: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         mode = {None: "undecided", True: "framed", False: "unframed"}[self.framed]
@@ -151,6 +258,8 @@ class Receiver:
         frames: list[Frame] = []
         if self._large is not None:
             self._large_filled += nbytes
+            if self._budget is not None:
+                self._budget.received += nbytes
             if self._large_filled == len(self._large):
                 frames.append(self._finish_large())
             return frames
@@ -174,6 +283,20 @@ class Receiver:
             view = view[n:]
             frames += self.buffer_updated(n)
         return frames
+
+    def close(self) -> None:
+        """Done with this connection: give back what it holds of the budget."""
+        self._large = None
+        self._large_filled = 0
+        if self._budget is not None:
+            self._drop_reservation()
+            self.release_handed()
+
+    def _granted(self) -> None:
+        self.waiting_for_budget = False
+        self._reserved = self._asked
+        if self.on_grant is not None:
+            self.on_grant()
 
     def check_eof(self) -> None:
         """The peer closed its side: raise if it left a message unfinished."""
@@ -210,6 +333,15 @@ class Receiver:
                 continue
             available = self._end - start - 4
             if size > LARGE_FRAME_BYTES and available < size:
+                budget = self._budget
+                if budget is not None and not self._reserved:
+                    if self.waiting_for_budget:
+                        break
+                    self._asked = size
+                    if not budget.reserve(size, self._granted):
+                        self.waiting_for_budget = True
+                        break
+                    self._reserved = size
                 # Give the socket a buffer of the frame's exact size.
                 self._large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
                 self._large[:available] = scratch[start + 4 : self._end]  # one copy
@@ -218,6 +350,8 @@ class Receiver:
                 return
             if available < size:
                 break
+            if self.waiting_for_budget or self._reserved:
+                self._drop_reservation()  # the frame came whole after all
             payload = memoryview(bytes(scratch[start + 4 : start + 4 + size]))  # one copy
             self._start = start + 4 + size
             if payload[0] == _BINARY_BYTE:  # (self._frame's common case, inlined)
@@ -227,11 +361,36 @@ class Receiver:
         if self._start == self._end:
             self._start = self._end = 0
 
+    def _drop_reservation(self) -> None:
+        budget = self._budget
+        assert budget is not None
+        if self.waiting_for_budget:
+            self.waiting_for_budget = False
+            budget.cancel(self._granted)
+        if self._reserved:
+            reserved, self._reserved = self._reserved, 0
+            budget.release(reserved)
+
+    def release_handed(self) -> None:
+        """Give back the budget of the large frames answered so far.
+
+        Called by the owner once it has handed them on (to the store, which
+        then lets go of the older values they replace), so that the memory of
+        the next frame can be what those values leave.
+        """
+        if self._handed:
+            handed, self._handed = self._handed, 0
+            assert self._budget is not None
+            self._budget.release(handed)
+
     def _finish_large(self) -> Frame:
         assert self._large is not None
         payload = self._large.toreadonly()
         self._large = None
         self._large_filled = 0
+        # The budget is given back once the frame is handed on (release_handed).
+        self._handed += self._reserved
+        self._reserved = 0
         return self._frame(payload)
 
     def _frame(self, payload: memoryview) -> Frame:

@@ -1,0 +1,205 @@
+"""The receive budget: large frames being received share one bound of memory.
+
+Accounting first (``ReceiveBudget``, then ``Receiver`` fed by hand), then a live
+node: concurrent large updates all land, one at a time, and a sender that stops
+halfway through a frame does not hold the others back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import numpy as np
+import pytest
+from cluster_helpers import eventually
+
+from aioparamsync import Node, ParameterClient
+from aioparamsync.wire import ReceiveBudget, Receiver
+from aioparamsync.wire.framing import LARGE_FRAME_BYTES, SCRATCH_BYTES
+
+MIB = 1024 * 1024
+
+
+def framed(nbytes: int, fill: int = 7) -> bytes:
+    """A frame whose payload is ``nbytes`` long (starting as a binary message does)."""
+    return struct.pack("!i", nbytes) + b"\x80" + bytes([fill]) * (nbytes - 1)
+
+
+# -- the accounting ----------------------------------------------------------------------------
+
+
+def test_frames_are_let_in_in_the_order_they_asked() -> None:
+    budget = ReceiveBudget(100)
+    granted: list[str] = []
+    assert budget.reserve(60, lambda: granted.append("a"))
+    assert not budget.reserve(60, lambda: granted.append("b"))  # 120 > 100
+    assert not budget.reserve(10, lambda: granted.append("c"))  # fits, but b asked first
+    assert not budget.reserve(500, lambda: granted.append("d"))  # larger than the budget
+    assert budget.waiting == 3 and granted == []
+    budget.release(60)
+    assert granted == ["b", "c"] and budget.in_use == 70
+    budget.release(60)
+    assert granted == ["b", "c"]  # d goes alone, when nothing else is received
+    budget.release(10)
+    assert granted == ["b", "c", "d"] and budget.in_use == 500
+    budget.release(500)
+    assert budget.in_use == 0 and budget.waiting == 0
+
+
+def test_a_withdrawn_request_lets_the_next_one_in() -> None:
+    budget = ReceiveBudget(100)
+    granted: list[str] = []
+
+    def first() -> None:
+        granted.append("first")
+
+    assert budget.reserve(90, lambda: granted.append("holder"))
+    assert not budget.reserve(50, first)
+    assert not budget.reserve(5, lambda: granted.append("small"))
+    budget.cancel(first)  # its connection went away
+    assert granted == ["small"] and budget.in_use == 95 and budget.waiting == 0
+
+
+def test_grant_next_lets_the_first_waiter_in_beyond_the_budget() -> None:
+    budget = ReceiveBudget(100)
+    granted: list[str] = []
+    assert budget.reserve(100, lambda: None)
+    assert not budget.reserve(100, lambda: granted.append("b"))
+    assert not budget.reserve(100, lambda: granted.append("c"))
+    budget.grant_next()
+    assert granted == ["b"] and budget.in_use == 200 and budget.waiting == 1
+
+
+def test_no_limit_lets_every_frame_in_at_once() -> None:
+    budget = ReceiveBudget(None)
+    assert all(budget.reserve(1 << 30, lambda: None) for _ in range(8))
+    assert budget.in_use == 8 << 30 and budget.waiting == 0
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_a_budget_must_hold_something(limit: int) -> None:
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        ReceiveBudget(limit)
+
+
+# -- receivers sharing a budget ----------------------------------------------------------------
+
+
+def test_a_large_frame_waits_until_the_one_ahead_is_handed_on() -> None:
+    size = 4 * SCRATCH_BYTES  # received into a buffer of its own
+    budget = ReceiveBudget(size)
+    first, second = Receiver(budget=budget), Receiver(budget=budget)
+    woken: list[bool] = []
+    second.on_grant = lambda: woken.append(True)
+    one, two = framed(size, 1), framed(size, 2)
+
+    assert first.feed(one[:1000]) == [] and budget.in_use == size
+    assert second.feed(two[:1000]) == []
+    assert second.waiting_for_budget and budget.waiting == 1
+
+    frames = first.feed(one[1000:])
+    assert len(frames) == 1 and frames[0].payload == one[4:]
+    assert not woken, "granted before the frame ahead was handed on"
+    first.release_handed()
+    assert woken and not second.waiting_for_budget and budget.in_use == size
+
+    assert second.buffer_updated(0) == []  # goes on: its buffer is allocated now
+    frames = second.feed(two[1000:])
+    assert len(frames) == 1 and frames[0].payload == two[4:]
+    second.release_handed()
+    assert budget.in_use == 0 and budget.waiting == 0
+
+
+def test_a_waiting_frame_that_arrives_whole_withdraws_its_request() -> None:
+    size = LARGE_FRAME_BYTES + 1000  # large, but it fits in the scratch buffer
+    budget = ReceiveBudget(size)
+    first, second = Receiver(budget=budget), Receiver(budget=budget)
+    one, two = framed(size, 1), framed(size, 2)
+    assert first.feed(one[:100]) == []
+    assert second.feed(two[:100]) == [] and second.waiting_for_budget
+    frames = second.feed(two[100:])
+    assert len(frames) == 1 and frames[0].payload == two[4:]
+    assert not second.waiting_for_budget and budget.waiting == 0
+    assert budget.in_use == size  # still the first frame's
+
+
+def test_closing_a_receiver_gives_back_what_it_held_and_withdraws_what_it_asked() -> None:
+    size = 4 * SCRATCH_BYTES
+    budget = ReceiveBudget(size)
+    holder, waiter, last = (Receiver(budget=budget) for _ in range(3))
+    woken: list[bool] = []
+    last.on_grant = lambda: woken.append(True)
+    assert holder.feed(framed(size)[:5000]) == []
+    assert waiter.feed(framed(size)[:10]) == [] and last.feed(framed(size)[:10]) == []
+    assert budget.waiting == 2
+    waiter.close()
+    assert budget.waiting == 1 and not woken
+    holder.close()  # mid-frame
+    assert woken and budget.in_use == size and budget.waiting == 0
+    last.close()
+    assert budget.in_use == 0
+
+
+def test_a_receiver_without_a_budget_takes_any_frame_at_once() -> None:
+    size = 4 * SCRATCH_BYTES
+    receivers = [Receiver() for _ in range(3)]
+    for r in receivers:
+        assert r.feed(framed(size)[:1000]) == [] and not r.waiting_for_budget
+    for r in receivers:
+        assert len(r.feed(framed(size)[1000:])) == 1
+
+
+# -- a live node -------------------------------------------------------------------------------
+
+
+async def test_concurrent_large_updates_take_turns_and_all_land() -> None:
+    arrays = {f"w{i}": np.full(MIB // 2, i, np.float32) for i in range(6)}  # 2 MiB each
+    # Room for one of them at a time.
+    async with Node("127.0.0.1", 0, max_receiving_bytes=3 * MIB) as node:
+        clients = [ParameterClient(node.address, max_connections=1) for _ in arrays]
+        try:
+            for version in (1, 2, 3):
+                updates = [
+                    c.update_arrays({name: array + version})
+                    for c, (name, array) in zip(clients, arrays.items(), strict=True)
+                ]
+                results = await asyncio.wait_for(asyncio.gather(*updates), 30)
+                assert results == [{n: version} for n in arrays]
+            got = await clients[0].get_arrays(list(arrays))
+            for name, array in arrays.items():
+                np.testing.assert_array_equal(got[name], array + 3)
+            assert node.server.counters["budget_waits"] > 0
+            assert node.server.counters["budget_overruns"] == 0
+            assert node.server.budget.in_use == 0 and node.server.budget.waiting == 0
+        finally:
+            for client in clients:
+                await client.close()
+
+
+async def test_a_sender_that_stops_halfway_does_not_hold_the_others_back() -> None:
+    async with Node("127.0.0.1", 0, max_receiving_bytes=MIB) as node:
+        host, port = node.address
+        stalled = socket.create_connection((host, port))
+        try:
+            # The start of a 1 MiB frame, then nothing: it holds the whole budget.
+            stalled.sendall(framed(MIB)[: 300 * 1024])
+            budget = node.server.budget
+
+            async def holds() -> None:
+                assert budget.in_use >= MIB
+
+            await eventually(holds)
+            async with ParameterClient(node.address) as client:
+                update = client.update_arrays({"w": np.ones(MIB // 4, np.float32)})  # 1 MiB
+                assert await asyncio.wait_for(update, 10) == {"w": 1}
+                assert node.server.counters["budget_overruns"] >= 1
+                np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], 1)
+        finally:
+            stalled.close()
+
+        async def given_back() -> None:
+            assert budget.in_use == 0 and budget.waiting == 0
+
+        await eventually(given_back)
