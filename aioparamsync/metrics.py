@@ -38,7 +38,11 @@ Metrics (every name starts with ``aioparamsync_``):
   ``protocol_errors_total``, ``request_timeouts_total``,
   ``received_bytes_total``, ``sent_bytes_total``, ``open_connections``,
   ``connections_opened_total``, ``connections_refused_total``,
-  ``connections_idle_closed_total``;
+  ``connections_idle_closed_total``; the receive budget:
+  ``receiving_bytes`` (held by large messages being received),
+  ``messages_waiting_to_receive``, ``receive_waits_total`` (messages that
+  waited for room), ``receive_budget_overruns_total`` (let in beyond it,
+  past stalled ones);
 - the store: ``parameters``, ``parameter_bytes``, ``pending_updates``,
   ``batches_total``, ``updates_applied_total``, ``updates_refused_total``;
 - training: ``long_polls_waiting``, ``barrier_waiters``, ``barrier_groups``,
@@ -264,6 +268,27 @@ class _NodeCollector:
             "connections_idle_closed",
             "Client connections closed for idleness.",
             c.get("idle_closed", 0),
+        )
+        budget = server.budget
+        yield gauge(
+            "receiving_bytes",
+            "Bytes held by large messages being received (the receive budget in use).",
+            budget.in_use,
+        )
+        yield gauge(
+            "messages_waiting_to_receive",
+            "Large messages waiting for room in the receive budget.",
+            budget.waiting,
+        )
+        yield counter(
+            "receive_waits",
+            "Large messages that waited for room in the receive budget.",
+            c.get("budget_waits", 0),
+        )
+        yield counter(
+            "receive_budget_overruns",
+            "Large messages let in beyond the receive budget, past stalled ones.",
+            c.get("budget_overruns", 0),
         )
 
         # -- the store --------------------------------------------------------------

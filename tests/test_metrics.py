@@ -10,6 +10,7 @@ import asyncio
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import urllib.request
@@ -146,6 +147,11 @@ async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalClu
         # The scrape came after the last reply; the protocol error's reply is not counted.
         assert value(samples, "sent_bytes_total") == server["bytes_out"] > 0
 
+        assert value(samples, "receiving_bytes") == 0
+        assert value(samples, "messages_waiting_to_receive") == 0
+        assert value(samples, "receive_waits_total") == 0
+        assert value(samples, "receive_budget_overruns_total") == 0
+
         assert value(samples, "parameters") == 2
         assert value(samples, "parameter_bytes") == 3 * 4 * 4 + 5 * 8
         assert value(samples, "pending_updates") == 0
@@ -187,6 +193,31 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
             for call in held:
                 call.cancel()
             await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_scrape_shows_the_receive_budget(cluster: LocalCluster) -> None:
+    mib = 1024 * 1024
+    node = await cluster.start(metrics_port=0, max_receiving_bytes=mib)
+    assert node.metrics_address is not None
+    # The start of a 1 MiB message, then nothing: it holds the whole budget.
+    held = socket.create_connection(node.address)
+    try:
+        held.sendall(struct.pack("!i", mib) + b"\x80" + bytes(300 * 1024))
+
+        async def holding() -> None:
+            samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
+            assert value(samples, "receiving_bytes") == mib
+
+        await eventually(holding)
+        async with ParameterClient(node.address, timeout=15) as client:
+            # It waits behind the stalled one, then is let in beyond the budget.
+            await client.update_arrays({"w": np.zeros(mib, np.uint8)})
+        samples = await scrape(node.metrics_address)
+        assert value(samples, "receive_waits_total") == 1
+        assert value(samples, "receive_budget_overruns_total") == 1
+        assert value(samples, "messages_waiting_to_receive") == 0
+    finally:
+        held.close()
 
 
 async def test_two_nodes_show_their_peer_links(cluster: LocalCluster) -> None:

@@ -113,9 +113,10 @@ class ReceiveBudget:
     sender back) until frames ahead of it are complete. A frame bigger than the
     whole budget goes when nothing else is being received. Waiters are let in
     in the order they asked, so a stream of smaller frames cannot starve a big
-    one. Throughput does not suffer for it: one event loop receives one frame's
-    bytes at a time either way, and frames received one after another finish
-    sooner, on average, than frames received side by side.
+    one. Frames received one after another finish sooner, on average, than
+    frames received side by side; the price is that fewer bytes are in flight
+    at once (one socket's buffers, not eight), which on loopback made eight
+    concurrent 64 MiB updates about 20% slower (see ``benchmarks/README.md``).
 
     It is accounting only, with no clock and no I/O: a frame that must wait
     leaves a callback, called (from :meth:`release`, :meth:`cancel` or
@@ -194,7 +195,9 @@ class Receiver:
             before its buffer is allocated (see :class:`ReceiveBudget`). While
             it waits, :attr:`waiting_for_budget` is true and the owner should
             stop reading; once room is granted, :attr:`on_grant` is called, and
-            the owner calls ``buffer_updated(0)`` to go on.
+            the owner calls ``buffer_updated(0)`` to go on. A large frame's
+            share is given back when the owner calls :meth:`release_handed`
+            (after handing the frame on) or :meth:`close`.
 
     Raises (from :meth:`buffer_updated`):
         RemoteProtocolError: the bytes cannot be a valid message; the
