@@ -79,3 +79,29 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
     assert meta["malloc"] == "tuned" and meta["malloc_env"]
     if plotting:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+PERCALL = BENCH.parent / "bench_percall.py"
+
+
+def test_bench_percall_smoke() -> None:
+    cmd = [
+        sys.executable, str(PERCALL),
+        "--bytes", "128KiB", "--conns", "2", "--rounds", "3", "--reps", "2",
+    ]  # fmt: skip
+    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    lines = [line.split() for line in stdout.splitlines()[1:]]
+    assert [line[:2] for line in lines] == [
+        ["update", "server"], ["update", "client"], ["get", "server"], ["get", "client"],
+    ]  # fmt: skip
+    for line in lines:
+        best, median = float(line[2]), float(line[3])
+        assert 0 < best <= median
+
+
+def test_bench_percall_refuses_bad_arguments() -> None:
+    for bad in (["--conns", "0"], ["--ops", "put"], ["--sides", "both"], ["--bytes", "lots"]):
+        rc, _, stderr = run_bounded([sys.executable, str(PERCALL), *bad], timeout=60)
+        assert rc == 2, (bad, stderr)
+        assert "error:" in stderr
