@@ -72,6 +72,7 @@ import os
 import platform
 import re
 import select
+import shlex
 import signal
 import socket
 import statistics
@@ -616,13 +617,14 @@ WORKERS = {
 NODE_ARGS = ["--host", HOST, "--port", "0", "--log-level", "warning"]
 
 
-def _server_cmd(variant: str, profile: Path | None) -> list[str]:
+def _server_cmd(variant: str, profile: Path | None, node_args: Sequence[str] = ()) -> list[str]:
     if profile is not None:
         # In-process, under cProfile timed by CPU time (wall time would count
         # the waits and the preemptions of a loaded machine).
-        return [sys.executable, str(THIS), "--serve-profiled", str(profile), variant]
+        extra = list(node_args) if variant == "node" else []
+        return [sys.executable, str(THIS), "--serve-profiled", str(profile), variant, *extra]
     if variant == "node":
-        return [sys.executable, "-m", "aioparamsync", *NODE_ARGS]
+        return [sys.executable, "-m", "aioparamsync", *NODE_ARGS, *node_args]
     return [sys.executable, str(THIS), "--serve", variant, "--host", HOST, "--port", "0"]
 
 
@@ -641,7 +643,7 @@ def serve(variant: str, host: str, port: int) -> int:
     return 0
 
 
-def serve_profiled(out: str, variant: str) -> int:
+def serve_profiled(out: str, variant: str, *node_args: str) -> int:
     import cProfile
 
     profiler = cProfile.Profile(time.process_time)
@@ -650,7 +652,7 @@ def serve_profiled(out: str, variant: str) -> int:
         if variant == "node":
             from aioparamsync.cli import main as node_main
 
-            return node_main(NODE_ARGS)
+            return node_main([*NODE_ARGS, *node_args])
         return serve(variant, HOST, 0)
     finally:
         profiler.disable()
@@ -685,6 +687,10 @@ def plan_cpus(pin: str) -> tuple[set[int], set[int]] | None:
     return {cpus[0]}, {cpus[1]}
 
 
+class ServerFailed(RuntimeError):
+    """A server did not start (it exited, or said something else than where it listens)."""
+
+
 class ServerProcess:
     """A server in a process of its own; stopped by its PID only.
 
@@ -702,11 +708,12 @@ class ServerProcess:
         profile: Path | None = None,
         *,
         cmd: Sequence[str] | None = None,
+        node_args: Sequence[str] = (),
     ) -> None:
         self.variant = variant
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            _server_cmd(variant, profile) if cmd is None else list(cmd),
+            _server_cmd(variant, profile, node_args) if cmd is None else list(cmd),
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -730,19 +737,19 @@ class ServerProcess:
         while b"\n" not in text:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(
+                raise ServerFailed(
                     f"{self.variant} server did not start within {SERVER_START_TIMEOUT} s"
                 )
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
                 chunk = os.read(fd, 4096)
                 if not chunk:
-                    raise RuntimeError(f"{self.variant} server exited: {self.stderr_tail()}")
+                    raise ServerFailed(f"{self.variant} server exited: {self.stderr_tail()}")
                 text += chunk
         line = text.split(b"\n", 1)[0].decode()
         match = re.search(r"listening on (\S+):(\d+)$", line)
         if not match:
-            raise RuntimeError(f"{self.variant} server printed {line!r}")
+            raise ServerFailed(f"{self.variant} server printed {line!r}")
         return match.group(1), int(match.group(2))
 
     def stderr_tail(self, n: int = 2000) -> str:
@@ -878,7 +885,7 @@ async def run_once(
         profile = Path(args.profile) / f"{variant}-{fmt_size(size)}-c{conns}-r{rep}.prof"
     load1 = load_average()
     t0 = time.monotonic()
-    server = ServerProcess(variant, env, profile)
+    server = ServerProcess(variant, env, profile, node_args=args.node_args)
     workers: list[Any] = []
     try:
         workers = [WORKERS[variant](server.address, i, array) for i in range(conns)]
@@ -1289,6 +1296,7 @@ def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any
         "variants": args.variants,
         "ops": args.ops,
         "row_budget": args.row_budget,
+        "node_args": args.node_args,
         "mb": "10^6 bytes",
     }
 
@@ -1368,7 +1376,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the servers under cProfile (CPU time), one .prof per run in DIR",
     )
     p.add_argument("--serve", choices=BASELINE_SERVERS, help=argparse.SUPPRESS)
-    p.add_argument("--serve-profiled", nargs=2, metavar=("OUT", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--node-args",
+        type=shlex.split,
+        default=[],
+        metavar="ARGS",
+        help="more flags for the node, as one string, e.g. --node-args='--max-receiving-bytes 0'",
+    )
+    p.add_argument("--serve-profiled", nargs="+", metavar="OUT VARIANT", help=argparse.SUPPRESS)
     p.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -1468,6 +1483,7 @@ def run_header(info: dict[str, Any], args: argparse.Namespace) -> str:
         f"medians of {args.reps} reps, {args.seconds} s per phase (calls in flight at the "
         f"deadline complete and count), at most {args.max_calls} calls per phase, "
         f"--row-budget {args.row_budget:g} s; MB = 10^6 bytes; client and servers share the CPUs"
+        + (f"\nthe node runs with: {shlex.join(args.node_args)}" if args.node_args else "")
     )
 
 
@@ -1533,6 +1549,9 @@ def main(argv: list[str] | None = None) -> int:
     except (asyncio.CancelledError, KeyboardInterrupt):
         print("interrupted; the servers started were stopped", file=sys.stderr)
         return 130
+    except ServerFailed as exc:
+        print(f"bench_node: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -81,6 +81,28 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_node_passes_node_args_and_reports_a_node_that_will_not_start(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench.json"
+    base = [
+        sys.executable, str(BENCH), "--variants", "node", "--sizes", "128KiB", "--conns", "2",
+        "--reps", "1", "--seconds", "0.05", "--max-calls", "20",
+    ]  # fmt: skip
+    cmd = [*base, "--node-args=--max-receiving-bytes 128KiB", "--json", str(out)]
+    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    assert "the node runs with: --max-receiving-bytes 128KiB" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["node_args"] == ["--max-receiving-bytes", "128KiB"]
+    assert [r["variant"] for r in doc["rows"]] == ["node"]
+
+    rc, stdout, stderr = run_bounded([*base, "--node-args=--max-receiving-bytes lots"], timeout=100)
+    assert rc == 1, f"exit {rc}\n{stdout}\n{stderr}"
+    assert "bench_node: node server exited" in stderr and "'lots' is not a size" in stderr
+    assert "Traceback" not in stderr
+
+
 PERCALL = BENCH.parent / "bench_percall.py"
 
 
