@@ -22,6 +22,8 @@ it, so a 64 MiB parameter is never copied between the kernel and the store.
 That buffer is allocated but not written (``numpy.empty``): its memory is
 taken as the bytes arrive, so a header that promises 256 MiB and sends
 nothing costs nothing, and no time is spent zeroing what the socket fills.
+Receivers may share a :class:`ReceiveBudget`, which bounds the bytes that
+large frames being received hold at once, all connections together.
 
 Unframed messages have no length: a
 :class:`~aioparamsync.wire.codec.StreamMeasure` walks each one as its bytes
