@@ -142,6 +142,16 @@ def test_closing_a_receiver_gives_back_what_it_held_and_withdraws_what_it_asked(
     assert budget.in_use == 0
 
 
+def test_feeding_a_waiting_receiver_past_its_scratch_buffer_is_an_error() -> None:
+    size = 4 * SCRATCH_BYTES
+    budget = ReceiveBudget(size)
+    holder, waiter = Receiver(budget=budget), Receiver(budget=budget)
+    assert holder.feed(framed(size)[:1000]) == []
+    with pytest.raises(BufferError, match="waits for its budget"):
+        waiter.feed(framed(size)[: 2 * SCRATCH_BYTES])
+    assert waiter.waiting_for_budget and budget.in_use == size
+
+
 def test_a_receiver_without_a_budget_takes_any_frame_at_once() -> None:
     size = 4 * SCRATCH_BYTES
     receivers = [Receiver() for _ in range(3)]

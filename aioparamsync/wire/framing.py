@@ -278,11 +278,21 @@ class Receiver:
         return frames
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Receive ``data`` as if the socket had written it (tests, and copying callers)."""
+        """Receive ``data`` as if the socket had written it (tests, and copying callers).
+
+        Raises:
+            BufferError: the receiver has no room for the rest: it waits for its
+                budget with its scratch buffer full (a socket would have stopped
+                reading).
+        """
         frames: list[Frame] = []
         view = memoryview(data)
         while view:
             buf = self.get_buffer()
+            if not buf:
+                raise BufferError(
+                    f"no room for {len(view)} more bytes: the receiver waits for its budget"
+                )
             n = min(len(buf), len(view))
             buf[:n] = view[:n]
             view = view[n:]
