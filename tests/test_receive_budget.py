@@ -14,6 +14,8 @@ import struct
 import numpy as np
 import pytest
 from cluster_helpers import eventually
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioparamsync import Node, ParameterClient
 from aioparamsync.wire import ReceiveBudget, Receiver
@@ -82,6 +84,59 @@ def test_no_limit_lets_every_frame_in_at_once() -> None:
 def test_a_budget_must_hold_something(limit: int) -> None:
     with pytest.raises(ValueError, match="at least 1 byte"):
         ReceiveBudget(limit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 100),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["ask", "done", "leave", "stalled"]), st.integers(1, 150)),
+        max_size=60,
+    ),
+)
+def test_the_budget_keeps_its_books_whatever_happens(limit: int, steps) -> None:
+    """Frames ask, finish, leave while waiting, or stall; the books always balance."""
+    budget = ReceiveBudget(limit)
+    holding: list[int] = []  # granted, not released: their sizes
+    waiting: list[tuple[int, object]] = []  # asked, not granted, in order
+    order: list[int] = []  # ids in the order they were let in
+    asked = 0
+
+    def asker(ident: int, size: int):
+        def on_grant() -> None:
+            waiting.remove(next(w for w in waiting if w[0] == ident))
+            holding.append(size)
+            order.append(ident)
+
+        return on_grant
+
+    callbacks: dict[int, object] = {}
+    for action, n in steps:
+        if action == "ask":
+            asked += 1
+            callback = callbacks[asked] = asker(asked, n)
+            waiting.append((asked, n))
+            if budget.reserve(n, callback):  # type: ignore[arg-type]
+                waiting.pop()
+                holding.append(n)
+                order.append(asked)
+        elif action == "done" and holding:
+            budget.release(holding.pop(n % len(holding)))
+        elif action == "leave" and waiting:
+            ident, _ = waiting[n % len(waiting)]
+            waiting.remove(next(w for w in waiting if w[0] == ident))
+            budget.cancel(callbacks[ident])  # type: ignore[arg-type]
+        elif action == "stalled" and waiting:
+            head = waiting[0][0]
+            budget.grant_next()
+            assert head in order  # let in, whether or not it fits
+        assert budget.in_use == sum(holding)
+        assert budget.waiting == len(waiting)
+        # Nobody waits for an empty budget, and nobody ahead of a waiter could have gone in.
+        assert not waiting or budget.in_use > 0
+        assert order == sorted(order)  # first come, first in
+        if budget.in_use <= limit:
+            assert not waiting or budget.in_use + waiting[0][1] > limit
 
 
 # -- receivers sharing a budget ----------------------------------------------------------------
