@@ -387,6 +387,29 @@ async def assert_mesh_over_wire(nodes: Iterable[NodeProcess]) -> None:
 RETRY_WIRE = (AssertionError, NetworkError)
 
 
+async def run_process(*argv: str, timeout: float) -> tuple[int, str, str]:
+    """Run ``argv`` to its end without blocking the loop; past ``timeout`` s kill it (by PID).
+
+    Answers (exit code, stdout, stderr). A timeout raises ``TimeoutError``.
+    """
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
 def run_bounded(cmd: list[str], timeout: float) -> tuple[int, str, str]:
     """Run ``cmd`` to its end; past ``timeout`` s SIGTERM it (it stops what it started).
 

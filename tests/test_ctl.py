@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trustme
+from cluster_helpers import run_process
 
 from aioparamsync import Node, ParameterClient, __version__, thrift
 from aioparamsync.ctl import main
@@ -458,42 +459,28 @@ async def test_a_tls_node(pki, capsys) -> None:
 # -- as processes ----------------------------------------------------------------------------
 
 
-async def run_process(*argv: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        async with asyncio.timeout(RUN_TIMEOUT):
-            out, err = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()  # by its PID
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+async def run_ctl(*argv: str) -> tuple[int, str, str]:
+    return await run_process(*argv, timeout=RUN_TIMEOUT)
 
 
 async def test_the_console_script(node: Node, client) -> None:
     # pip puts the script beside the interpreter of the environment it installs into.
     script = str(Path(sys.executable).with_name("aioparamsync-ctl"))
     await client.update_arrays({"w": np.arange(3)})
-    rc, out, err = await run_process(script, "--json", "get", text(node.address), "w")
+    rc, out, err = await run_ctl(script, "--json", "get", text(node.address), "w")
     assert (rc, err) == (0, "")
     (w,) = json.loads(out)["parameters"]
     assert (w["name"], w["shape"], w["preview"]) == ("w", [3], "[0 1 2]")
 
-    rc, out, err = await run_process(script, "ping", f"127.0.0.1:{unused_port()}")
+    rc, out, err = await run_ctl(script, "ping", f"127.0.0.1:{unused_port()}")
     assert_one_line_error(rc, out, err, "cannot connect to")
 
 
 async def test_python_m_aioparamsync_ctl(node: Node) -> None:
-    rc, out, err = await run_process(
+    rc, out, err = await run_ctl(
         sys.executable, "-m", "aioparamsync.ctl", "stats", text(node.address)
     )
     assert (rc, err) == (0, "")
     assert out.startswith(f"node        {node.node_id}\n")
-    rc, out, err = await run_process(sys.executable, "-m", "aioparamsync.ctl", "stats", "nohost")
+    rc, out, err = await run_ctl(sys.executable, "-m", "aioparamsync.ctl", "stats", "nohost")
     assert rc == 2 and out == "" and "Traceback" not in err

@@ -42,7 +42,6 @@ its stdin closes, and at ``--time-limit``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import sys
@@ -60,6 +59,7 @@ from cluster_helpers import (
     ProcessCluster,
     assert_mesh_over_wire,
     eventually,
+    run_process,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -158,7 +158,8 @@ async def _train(
 ) -> tuple[dict[str, Any], str]:
     """Run the example to its end (bounded); answer its JSON report and stdout."""
     report = out / f"{prefix}.json"
-    proc = await asyncio.create_subprocess_exec(
+    # Past RUN_TIMEOUT it is killed (by PID); its workers follow.
+    rc, stdout, stderr = await run_process(
         sys.executable,
         str(EXAMPLE),
         "--nodes",
@@ -169,20 +170,10 @@ async def _train(
         prefix,
         "--json",
         str(report),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        timeout=RUN_TIMEOUT,
     )
-    try:
-        async with asyncio.timeout(RUN_TIMEOUT):
-            stdout, stderr = await proc.communicate()
-    finally:
-        if proc.returncode is None:  # timed out: kill it (by PID); its workers follow
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, f"the example failed:\n{stdout.decode()}\n{stderr.decode()}"
-    return json.loads(report.read_text()), stdout.decode()
+    assert rc == 0, f"the example failed:\n{stdout}\n{stderr}"
+    return json.loads(report.read_text()), stdout
 
 
 async def _same_everywhere(nodes: list[NodeProcess], names: list[str]) -> list[dict]:
