@@ -728,7 +728,8 @@ class ParameterClient:
                 (see :mod:`aioparamsync.rules`): one for every parameter, or
                 a mapping of name -> rule. Parameters without one keep theirs.
             encoding: send arrays encoded (``"fp16"``, ``"bf16"``, ``"int8"``,
-                ``"zlib"``); the node stores them decoded.
+                ``"zlib"``); the node stores them decoded. An array larger than
+                ``max_inline_bytes`` even encoded goes raw, in pieces.
             timestamp: the update's timestamp (default: now, in milliseconds).
             timeout: this call's deadline (seconds; default: the client's).
 
@@ -762,6 +763,11 @@ class ParameterClient:
             return dict(result.versions)
 
         for p in large:
+            if p.encoding:
+                # Pieces carry raw bytes (see pieces.split): too large even
+                # encoded, this parameter goes raw.
+                rule, p = p.rule, to_parameter(p.name, params[p.name])  # type: ignore[index]
+                p.rule = rule
             for done in await asyncio.gather(
                 *map(send, pieces.split(p, uuid.uuid4().hex, self.piece_bytes))
             ):

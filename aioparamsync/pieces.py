@@ -67,6 +67,8 @@ def split(param: Any, upload_id: str, piece_bytes: int = PIECE_BYTES) -> list[An
     """Cut a whole ``Parameter`` into pieces of at most ``piece_bytes`` (views, no copy)."""
     if piece_bytes < 1:
         raise ValueError(f"piece_bytes must be at least 1, not {piece_bytes}")
+    if param.encoding:
+        raise ValueError(f"{param.name!r} is encoded ({param.encoding}): pieces carry raw bytes")
     data = memoryview(param.data).cast("B")
     total = data.nbytes
     return [

@@ -34,6 +34,9 @@ def test_split_cuts_views_that_cover_the_whole() -> None:
     )
     with pytest.raises(ValueError):
         split(p, "u", 0)
+    p.encoding = "zlib"
+    with pytest.raises(ValueError, match="pieces carry raw bytes"):
+        split(p, "u", 4096)
 
 
 @pytest.mark.parametrize("order", ["forward", "backward", "shuffled"])
@@ -306,6 +309,22 @@ async def test_the_client_sends_and_reads_large_parameters_in_pieces(node: Node)
     # A client that reads whole messages gets it whole (it is under 2 GiB).
     async with ParameterClient(node.address) as whole_reader:
         np.testing.assert_array_equal((await whole_reader.get_arrays(["big"]))["big"], big * 2)
+
+
+@pytest.mark.parametrize("encoding", ["fp16", "zlib"])
+async def test_an_encoded_parameter_too_large_for_one_message_goes_raw_in_pieces(
+    node: Node, encoding: str
+) -> None:
+    big = np.random.default_rng(6).standard_normal(50_000).astype(np.float32)  # 200 000 B
+    # Encoded, still over max_inline_bytes (fp16: 100 000 B; zlib barely shrinks noise).
+    async with ParameterClient(node.address, max_inline_bytes=50_000, piece_bytes=16_000) as c:
+        assert await c.update_arrays({"big": big}, encoding=encoding, rules=sum_rule()) == {
+            "big": 1
+        }
+        assert node.service.uploads.statistics()["uploads_completed"] == 1
+        got = await c.get_arrays(["big"])
+        np.testing.assert_array_equal(got["big"], big)  # raw: exact, not rounded to fp16
+        assert node.store.table.entry("big").rule == sum_rule()
 
 
 def test_client_piece_settings_are_checked() -> None:
