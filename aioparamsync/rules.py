@@ -110,8 +110,12 @@ class State:
 
 
 def _working_dtype(dtype: np.dtype) -> np.dtype:
-    # float64 stays float64; everything narrower is computed in float32
-    # (bfloat16 and float16 as torch computes them on the CPU).
+    # Integers (``sum`` only) are added in their own type: exactly, wrapping
+    # around on overflow as torch's integer tensors do. float64 stays float64;
+    # every narrower float is computed in float32 (bfloat16 and float16 as
+    # torch computes them on the CPU).
+    if dtype.kind in "iu":
+        return dtype
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 

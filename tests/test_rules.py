@@ -247,6 +247,24 @@ def test_rules_need_a_dtype_they_can_fold() -> None:
     assert len(table) == 1
 
 
+@pytest.mark.parametrize(
+    ("dtype", "start", "add", "total"),
+    [
+        (np.int64, 2**40, 1, 2**40 + 1),
+        (np.int32, 2**24 + 1, 0, 2**24 + 1),  # float32 would make it 2**24
+        (np.uint8, 255, 1, 0),  # wraps around, as torch's integer tensors do
+    ],
+)
+def test_sum_adds_integers_exactly_in_their_own_type(dtype, start, add, total) -> None:
+    table = ParameterTable("n")
+    counter = to_parameter("n", np.array([start], dtype))
+    counter.rule = sum_rule()
+    table.apply([counter], 1)
+    table.fold([grad("n", np.array([add], dtype))], 2)
+    assert value(table, "n").tolist() == [total]
+    assert value(table, "n").dtype == dtype
+
+
 def test_an_update_keeps_the_rule_and_a_new_rule_starts_the_state_over() -> None:
     table = table_with(w=([1.0, 1.0], sgd(0.1, momentum=0.9)))
     table.fold([grad("w", [1.0, 1.0])], 2)
