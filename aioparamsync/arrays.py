@@ -44,7 +44,7 @@ MAX_DIMS = 64
 # The wire's dtype string of ml_dtypes.bfloat16 (numpy's own, "<V2", is ambiguous).
 BFLOAT16 = "bfloat16"
 # bfloat16 bytes on the wire are little-endian; a big-endian host swaps them.
-_SWAP_BFLOAT16 = sys.byteorder != "little"
+SWAP_BFLOAT16 = sys.byteorder != "little"
 
 
 def _bfloat16() -> np.dtype:
@@ -120,8 +120,10 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
         )
 
 
-def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int] | None) -> None:
-    """Check that ``nbytes`` of data fit ``dtype`` and ``shape``.
+def check_layout(
+    name: str, nbytes: int, dtype: str | None, shape: Sequence[int] | None
+) -> np.dtype | None:
+    """Check that ``nbytes`` of data fit ``dtype`` and ``shape``; answer the parsed dtype.
 
     Raises:
         RequestError: (SHAPE_MISMATCH) they do not, or the dtype is not numeric.
@@ -135,7 +137,7 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
                 f"{name!r}: shape {tuple(shape)} without a dtype needs "
                 f"{math.prod(shape)} bytes, got {nbytes}",
             )
-        return
+        return None
     dt = parse_dtype(dtype)
     if shape is None:
         if nbytes % dt.itemsize:
@@ -143,13 +145,14 @@ def check_layout(name: str, nbytes: int, dtype: str | None, shape: Sequence[int]
                 ErrorCode.SHAPE_MISMATCH,
                 f"{name!r}: {nbytes} bytes is not a whole number of {dtype} items",
             )
-        return
+        return dt
     expected = math.prod(shape) * dt.itemsize
     if expected != nbytes:
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH,
             f"{name!r}: shape {tuple(shape)} of {dtype} needs {expected} bytes, got {nbytes}",
         )
+    return dt
 
 
 def to_parameter(name: str, array: Any, version: int = 0) -> Any:
@@ -174,7 +177,7 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
     bfloat16 = is_bfloat16(arr.dtype)
     if not bfloat16 and (arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.fields is not None):
         raise TypeError(f"{name!r}: cannot send an array of dtype {arr.dtype}")
-    if bfloat16 and _SWAP_BFLOAT16:
+    if bfloat16 and SWAP_BFLOAT16:
         arr = arr.view(np.uint16).byteswap().view(arr.dtype)  # a copy, little-endian
     elif not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
@@ -208,10 +211,10 @@ def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
     nbytes = memoryview(data).nbytes
     stored = param.dtype if param.dtype is not None else wire_dtype(dtype or np.uint8)
     shape = param.shape if param.dtype is not None else None
-    check_layout(param.name, nbytes, stored, shape)
-    dt = parse_dtype(stored)
+    dt = check_layout(param.name, nbytes, stored, shape)
+    assert dt is not None  # (stored is a dtype)
     arr = np.frombuffer(data, dtype=dt)
-    if _SWAP_BFLOAT16 and stored == BFLOAT16:
+    if SWAP_BFLOAT16 and stored == BFLOAT16:
         arr = arr.view(np.uint16).byteswap().view(dt)
     return arr.reshape(shape) if shape is not None else arr
 

@@ -87,8 +87,6 @@ MAX_SPARE_CONNECTIONS = 4
 # A held call's deadline is its wait plus this (seconds), so that the node's
 # TIMEOUT, which says what never came, arrives before the client gives up.
 HOLD_MARGIN = 5.0
-# Encodings that lose precision: gradients sent so keep an error-feedback residual.
-LOSSY_ENCODINGS = frozenset({"fp16", "bf16", "int8", "topk"})
 
 
 Address = str | tuple[str, int]
@@ -258,15 +256,6 @@ class _Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _watch(self, seqid: int, when: float) -> None:
-        """Fail the call ``seqid`` with TimeoutError if it is not answered by ``when``."""
-        self._deadlines[seqid] = when
-        if self._timer is None or when < self._timer_when:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._loop.call_at(when, self._expire)
-            self._timer_when = when
-
     def _expire(self) -> None:
         self._timer = None
         now = self._loop.time() + TIMER_SLACK
@@ -326,10 +315,13 @@ class _Connection(asyncio.BufferedProtocol):
         self.traffic["bytes_sent"] += size
         future = self._loop.create_future()
         self.pending[seqid] = future
-        if when is not None:  # (self._watch, inlined)
+        if when is not None:  # failed with TimeoutError if not answered by then
             self._deadlines[seqid] = when
             if self._timer is None or when < self._timer_when:
-                self._watch(seqid, when)
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self._loop.call_at(when, self._expire)
+                self._timer_when = when
         transport.writelines(parts)
         return seqid, future
 
@@ -819,7 +811,7 @@ class ParameterClient:
         else:
             from . import compression
 
-            if encoding in LOSSY_ENCODINGS and error_feedback:
+            if encoding in compression.LOSSY and error_feedback:
                 if self._feedback is None:
                     self._feedback = compression.ErrorFeedback()
                 encode = self._feedback.encode

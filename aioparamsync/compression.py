@@ -41,7 +41,6 @@ Pure numpy: no asyncio, no sockets; the node and the client both use it.
 from __future__ import annotations
 
 import math
-import sys
 import zlib
 from collections.abc import Sequence
 from typing import Any, cast
@@ -51,6 +50,7 @@ import numpy as np
 from .arrays import (
     BFLOAT16,
     NUMERIC_KINDS,
+    SWAP_BFLOAT16,
     check_shape,
     from_parameter,
     is_bfloat16,
@@ -77,12 +77,10 @@ __all__ = [
 ENCODINGS = ("fp16", "bf16", "int8", "topk", "zlib")
 # The encodings a pull may ask for (topk would hand a reader a mostly-zero array).
 PULL_ENCODINGS = ("fp16", "bf16", "int8", "zlib")
-# Encodings that need a floating dtype (float16/32/64, bfloat16).
-_FLOAT_ONLY = frozenset(("fp16", "bf16", "int8", "topk"))
+# Encodings that lose precision, and need a floating dtype (float16/32/64, bfloat16).
+LOSSY = frozenset(("fp16", "bf16", "int8", "topk"))
 # zlib inflates at most this many bytes at a time: decoding holds the array plus this.
 ZLIB_CHUNK = 1 << 20
-# bfloat16 bytes on the wire are little-endian; a big-endian host swaps them.
-_SWAP_BFLOAT16 = sys.byteorder != "little"
 # Casts between float types meet inf and NaN as values, not as errors: no warnings.
 _CASTS: dict[str, Any] = {"over": "ignore", "invalid": "ignore"}
 # Largest int8 code: symmetric, so -x encodes to -q (int8's -128 is never sent).
@@ -114,7 +112,7 @@ def encodable(dtype: str | None, encoding: str) -> bool:
         dt = parse_dtype(dtype)
     except RequestError:
         return False
-    return encoding not in _FLOAT_ONLY or _is_float(dt)
+    return encoding not in LOSSY or _is_float(dt)
 
 
 def _le_bytes(arr: np.ndarray) -> memoryview:
@@ -159,7 +157,7 @@ def encode(name: str, array: Any, encoding: str, *, ratio: float = 0.01, level: 
     dt = arr.dtype
     if not is_bfloat16(dt) and (dt.kind not in NUMERIC_KINDS or dt.fields is not None):
         raise TypeError(f"{name!r}: cannot send an array of dtype {dt}")
-    if encoding in _FLOAT_ONLY and not _is_float(dt):
+    if encoding in LOSSY and not _is_float(dt):
         raise TypeError(f"{name!r}: {encoding} needs a floating array, not {dt}")
     param = thrift.Parameter(
         name=name, data=b"", dtype=wire_dtype(dt), shape=list(arr.shape), encoding=encoding
@@ -185,7 +183,7 @@ def encode(name: str, array: Any, encoding: str, *, ratio: float = 0.01, level: 
 
 def _int8(name: str, arr: np.ndarray) -> tuple[memoryview, float]:
     x = arr.reshape(-1).astype(np.float64)
-    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    amax = max(float(x.max()), -float(x.min())) if x.size else 0.0  # NaN stays NaN
     if not math.isfinite(amax):
         raise ValueError(f"{name!r}: int8 cannot encode non-finite values")
     # An all-zero array: scale 0 (every code decodes to 0). A float64 subnormal
@@ -239,7 +237,7 @@ def _layout(param: Any) -> tuple[np.dtype, tuple[int, ...] | None]:
         dt = parse_dtype(param.dtype) if param.dtype is not None else np.dtype(np.uint8)
     except RequestError as exc:
         raise _fail(ErrorCode(exc.code), name, exc.message) from None
-    if encoding in _FLOAT_ONLY and not _is_float(dt):
+    if encoding in LOSSY and not _is_float(dt):
         raise _fail(
             ErrorCode.BAD_REQUEST, name, f"{encoding} is for floating dtypes, not {param.dtype!r}"
         )
@@ -361,7 +359,7 @@ def decode(param: Any, *, max_nbytes: int | None = None) -> np.ndarray:
         return _decode_topk(param, dt, shape, n)
     out = np.empty(n, dt)
     _inflate(param, n * dt.itemsize, out.view(np.uint8))
-    if _SWAP_BFLOAT16 and is_bfloat16(dt):  # its wire bytes are little-endian
+    if SWAP_BFLOAT16 and is_bfloat16(dt):  # its wire bytes are little-endian
         out.view(np.uint16).byteswap(inplace=True)
     return out.reshape(shape)
 
@@ -543,14 +541,14 @@ class ErrorFeedback:
         if not _is_float(g.dtype):
             raise TypeError(f"{name!r}: error feedback needs a floating gradient, not {g.dtype}")
         work = np.float64 if g.dtype.itemsize == 8 else np.float32
-        residual = self._residuals.get(name)
-        if residual is None or residual.shape != g.shape:
-            residual = np.zeros(g.shape, work)
+        residual = self._residuals.get(name)  # of dtype work, when there is one
         with np.errstate(**_CASTS):  # inf and NaN gradients are values, as in encode
-            total = g.astype(work) + residual.astype(work, copy=False)
+            total = g.astype(work)  # a copy: it becomes the next residual
+            if residual is not None and residual.shape == g.shape:
+                np.add(total, residual, out=total)
             # Sent in the gradient's dtype: what that cast loses is kept in the residual too.
             sent = encode(name, total.astype(g.dtype, copy=False), encoding, ratio=ratio)
-            total -= decode(sent).astype(work)
+            np.subtract(total, decode(sent).astype(work, copy=False), out=total)
         self._residuals[name] = total
         return sent
 

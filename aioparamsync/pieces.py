@@ -38,7 +38,6 @@ __all__ = [
     "PIECE_BYTES",
     "Uploads",
     "fetch",
-    "is_piece",
     "split",
 ]
 
@@ -56,11 +55,6 @@ MAX_UPLOAD_BYTES = 16 * 1024**3
 # that keeps changing while it reads.
 FETCH_CONCURRENCY = 4
 FETCH_TRIES = 3
-
-
-def is_piece(param: Any) -> bool:
-    """Whether ``param`` is a piece of a larger parameter (or, read, its header)."""
-    return param.total_bytes is not None
 
 
 def split(param: Any, upload_id: str, piece_bytes: int = PIECE_BYTES) -> list[Any]:

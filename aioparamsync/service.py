@@ -92,6 +92,12 @@ def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
 __all__ = ["ParameterService"]
 
 
+def _update_result(applied: Applied) -> Any:
+    """What an update or a push answers: each parameter's new version, and the timestamp."""
+    versions = {e.name: e.version for e in applied.entries}
+    return thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+
+
 def _params(update: Any) -> tuple[Sequence[Any], int]:
     if update is None:
         raise RequestError(ErrorCode.BAD_REQUEST, "the update is missing")
@@ -166,16 +172,16 @@ class ParameterService:
         if request.piece_offset is not None:
             params = self._piece(request, entries)
         elif any(e.nbytes > limit for e in entries):
-            params = [self._inline_or_header(request, e) for e in entries]
+            params = [self._inline_or_header(request, e, limit) for e in entries]
         elif request.encoding:
             params = [self._encoded(e, request.encoding) for e in entries]
         else:
             params = [e.to_parameter() for e in entries]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
 
-    def _inline_or_header(self, request: Any, entry: Entry) -> Any:
-        """A parameter in the answer, or (too large for it) its header: no data, total_bytes."""
-        if entry.nbytes > _inline_limit(request):
+    def _inline_or_header(self, request: Any, entry: Entry, limit: int) -> Any:
+        """A parameter in the answer, or (over ``limit`` bytes) its header: no data, total_bytes."""
+        if entry.nbytes > limit:
             if request.max_inline_bytes is None:  # a client that cannot take pieces
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,
@@ -291,10 +297,7 @@ class ParameterService:
 
     def _push_parameters(self, method: Method, args: Any) -> asyncio.Future:
         def result(applied: Applied) -> Any:
-            versions = {e.name: e.version for e in applied.entries}
-            return method.result(
-                success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
-            )
+            return method.result(success=_update_result(applied))
 
         params, timestamp = _params(args.update)
         return self.store.submit(self._incoming(params), timestamp, then=result)
@@ -317,10 +320,7 @@ class ParameterService:
                 return first
 
         def result(applied: Applied) -> Any:
-            versions = {e.name: e.version for e in applied.entries}
-            return method.result(
-                success=thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
-            )
+            return method.result(success=_update_result(applied))
 
         timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
         cluster = self.cluster
@@ -382,8 +382,7 @@ class ParameterService:
             applied = await self.store.submit(
                 _decoded(grads, self.max_decoded_bytes), timestamp, gradients=True
             )
-            versions = {e.name: e.version for e in applied.entries}
-            return thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+            return _update_result(applied)
 
         results = await asyncio.gather(*(fold(o, g) for o, g in parts.items()))
         versions: dict[str, int] = {}

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import rules
-from .arrays import check_layout, from_parameter
+from .arrays import BFLOAT16, check_layout, from_parameter, is_bfloat16
 from .errors import ErrorCode, RequestError
 from .wire import thrift
 
@@ -364,7 +364,7 @@ class ParameterTable:
             if g.dtype is None:
                 raise RequestError(ErrorCode.SHAPE_MISMATCH, f"gradient {g.name!r} has no dtype")
             grad = from_parameter(g)
-            if grad.dtype.kind not in "iuf" and grad.dtype.name != "bfloat16":
+            if grad.dtype.kind not in "iuf" and not is_bfloat16(grad.dtype):
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
                     f"gradient {g.name!r} of dtype {g.dtype} is not a real number type",
@@ -469,7 +469,7 @@ def _check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
     """Check a rule, and that it can fold gradients into an array of ``dtype``."""
     rules.check_rule(name, rule)
     # (check_layout has checked that dtype is a numeric one)
-    kind = "f" if dtype == "bfloat16" else np.dtype(dtype).kind if dtype else ""
+    kind = "f" if dtype == BFLOAT16 else np.dtype(dtype).kind if dtype else ""
     if kind not in ("iuf" if rule.kind == "sum" else "f") or not kind:
         raise RequestError(
             ErrorCode.BAD_REQUEST,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
-from .arrays import from_parameter
+from .arrays import from_parameter, is_bfloat16
 
 if TYPE_CHECKING:
     from .client import ParameterClient
@@ -106,13 +106,18 @@ def from_numpy(array: Any) -> torch.Tensor:
     """
     arr = np.asarray(array)
     if not (arr.flags.writeable and arr.flags.c_contiguous and arr.dtype.isnative):
-        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
+        arr = _native_copy(arr)
     return _tensor(arr)
+
+
+def _native_copy(arr: np.ndarray) -> np.ndarray:
+    """A C-ordered copy of ``arr`` in the host's byte order (what torch.from_numpy takes)."""
+    return np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:
     """``torch.from_numpy``, bfloat16 included (``arr`` is C-ordered and native)."""
-    if arr.dtype.name == "bfloat16":
+    if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     try:
         return torch.from_numpy(arr)
@@ -123,7 +128,7 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
 def _source_tensor(arr: np.ndarray) -> torch.Tensor:
     """A tensor over ``arr`` (read-only or not) that is only ever read from: no copy."""
     if not (arr.flags.c_contiguous and arr.dtype.isnative):
-        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True)
+        arr = _native_copy(arr)
     if arr.flags.writeable:
         return _tensor(arr)
     with warnings.catch_warnings():

@@ -719,37 +719,7 @@ class BinaryReader(Reader):
         self.depth -= 1
         return set(items) if ttype == _T_SET else items
 
-    def _read_map(self, sub: Any) -> dict:
-        ktype, ksub, kwire_want, vtype, vsub, vwire_want = sub
-        pos = self.pos
-        if pos + 6 > self.end:
-            self._overrun(6)
-        kwire, vwire, count = _S_MAP.unpack_from(self.buf, pos)
-        self.pos = pos + 6
-        if count and (kwire != kwire_want or vwire != vwire_want):
-            raise RemoteProtocolError(f"map of types {kwire}, {vwire} is not the expected one")
-        min_size = self.MIN_SIZE
-        self._check_count_of(count, min_size.get(kwire, 1) + min_size.get(vwire, 1))
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise RemoteProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
-        result: dict[Any, Any] = {}
-        if count and ktype == _T_STRING and vtype in (_T_I32, _T_I64):  # e.g. versions by name
-            read_key = self._read_string
-            read_item = self._read_i32 if vtype == _T_I32 else self._read_i64
-            for _ in range(count):
-                key = read_key()
-                result[key] = read_item()
-        else:
-            read_value = self._read_value
-            for _ in range(count):
-                key = read_value(ktype, ksub)
-                result[key] = read_value(vtype, vsub)
-        self.depth -= 1
-        return result
 
-
-_S_HEAD = struct.Struct("!bh")  # a binary field header
 _S_HEAD_I32 = struct.Struct("!bhi")  # a field header and the 4 bytes after it
 _S_HEAD_I64 = struct.Struct("!bhq")  # a field header and the 8 bytes after it
 _S_HEAD_LIST = struct.Struct("!bhbi")  # a field header and a list's header
@@ -797,7 +767,7 @@ def _binary_reader(cls: Any) -> Callable[[BinaryReader], Any]:
         "MAX_DEPTH": MAX_DEPTH,
         "RemoteProtocolError": RemoteProtocolError,
         "BY_ID": plan.by_id,
-        "U_BH": _S_HEAD.unpack_from,
+        "U_BH": _S_FIELD.unpack_from,  # a field header
         "U_BHI": _S_HEAD_I32.unpack_from,
         "U_BHQ": _S_HEAD_I64.unpack_from,
         "U_BHBI": _S_HEAD_LIST.unpack_from,
@@ -1545,13 +1515,6 @@ class BinaryWriter(Writer):
         elif ttype == _T_MAP:
             ktype, ksub, kwire, vtype, vsub, vwire = sub
             self.out += _S_MAP.pack(kwire, vwire, len(value))
-            pack = _pack_i32 if vtype == _T_I32 else _pack_i64 if vtype == _T_I64 else None
-            if ktype == _T_STRING and pack is not None:  # e.g. versions by name
-                write_bytes = self._write_bytes
-                for key, item in value.items():
-                    write_bytes(key)
-                    self.out += pack(item)
-                return
             write_value = self._write_value
             for key, item in value.items():
                 write_value(ktype, ksub, key)

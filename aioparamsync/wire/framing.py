@@ -229,8 +229,9 @@ class Receiver:
         self._measure: StreamMeasure | None = None  # unframed: the walk of the message
         self.bytes_received = 0
         self._budget = budget
-        self._asked = 0  # bytes asked of the budget
-        self._reserved = 0  # bytes granted for the large frame (next or being filled)
+        # Bytes asked of the budget for the large frame (next or being filled);
+        # granted unless waiting_for_budget.
+        self._reserved = 0
         self._handed = 0  # bytes granted for large frames handed out, not yet released
         self.waiting_for_budget = False
         self.on_grant: Callable[[], None] | None = None
@@ -309,7 +310,6 @@ class Receiver:
 
     def _granted(self) -> None:
         self.waiting_for_budget = False
-        self._reserved = self._asked
         if self.on_grant is not None:
             self.on_grant()
 
@@ -350,13 +350,12 @@ class Receiver:
             if size > LARGE_FRAME_BYTES and available < size:
                 budget = self._budget
                 if budget is not None and not self._reserved:
-                    if self.waiting_for_budget:
-                        break
-                    self._asked = size
+                    self._reserved = size
                     if not budget.reserve(size, self._granted):
                         self.waiting_for_budget = True
                         break
-                    self._reserved = size
+                elif self.waiting_for_budget:
+                    break
                 # Give the socket a buffer of the frame's exact size.
                 self._large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
                 self._large[:available] = scratch[start + 4 : self._end]  # one copy
@@ -365,7 +364,7 @@ class Receiver:
                 return
             if available < size:
                 break
-            if self.waiting_for_budget or self._reserved:
+            if self._reserved:
                 self._drop_reservation()  # the frame came whole after all
             payload = memoryview(bytes(scratch[start + 4 : start + 4 + size]))  # one copy
             self._start = start + 4 + size
@@ -379,11 +378,11 @@ class Receiver:
     def _drop_reservation(self) -> None:
         budget = self._budget
         assert budget is not None
+        reserved, self._reserved = self._reserved, 0
         if self.waiting_for_budget:
             self.waiting_for_budget = False
             budget.cancel(self._granted)
-        if self._reserved:
-            reserved, self._reserved = self._reserved, 0
+        elif reserved:
             budget.release(reserved)
 
     def release_handed(self) -> None:
