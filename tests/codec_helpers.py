@@ -47,6 +47,17 @@ def plain(value: Any) -> Any:
     return value
 
 
+def mutate(data: bytes, cut: int | None, flips: list[tuple[int, int]]) -> bytes:
+    """``data`` with each ``(where, xor)`` of ``flips`` applied, then cut at ``cut``."""
+    buf = bytearray(data)
+    for where, xor in flips:
+        if buf:
+            buf[where % len(buf)] ^= xor
+    if cut is not None:
+        del buf[cut % (len(buf) + 1) :]
+    return bytes(buf)
+
+
 def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
     """What decoding ``data`` (a message) as ``cls`` gives: a value or the error."""
     reader = reader_cls(data, stream=stream, limit=1 << 20)

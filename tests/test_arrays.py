@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import ml_dtypes  # (registers its other types, float8 and all, with numpy)
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -91,7 +92,6 @@ def test_mismatched_parameters_raise_a_clear_error() -> None:
 
 
 def test_bfloat16_goes_on_the_wire_as_bfloat16_and_round_trips_exactly() -> None:
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     bits = np.arange(0, 1 << 16, 7, dtype=np.uint16)  # every kind: normals, subnormals, inf, NaN
     arr = bits.view(ml_dtypes.bfloat16).reshape(-1, 1)
     param = to_parameter("w", arr)
@@ -103,7 +103,6 @@ def test_bfloat16_goes_on_the_wire_as_bfloat16_and_round_trips_exactly() -> None
 
 
 def test_bfloat16_checks_layout_and_reads_plain_bytes_as_asked() -> None:
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     check_layout("w", 6, "bfloat16", [3])
     with pytest.raises(RequestError, match="needs 6 bytes, got 5") as info:
         check_layout("w", 5, "bfloat16", [3])
@@ -115,7 +114,6 @@ def test_bfloat16_checks_layout_and_reads_plain_bytes_as_asked() -> None:
 
 @pytest.mark.parametrize("dtype", ["<V2", "|V2", "V4", "float8_e4m3fn", "<U1"])
 def test_void_and_other_extension_dtypes_are_refused(dtype: str) -> None:
-    pytest.importorskip("ml_dtypes")  # registers its other types with numpy, too
     param = thrift.Parameter(name="w", data=b"\0\0", dtype=dtype, shape=[1])
     with pytest.raises(RequestError) as info:
         from_parameter(param)
@@ -128,7 +126,6 @@ def test_importing_aioparamsync_does_not_import_ml_dtypes() -> None:
 
 
 def test_wire_dtype_and_parse_dtype_agree() -> None:
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     for dt in (np.dtype("<f4"), np.dtype(">i2"), np.dtype(ml_dtypes.bfloat16)):
         assert parse_dtype(wire_dtype(dt)) == dt
     assert wire_dtype(ml_dtypes.bfloat16) == "bfloat16"

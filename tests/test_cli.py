@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_helpers import (
+    CALL_TIMEOUT,
     LISTENING,
     NODE_COMMAND,
     START_TIMEOUT,
@@ -42,7 +43,6 @@ pytestmark = pytest.mark.timeout(90)
 NODE = NODE_COMMAND
 # "Promptly": well under the node's 5 s grace for calls in flight.
 PROMPT_SECONDS = 4.0
-CALL_TIMEOUT = 15.0
 MIB = 1024 * 1024
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from codec_helpers import PROPERTY, GeneralReader, outcome
+from codec_helpers import PROPERTY, GeneralReader, mutate, outcome
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -98,16 +98,6 @@ def update_bodies(draw: st.DrawFn) -> bytes:
 
 def message(body: bytes, name: bytes = b"push_parameters") -> bytes:
     return struct.pack("!Ii", 0x80010001, len(name)) + name + struct.pack("!i", 1) + body
-
-
-def mutate(data: bytes, cut: int | None, flips: list[tuple[int, int]]) -> bytes:
-    buf = bytearray(data)
-    for where, xor in flips:
-        if buf:
-            buf[where % len(buf)] ^= xor
-    if cut is not None:
-        del buf[cut % (len(buf) + 1) :]
-    return bytes(buf)
 
 
 cuts = st.one_of(st.none(), st.integers(0, 10_000))

@@ -6,9 +6,10 @@ import math
 import tracemalloc
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -27,7 +28,6 @@ from aioparamsync.compression import (
 )
 from aioparamsync.wire import thrift
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 FLOATS = st.sampled_from([np.dtype("<f4"), np.dtype("<f8"), np.dtype(">f4"), np.dtype(">f8")])
@@ -384,7 +384,25 @@ def test_zlib_decodes_across_many_chunks() -> None:
 WIRE_DTYPES = ["<f4", ">f8", "<f2", "bfloat16", "<i4", "|b1", "<c8", "<U2", "<V2", "x", None]
 
 
+def encoded_example(arr: np.ndarray, encoding: str, **kwargs: float):
+    """An ``@example`` of what ``encode`` sends: it decodes, so the assertions run."""
+    param = encode("w", arr, encoding, **kwargs)
+    return example(
+        encoding=param.encoding,
+        dtype=param.dtype,
+        shape=param.shape,
+        data=bytes(param.data),
+        scale=param.scale,
+        indices=param.indices,
+    )
+
+
 @settings(max_examples=300, deadline=None)
+@encoded_example(np.arange(6, dtype="<f4").reshape(2, 3), "fp16")
+@encoded_example(np.linspace(-1, 1, 4, dtype=">f8"), "bf16")
+@encoded_example(np.arange(6, dtype="<f4").reshape(3, 2) - 2.5, "int8")
+@encoded_example(np.arange(6, dtype=">f8"), "topk", ratio=0.5)
+@encoded_example(np.arange(6, dtype="<i4").reshape(1, 2, 3), "zlib")
 @given(
     encoding=st.sampled_from([*ENCODINGS, "", "raw", "ZLIB"]),
     dtype=st.sampled_from(WIRE_DTYPES),

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trustme
-from cluster_helpers import run_process
+from cluster_helpers import eventually, run_process
 
 from aioparamsync import Node, ParameterClient, __version__, thrift
 from aioparamsync.ctl import main
@@ -323,10 +323,12 @@ async def test_waiting_shows_who_waits_for_whom(node: Node, client, capsys) -> N
         asyncio.ensure_future(client.barrier("train", "worker-0", 7, 2, timeout=30)),
     ]
     try:
-        for _ in range(200):
-            if len((await client.info()).waiting or []) == 2:
-                break
-            await asyncio.sleep(0.01)
+
+        async def both_held() -> None:
+            waiting = (await client.info()).waiting or []
+            assert len(waiting) == 2, waiting
+
+        await eventually(both_held)
         rc, out, err = await ctl(capsys, "waiting", text(node.address))
         assert rc == 0 and err == ""
         lines = out.splitlines()

@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from cluster_helpers import NODE_COMMAND, START_TIMEOUT, NodeProcess, Spawn
+from cluster_helpers import CALL_TIMEOUT, NODE_COMMAND, START_TIMEOUT, NodeProcess, Spawn
 
 from aioparamsync import (
     ErrorCode,
@@ -55,7 +55,6 @@ pytestmark = pytest.mark.timeout(60)
 NODE = NODE_COMMAND
 # A node with a data directory writes a snapshot as it exits: more time than elsewhere.
 EXIT_TIMEOUT = 15.0
-CALL_TIMEOUT = 15.0
 MIB = 1024 * 1024
 RECORD = struct.Struct("!II")  # the log's record header: length, crc32
 SEGMENT = re.compile(r"wal-(\d{8})\.log")

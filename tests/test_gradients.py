@@ -110,15 +110,17 @@ async def test_bad_gradients_are_refused_whole(
     [
         (thrift.GradientPush(grads=[], request_id=""), ErrorCode.BAD_REQUEST),
         (thrift.GradientPush(grads=[], request_id="x" * 257), ErrorCode.BAD_REQUEST),
-        (thrift.GradientPush(grads=[thrift.Parameter(name="w", data=b"ab")]), None),
+        (
+            thrift.GradientPush(grads=[thrift.Parameter(name="w", data=b"ab")]),
+            ErrorCode.SHAPE_MISMATCH,  # "gradient 'w' has no dtype"
+        ),
     ],
 )
 async def test_malformed_pushes_get_typed_errors(client: ParameterClient, push_, code) -> None:
     await client.update_arrays({"w": ones(2)}, rules=sum_rule())
     with pytest.raises(RequestError) as info:
         await client.call("push_gradients", push=push_)
-    if code is not None:
-        assert info.value.code == code
+    assert info.value.code == code
     assert await client.ping()  # the connection is fine
 
 
@@ -269,7 +271,7 @@ async def test_a_long_poll_ends_at_its_deadline_naming_what_is_missing(
 async def test_the_founding_method_long_polls_too(node: Node, client: ParameterClient) -> None:
     request = thrift.ParameterRequest(param_names=["w"], min_version=1, wait_ms=5000)
     poll = asyncio.ensure_future(client.call("get_parameters", request=request))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: _waiting(client, 1))  # the node holds the poll
     await client.update_arrays({"w": ones(1)})
     assert [p.name for p in (await poll).params] == ["w"]
     request.min_version, request.wait_ms = 9, 100
@@ -278,9 +280,16 @@ async def test_the_founding_method_long_polls_too(node: Node, client: ParameterC
 
 
 async def test_a_long_poll_whose_caller_left_is_dropped(node: Node) -> None:
-    async with ParameterClient(node.address, timeout=0.3) as impatient:
+    def held() -> None:
+        assert node.service.waiting.statistics()["long_polls_waiting"] == 1
+
+    async with ParameterClient(node.address, timeout=2.0) as impatient:
+        poll = asyncio.ensure_future(
+            impatient.get_parameters(["w"], min_version=1, wait=30, timeout=2.0)
+        )
+        await eventually(held)  # the node holds the poll before its caller gives up
         with pytest.raises(CallTimeout):
-            await impatient.get_parameters(["w"], min_version=1, wait=30, timeout=0.3)
+            await poll
 
     def dropped() -> None:
         assert node.service.waiting.statistics()["long_polls_waiting"] == 0
@@ -409,9 +418,10 @@ async def test_gradients_pushed_at_every_node_are_all_folded() -> None:
         clients = [n.client() for n in nodes]
         try:
 
-            async def meshed() -> bool:
+            async def meshed() -> None:
                 infos = [await cl.info() for cl in clients]
-                return all(len([p for p in i.peers or [] if p.state == "up"]) == 2 for i in infos)
+                ups = [len([p for p in i.peers or [] if p.state == "up"]) for i in infos]
+                assert ups == [2] * len(clients), f"peers up: {ups}; infos: {infos}"
 
             await eventually(meshed, timeout=20)
             names = [f"layer{i}" for i in range(8)]
@@ -479,9 +489,15 @@ async def test_a_decoded_update_is_stored_without_a_copy(
 
 async def test_a_barrier_waiter_whose_caller_left_is_dropped(node: Node) -> None:
     request = thrift.BarrierRequest(group="g", worker="a", step=1, world_size=2, wait_ms=30_000)
+
+    def held() -> None:
+        assert node.service.waiting.statistics()["barrier_waiters"] == 1
+
     async with ParameterClient(node.address) as impatient:
+        call = asyncio.ensure_future(impatient.call("barrier", timeout=2.0, request=request))
+        await eventually(held)  # the node holds the waiter before its caller gives up
         with pytest.raises(CallTimeout):
-            await impatient.call("barrier", timeout=0.3, request=request)
+            await call
 
     def dropped() -> None:
         assert node.service.waiting.statistics()["barrier_waiters"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -98,7 +99,6 @@ def test_to_numpy_copies_what_it_must_and_keeps_values() -> None:
 
 
 def test_bfloat16_converts_bit_for_bit() -> None:
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)  # all of them
     t = bits.view(torch.bfloat16)
     arr = ps_torch.to_numpy(t)
@@ -132,8 +132,6 @@ def test_from_numpy_shares_writable_arrays_and_copies_read_only_ones() -> None:
 async def test_tensors_round_trip_exactly_through_a_node(
     client: ParameterClient, dtype: torch.dtype
 ) -> None:
-    if dtype == torch.bfloat16:
-        pytest.importorskip("ml_dtypes")
     t = _special(dtype)
     state = {"t": t, "scalar": t.reshape(-1)[2].clone(), "empty": t[:0], "strided": t.t()}
     versions = await ps_torch.push_state_dict(client, state, prefix="x/")

@@ -235,4 +235,6 @@ def test_no_pushed_gradient_is_lost(runs: dict[str, Run], prefix: str) -> None:
     # different nodes that each fold locally, then replicate, overwrite each
     # other (last writer wins) and advance it less.
     run = runs[prefix]
+    # Each worker pushes one gradient a step: all of them, so 0 == 0 cannot pass.
+    assert run.report["gradients_pushed"] == WORKERS * STEPS, run.figures()
     assert run.report["version_advance"] == run.report["gradients_pushed"], run.figures()
