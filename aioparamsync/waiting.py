@@ -31,7 +31,8 @@ __all__ = ["MAX_GROUPS", "MAX_WAIT_MS", "MAX_WORLD_SIZE", "Waiting"]
 MAX_WAIT_MS = 3_600_000
 # A wait with no wait_ms: held this long (milliseconds).
 DEFAULT_WAIT_MS = 600_000
-# Barrier groups a node keeps, and workers in one group.
+# Barrier groups a node keeps (to make room, one nobody waits at is forgotten),
+# and workers in one group.
 MAX_GROUPS = 10_000
 MAX_WORLD_SIZE = 100_000
 # Names listed in a waiter's report (the rest are counted).
@@ -192,9 +193,10 @@ class Waiting:
         seconds = _wait_seconds(request.wait_ms)
         group = self._groups.get(group_name)
         if group is None:
-            if len(self._groups) >= MAX_GROUPS:
+            if len(self._groups) >= MAX_GROUPS and not self._forget_an_idle_group():
                 raise RequestError(
-                    ErrorCode.LIMIT_EXCEEDED, f"the node holds {MAX_GROUPS} barrier groups"
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the node holds {MAX_GROUPS} barrier groups, each with workers waiting",
                 )
             group = self._groups[group_name] = _Group(size)
         if group.world_size != size:
@@ -225,6 +227,18 @@ class Waiting:
 
             future.add_done_callback(done)
         return future
+
+    def _forget_an_idle_group(self) -> bool:
+        """Make room: forget the oldest group nobody waits at (False: there is none).
+
+        Nothing is lost with it: with nobody waiting, every barrier it opened
+        has been answered, and its workers' next calls start it afresh.
+        """
+        for name, group in self._groups.items():
+            if not group.waiting:
+                del self._groups[name]
+                return True
+        return False
 
     @staticmethod
     def _leave(group: _Group, step: int, future: asyncio.Future) -> None:

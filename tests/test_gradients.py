@@ -21,6 +21,7 @@ from aioparamsync import (
     sum_rule,
     thrift,
 )
+from aioparamsync import waiting as waiting_module
 from aioparamsync.compression import encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -485,6 +486,31 @@ async def test_a_decoded_update_is_stored_without_a_copy(
     assert entry is not None and entry.data.readonly
     # The entry holds the decoded array itself, not bytes copied out of it.
     assert isinstance(entry.data.obj, np.ndarray)
+
+
+async def test_a_full_node_forgets_an_idle_barrier_group_for_a_new_one(
+    node: Node, client: ParameterClient, monkeypatch
+) -> None:
+    monkeypatch.setattr(waiting_module, "MAX_GROUPS", 2)
+
+    async def both(group: str, step: int) -> None:
+        a, b = (client.barrier(group, w, step, 2, timeout=10) for w in ("a", "b"))
+        assert [r.step for r in await asyncio.gather(a, b)] == [step, step]
+
+    for group in ("old", "recent"):  # both workers came: nobody waits
+        await both(group, 1)
+    await both("new", 1)
+    assert sorted(node.service.waiting._groups) == ["new", "recent"]  # the oldest went
+    # With a worker waiting in each group, none can go: a new one is refused.
+    held = asyncio.ensure_future(client.barrier("recent", "a", 2, 2, timeout=20))
+    waits = asyncio.ensure_future(client.barrier("new", "a", 2, 2, timeout=20))
+    await eventually(lambda: _waiting(client, 2))
+    with pytest.raises(RequestError) as info:
+        await client.barrier("third", "w", 1, 1, timeout=10)
+    assert info.value.code == ErrorCode.LIMIT_EXCEEDED
+    for group, pending in (("recent", held), ("new", waits)):
+        await client.barrier(group, "b", 2, 2, timeout=10)
+        assert (await asyncio.wait_for(pending, 10)).step == 2
 
 
 async def test_a_barrier_waiter_whose_caller_left_is_dropped(node: Node) -> None:
