@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_RECEIVING_BYTES,
         metavar="SIZE",
         help="most bytes that large messages being received may hold at once, all "
-        "connections together; a message that does not fit waits for those ahead of it, "
+        "connections together (the first 64 KiB of each are not counted: 128MiB takes two "
+        "64 MiB parameters); a message that does not fit waits for those ahead of it, "
         "and one larger than this goes alone; 0: no limit (default: %(default)s bytes)",
     )
     parser.add_argument(

@@ -24,6 +24,11 @@ from aioparamsync.wire.framing import LARGE_FRAME_BYTES, SCRATCH_BYTES
 MIB = 1024 * 1024
 
 
+def charge(size: int) -> int:
+    """What a large frame of ``size`` bytes is counted for (its first 64 KiB are free)."""
+    return size - LARGE_FRAME_BYTES
+
+
 def framed(nbytes: int, fill: int = 7) -> bytes:
     """A frame whose payload is ``nbytes`` long (starting as a binary message does)."""
     return struct.pack("!i", nbytes) + b"\x80" + bytes([fill]) * (nbytes - 1)
@@ -150,7 +155,7 @@ def test_a_large_frame_waits_until_the_one_ahead_is_handed_on() -> None:
     second.on_grant = lambda: woken.append(True)
     one, two = framed(size, 1), framed(size, 2)
 
-    assert first.feed(one[:1000]) == [] and budget.in_use == size
+    assert first.feed(one[:1000]) == [] and budget.in_use == charge(size)
     assert second.feed(two[:1000]) == []
     assert second.waiting_for_budget and budget.waiting == 1
 
@@ -158,7 +163,7 @@ def test_a_large_frame_waits_until_the_one_ahead_is_handed_on() -> None:
     assert len(frames) == 1 and frames[0].payload == one[4:]
     assert not woken, "granted before the frame ahead was handed on"
     first.release_handed()
-    assert woken and not second.waiting_for_budget and budget.in_use == size
+    assert woken and not second.waiting_for_budget and budget.in_use == charge(size)
 
     assert second.buffer_updated(0) == []  # goes on: its buffer is allocated now
     frames = second.feed(two[1000:])
@@ -167,9 +172,22 @@ def test_a_large_frame_waits_until_the_one_ahead_is_handed_on() -> None:
     assert budget.in_use == 0 and budget.waiting == 0
 
 
+def test_a_budget_of_two_parameters_takes_two_messages_of_them_at_once() -> None:
+    # A parameter's message is its data plus a header: a budget of twice the
+    # data takes two such messages, not one.
+    data = 4 * SCRATCH_BYTES
+    size = data + 100
+    budget = ReceiveBudget(2 * data)
+    receivers = [Receiver(budget=budget) for _ in range(3)]
+    for r in receivers:
+        assert r.feed(framed(size)[:1000]) == []
+    assert [r.waiting_for_budget for r in receivers] == [False, False, True]
+    assert budget.in_use == 2 * charge(size) <= 2 * data
+
+
 def test_a_waiting_frame_that_arrives_whole_withdraws_its_request() -> None:
     size = LARGE_FRAME_BYTES + 1000  # large, but it fits in the scratch buffer
-    budget = ReceiveBudget(size)
+    budget = ReceiveBudget(charge(size))
     first, second = Receiver(budget=budget), Receiver(budget=budget)
     one, two = framed(size, 1), framed(size, 2)
     assert first.feed(one[:100]) == []
@@ -177,7 +195,7 @@ def test_a_waiting_frame_that_arrives_whole_withdraws_its_request() -> None:
     frames = second.feed(two[100:])
     assert len(frames) == 1 and frames[0].payload == two[4:]
     assert not second.waiting_for_budget and budget.waiting == 0
-    assert budget.in_use == size  # still the first frame's
+    assert budget.in_use == charge(size)  # still the first frame's
 
 
 def test_closing_a_receiver_gives_back_what_it_held_and_withdraws_what_it_asked() -> None:
@@ -192,7 +210,7 @@ def test_closing_a_receiver_gives_back_what_it_held_and_withdraws_what_it_asked(
     waiter.close()
     assert budget.waiting == 1 and not woken
     holder.close()  # mid-frame
-    assert woken and budget.in_use == size and budget.waiting == 0
+    assert woken and budget.in_use == charge(size) and budget.waiting == 0
     last.close()
     assert budget.in_use == 0
 
@@ -204,7 +222,7 @@ def test_feeding_a_waiting_receiver_past_its_scratch_buffer_is_an_error() -> Non
     assert holder.feed(framed(size)[:1000]) == []
     with pytest.raises(BufferError, match="waits for its budget"):
         waiter.feed(framed(size)[: 2 * SCRATCH_BYTES])
-    assert waiter.waiting_for_budget and budget.in_use == size
+    assert waiter.waiting_for_budget and budget.in_use == charge(size)
 
 
 def test_a_receiver_without_a_budget_takes_any_frame_at_once() -> None:
@@ -253,7 +271,7 @@ async def test_a_sender_that_stops_halfway_does_not_hold_the_others_back() -> No
             budget = node.server.budget
 
             async def holds() -> None:
-                assert budget.in_use >= MIB
+                assert budget.in_use >= charge(MIB)
 
             await eventually(holds)
             async with ParameterClient(node.address) as client:

@@ -120,6 +120,11 @@ class ReceiveBudget:
     at once (one socket's buffers, not eight), which on loopback made eight
     concurrent 64 MiB updates about 20% slower (see ``benchmarks/README.md``).
 
+    A :class:`Receiver` asks for a frame's bytes beyond its first
+    ``LARGE_FRAME_BYTES``, as smaller frames ask for nothing: a 64 MiB
+    parameter's message is a little over 64 MiB (its header, name, dtype and
+    shape), and a budget of 128 MiB is meant to take two of them.
+
     It is accounting only, with no clock and no I/O: a frame that must wait
     leaves a callback, called (from :meth:`release`, :meth:`cancel` or
     :meth:`grant_next`) once its bytes are granted. Its owner watches
@@ -350,8 +355,8 @@ class Receiver:
             if size > LARGE_FRAME_BYTES and available < size:
                 budget = self._budget
                 if budget is not None and not self._reserved:
-                    self._reserved = size
-                    if not budget.reserve(size, self._granted):
+                    self._reserved = size - LARGE_FRAME_BYTES  # (see ReceiveBudget)
+                    if not budget.reserve(self._reserved, self._granted):
                         self.waiting_for_budget = True
                         break
                 elif self.waiting_for_budget:
