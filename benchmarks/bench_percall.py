@@ -14,6 +14,12 @@ by hand through transports that only count what is written.
   with one connection whose transport answers every call with a reply made
   beforehand (its seqid patched in), on the next pass of the event loop.
 
+* ``server-wire`` and ``client-wire``: the wire work of one call alone, with no
+  event loop, connection or store: on the node, cutting the request's frame,
+  decoding it and encoding the reply; on the client, making the parameter,
+  encoding the request, cutting the reply's frame and decoding it. The whole
+  side's figure less this one is what a faster codec could not take away.
+
 Each side's figure is CPU time (``time.process_time``) per call: the best and the
 median of ``--reps`` repetitions of ``--rounds`` rounds, after 200 rounds of
 warm-up. One core, no I/O: a figure here is the floor of what that side costs
@@ -26,6 +32,7 @@ transport.
 
     python benchmarks/bench_percall.py                      # 4 KiB, 8 connections
     python benchmarks/bench_percall.py --bytes 1MiB --conns 1 --ops update --sides server
+    python benchmarks/bench_percall.py --sides server,server-wire,client,client-wire
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from aioparamsync import client as client_module
 from aioparamsync.cli import byte_size
 from aioparamsync.node import Node
 from aioparamsync.server import ServerConnection
-from aioparamsync.wire import encode_message, method, thrift
+from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method, thrift
 
 # As bench_node.py's MALLOC_TUNED: large buffers from the heap, kept for reuse.
 MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(1024**3), "MALLOC_TRIM_THRESHOLD_": str(8 * 1024**3)}
@@ -228,6 +235,68 @@ async def client_side(
             await client.close()
 
 
+def messages(op: str, array: np.ndarray) -> tuple[Any, Callable[[], Any], Any]:
+    """The method of ``op``, a maker of its arguments (as a client makes them), and a reply body."""
+    m = method("push_parameters" if op == "update" else "pull_parameters")
+    if op == "update":
+
+        def make_args() -> Any:
+            update = thrift.ParameterUpdate(params=[to_parameter("p0", array)], timestamp=1)
+            return m.args(update=update)
+
+        body = m.result(success=thrift.UpdateResult(versions={"p0": 7}, timestamp=1))
+    else:
+
+        def make_args() -> Any:
+            return m.args(request=thrift.ParameterRequest(param_names=["p0"]))
+
+        param = thrift.Parameter(
+            name="p0",
+            data=memoryview(array).cast("B"),
+            version=3,
+            dtype="float32",
+            shape=list(array.shape),
+            origin="n",
+        )
+        body = m.result(success=thrift.ParameterResponse(params=[param], timestamp=1))
+    return m, make_args, body
+
+
+async def wire_side(
+    side: str, op: str, array: np.ndarray, conns: int, rounds: int, reps: int
+) -> list[float]:
+    """The wire work of one call (see the module's docstring), ``conns`` calls a round."""
+    m, make_args, body = messages(op, array)
+    request = encoded(m.name, MessageType.CALL, 5, make_args())
+    reply = encoded(m.name, MessageType.REPLY, 5, body)
+    receiver = Receiver()
+
+    def decode(data: bytes, cls: Any) -> tuple[str, int]:
+        (frame,) = receiver.feed(data)
+        name, _, seqid, reader = decode_header(frame.payload, frame.protocol)
+        reader.read_body(cls)
+        return name, seqid
+
+    def node_call() -> None:
+        name, seqid = decode(request, m.args)
+        encode_message(name, MessageType.REPLY, seqid, body)
+
+    def client_call() -> None:
+        encode_message(m.name, MessageType.CALL, 5, make_args())
+        decode(reply, m.result)
+
+    one_call = node_call if side == "server-wire" else client_call
+
+    async def one_round() -> None:
+        for _ in range(conns):
+            one_call()
+
+    return await measure(one_round, rounds, reps, conns)
+
+
+SIDES = ("server", "client", "server-wire", "client-wire")
+
+
 async def run(args: argparse.Namespace) -> None:
     array = np.random.default_rng(0).random(max(1, args.bytes // 4), dtype=np.float32)
     print(
@@ -236,10 +305,14 @@ async def run(args: argparse.Namespace) -> None:
     )
     for op in args.ops:
         for side in args.sides:
-            measure_side = server_side if side == "server" else client_side
-            results = await measure_side(op, array, args.conns, args.rounds, args.reps)
+            if side == "server":
+                results = await server_side(op, array, args.conns, args.rounds, args.reps)
+            elif side == "client":
+                results = await client_side(op, array, args.conns, args.rounds, args.reps)
+            else:
+                results = await wire_side(side, op, array, args.conns, args.rounds, args.reps)
             print(
-                f"{op:6s} {side:6s} {min(results):8.1f} {statistics.median(results):8.1f}",
+                f"{op:6s} {side:11s} {min(results):8.1f} {statistics.median(results):8.1f}",
                 flush=True,
             )
 
@@ -251,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1000, help="rounds per repetition")
     p.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
     p.add_argument("--ops", type=lambda s: s.split(","), default=["update", "get"])
-    p.add_argument("--sides", type=lambda s: s.split(","), default=["server", "client"])
+    p.add_argument(
+        "--sides",
+        type=lambda s: s.split(","),
+        default=["server", "client"],
+        help=f"which of {','.join(SIDES)} (default: server,client)",
+    )
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     args = p.parse_args(argv)
     if args.conns < 1 or args.rounds < 1 or args.reps < 1:
@@ -260,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         if op not in ("update", "get"):
             p.error(f"--ops: {op!r} is neither update nor get")
     for side in args.sides:
-        if side not in ("server", "client"):
-            p.error(f"--sides: {side!r} is neither server nor client")
+        if side not in SIDES:
+            p.error(f"--sides: {side!r} is not one of {', '.join(SIDES)}")
     if any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
         again = sys.argv[1:] if argv is None else argv
         os.execve(

@@ -122,6 +122,23 @@ def test_bench_percall_smoke() -> None:
         assert 0 < best <= median
 
 
+def test_bench_percall_times_the_wire_work_alone() -> None:
+    cmd = [
+        sys.executable, str(PERCALL), "--sides", "server-wire,client-wire",
+        "--bytes", "128KiB", "--conns", "2", "--rounds", "3", "--reps", "2",
+    ]  # fmt: skip
+    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    lines = [line.split() for line in stdout.splitlines()[1:]]
+    assert [line[:2] for line in lines] == [
+        ["update", "server-wire"], ["update", "client-wire"],
+        ["get", "server-wire"], ["get", "client-wire"],
+    ]  # fmt: skip
+    for line in lines:
+        best, median = float(line[2]), float(line[3])
+        assert 0 < best <= median
+
+
 def test_bench_percall_refuses_bad_arguments() -> None:
     for bad in (["--conns", "0"], ["--ops", "put"], ["--sides", "both"], ["--bytes", "lots"]):
         rc, _, stderr = run_bounded([sys.executable, str(PERCALL), *bad], timeout=60)
