@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 from cluster_helpers import run_bounded
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
@@ -106,34 +107,23 @@ def test_bench_node_passes_node_args_and_reports_a_node_that_will_not_start(
 PERCALL = BENCH.parent / "bench_percall.py"
 
 
-def test_bench_percall_smoke() -> None:
+@pytest.mark.parametrize(
+    ("sides", "named"),
+    [
+        ([], ["server", "client"]),  # the default
+        (["--sides", "server-wire,client-wire"], ["server-wire", "client-wire"]),
+    ],
+)
+def test_bench_percall_smoke(sides: list[str], named: list[str]) -> None:
     cmd = [
-        sys.executable, str(PERCALL),
+        sys.executable, str(PERCALL), *sides,
         "--bytes", "128KiB", "--conns", "2", "--rounds", "3", "--reps", "2",
     ]  # fmt: skip
     rc, stdout, stderr = run_bounded(cmd, timeout=100)
     assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
     lines = [line.split() for line in stdout.splitlines()[1:]]
-    assert [line[:2] for line in lines] == [
-        ["update", "server"], ["update", "client"], ["get", "server"], ["get", "client"],
-    ]  # fmt: skip
-    for line in lines:
-        best, median = float(line[2]), float(line[3])
-        assert 0 < best <= median
-
-
-def test_bench_percall_times_the_wire_work_alone() -> None:
-    cmd = [
-        sys.executable, str(PERCALL), "--sides", "server-wire,client-wire",
-        "--bytes", "128KiB", "--conns", "2", "--rounds", "3", "--reps", "2",
-    ]  # fmt: skip
-    rc, stdout, stderr = run_bounded(cmd, timeout=100)
-    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
-    lines = [line.split() for line in stdout.splitlines()[1:]]
-    assert [line[:2] for line in lines] == [
-        ["update", "server-wire"], ["update", "client-wire"],
-        ["get", "server-wire"], ["get", "client-wire"],
-    ]  # fmt: skip
+    expected = [[op, side] for op in ("update", "get") for side in named]
+    assert [line[:2] for line in lines] == expected
     for line in lines:
         best, median = float(line[2]), float(line[3])
         assert 0 < best <= median
