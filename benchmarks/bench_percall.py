@@ -110,7 +110,7 @@ class CountingTransport:
         return 0
 
 
-def feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+def feed(protocol: asyncio.BufferedProtocol, data: bytes | bytearray) -> None:
     """Hand ``data`` to ``protocol`` as a socket would, in pieces."""
     view = memoryview(data)
     while view:
@@ -208,11 +208,13 @@ async def client_side(
         client = ParameterClient(("127.0.0.1", 1), max_connections=1)
         connection = client_module._Connection(client.max_frame_bytes, client.traffic)
 
-        def answer(parts: list[Any], connection: Any = connection) -> None:
-            head = bytes(memoryview(parts[0])[: seqid_at + 4])
-            data = bytearray(reply)
-            data[seqid_at : seqid_at + 4] = head[seqid_at : seqid_at + 4]
-            loop.call_soon(feed, connection, bytes(data))
+        mine = bytearray(reply)
+
+        def answer(parts: list[Any], connection: Any = connection, data: bytearray = mine) -> None:
+            # The call's seqid into this connection's copy of the reply, in
+            # place: one call is in flight per connection, and feeding copies.
+            data[seqid_at : seqid_at + 4] = memoryview(parts[0])[seqid_at : seqid_at + 4]
+            loop.call_soon(feed, connection, data)
 
         connection.connection_made(CountingTransport(answer))
         client._connections.append(connection)
