@@ -39,7 +39,8 @@ Metrics (every name starts with ``aioparamsync_``):
   ``received_bytes_total``, ``sent_bytes_total``, ``open_connections``,
   ``connections_opened_total``, ``connections_refused_total``,
   ``connections_idle_closed_total``; the receive budget:
-  ``receiving_bytes`` (held by large messages being received),
+  ``receiving_bytes`` (held by large messages being received, as the
+  budget counts them: beyond each one's first 64 KiB),
   ``messages_waiting_to_receive``, ``receive_waits_total`` (messages that
   waited for room), ``receive_budget_overruns_total`` (let in beyond it,
   past stalled ones);

@@ -141,6 +141,33 @@ async def measure(
     return results
 
 
+def messages(op: str, array: np.ndarray) -> tuple[Any, Callable[[], Any], Any]:
+    """The method of ``op``, a maker of its arguments (as a client makes them), and a reply body."""
+    m = method("push_parameters" if op == "update" else "pull_parameters")
+    if op == "update":
+
+        def make_args() -> Any:
+            update = thrift.ParameterUpdate(params=[to_parameter("p0", array)], timestamp=1)
+            return m.args(update=update)
+
+        body = m.result(success=thrift.UpdateResult(versions={"p0": 7}, timestamp=1))
+    else:
+
+        def make_args() -> Any:
+            return m.args(request=thrift.ParameterRequest(param_names=["p0"]))
+
+        param = thrift.Parameter(
+            name="p0",
+            data=memoryview(array).cast("B"),
+            version=3,
+            dtype="float32",
+            shape=list(array.shape),
+            origin="n",
+        )
+        body = m.result(success=thrift.ParameterResponse(params=[param], timestamp=1))
+    return m, make_args, body
+
+
 async def server_side(
     op: str, array: np.ndarray, conns: int, rounds: int, reps: int
 ) -> list[float]:
@@ -190,17 +217,8 @@ async def client_side(
     op: str, array: np.ndarray, conns: int, rounds: int, reps: int
 ) -> list[float]:
     loop = asyncio.get_running_loop()
-    name = "push_parameters" if op == "update" else "pull_parameters"
-    m = method(name)
-    if op == "update":
-        body = m.result(success=thrift.UpdateResult(versions={"p0": 7}, timestamp=1))
-    else:
-        data = memoryview(array).cast("B")
-        param = thrift.Parameter(
-            name="p0", data=data, version=3, dtype="float32", shape=list(array.shape), origin="n"
-        )
-        body = m.result(success=thrift.ParameterResponse(params=[param], timestamp=1))
-    reply = encoded(m.name, 2, 1, body)  # REPLY; its seqid is patched per call
+    m, _, body = messages(op, array)
+    reply = encoded(m.name, MessageType.REPLY, 1, body)  # its seqid is patched per call
     seqid_at = 4 + 8 + len(m.name)  # frame length, version and type, name length, name
 
     clients = []
@@ -235,33 +253,6 @@ async def client_side(
     finally:
         for client in clients:
             await client.close()
-
-
-def messages(op: str, array: np.ndarray) -> tuple[Any, Callable[[], Any], Any]:
-    """The method of ``op``, a maker of its arguments (as a client makes them), and a reply body."""
-    m = method("push_parameters" if op == "update" else "pull_parameters")
-    if op == "update":
-
-        def make_args() -> Any:
-            update = thrift.ParameterUpdate(params=[to_parameter("p0", array)], timestamp=1)
-            return m.args(update=update)
-
-        body = m.result(success=thrift.UpdateResult(versions={"p0": 7}, timestamp=1))
-    else:
-
-        def make_args() -> Any:
-            return m.args(request=thrift.ParameterRequest(param_names=["p0"]))
-
-        param = thrift.Parameter(
-            name="p0",
-            data=memoryview(array).cast("B"),
-            version=3,
-            dtype="float32",
-            shape=list(array.shape),
-            origin="n",
-        )
-        body = m.result(success=thrift.ParameterResponse(params=[param], timestamp=1))
-    return m, make_args, body
 
 
 async def wire_side(
