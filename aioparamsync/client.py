@@ -194,6 +194,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.traffic["bytes_received"] += nbytes
+        seqid, future = 0, None
         try:
             for frame in self.receiver.buffer_updated(nbytes):
                 name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
@@ -214,6 +215,8 @@ class _Connection(asyncio.BufferedProtocol):
                 else:
                     raise RemoteProtocolError(f"unexpected reply {name!r} of type {mtype}")
         except RemoteProtocolError as exc:
+            if future is not None and not future.done():
+                self.pending[seqid] = future  # its reply was the bad one: fail it too
             self._break(exc)
 
     def eof_received(self) -> bool:
@@ -278,7 +281,10 @@ class _Connection(asyncio.BufferedProtocol):
         """
         if self._write_paused:
             async with asyncio.timeout_at(when):
-                await self._writable.wait()
+                # Again after each wake-up: the calls woken with this one may
+                # have filled the buffer (one message at a time goes past it).
+                while self._write_paused:
+                    await self._writable.wait()
         if m.oneway:
             if not self.usable:
                 raise ConnectionLostError(f"the connection is closed: {self.lost}")

@@ -21,6 +21,7 @@ from aioparamsync import (
     ServerError,
     to_parameter,
 )
+from aioparamsync import client as client_module
 from aioparamsync.client import parse_address
 from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method
 
@@ -275,6 +276,56 @@ async def test_an_application_exception_is_a_server_error() -> None:
         with pytest.raises(ServerError, match="no such method") as info:
             await client.ping()
         assert info.value.type == 1
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+async def test_a_reply_that_cannot_be_decoded_fails_its_own_call(timeout) -> None:
+    async def bad_text(writer, name, seqid):
+        head = encode_message("ping", MessageType.REPLY, seqid, method("ping").result())[0]
+        body = b"\x0b\x00\x00" + (1).to_bytes(4, "big") + b"\xff" + b"\x00"  # b"\xff": no UTF-8
+        message = b"".join(bytes(part) for part in head)[4:-1] + body
+        writer.write(len(message).to_bytes(4, "big") + message)
+
+    async with (
+        scripted_server(bad_text) as address,
+        ParameterClient(address, timeout=timeout) as client,
+    ):
+        # Not left waiting for its deadline, or forever without one.
+        with pytest.raises(ConnectionLostError, match="UTF-8"):
+            await asyncio.wait_for(client.ping(), 10)
+
+
+async def test_calls_woken_by_flow_control_send_one_message_at_a_time(monkeypatch) -> None:
+    mib = 1024 * 1024
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.5)  # reads nothing till then: the client's buffer fills
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(mib):
+                pass
+        writer.close()
+
+    unsent: list[int] = []  # bytes waiting in the transport after each call is sent
+    send = client_module._Connection.send
+
+    def counting_send(self, m, args, when):
+        sent = send(self, m, args, when)
+        unsent.append(self.transport.get_write_buffer_size())
+        return sent
+
+    monkeypatch.setattr(client_module._Connection, "send", counting_send)
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    try:
+        address = server.sockets[0].getsockname()[:2]
+        async with ParameterClient(address, timeout=1.5, max_connections=1) as client:
+            updates = [client.update_arrays({f"w{i}": np.zeros(mib, np.float32)}) for i in range(8)]
+            await asyncio.gather(*updates, return_exceptions=True)  # (no replies: timeouts)
+    finally:
+        server.close()
+    assert len(unsent) > 1
+    # Each woken call looks again before it sends: one 4 MiB message past the
+    # 1 MiB mark at a time, never all eight at once.
+    assert max(unsent) <= 2 * 4 * mib + mib, [n // mib for n in unsent]
 
 
 @pytest.mark.parametrize(
