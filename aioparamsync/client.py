@@ -766,8 +766,10 @@ class ParameterClient:
                 # encoded, this parameter goes raw.
                 rule, p = p.rule, to_parameter(p.name, params[p.name])  # type: ignore[index]
                 p.rule = rule
-            for done in await asyncio.gather(
-                *map(send, pieces.split(p, uuid.uuid4().hex, self.piece_bytes))
+            # (A piece that fails stops the others: none is sent after the
+            # caller is told, so the node never puts together a torn array.)
+            for done in await pieces.gather_or_stop(
+                map(send, pieces.split(p, uuid.uuid4().hex, self.piece_bytes))
             ):
                 versions.update(done)
         return versions

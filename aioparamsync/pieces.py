@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -38,8 +38,11 @@ __all__ = [
     "PIECE_BYTES",
     "Uploads",
     "fetch",
+    "gather_or_stop",
     "split",
 ]
+
+T = TypeVar("T")
 
 # Parameters larger than this travel in pieces (bytes).
 INLINE_BYTES = 128 * 1024 * 1024
@@ -55,6 +58,24 @@ MAX_UPLOAD_BYTES = 16 * 1024**3
 # that keeps changing while it reads.
 FETCH_CONCURRENCY = 4
 FETCH_TRIES = 3
+
+
+async def gather_or_stop(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` of ``calls``, except that when one fails the others stop.
+
+    They are cancelled and waited for before the first failure is raised, so
+    nothing of a failed upload or read goes on once its caller has been told it
+    failed: no piece of the caller's array is sent later (the caller may reuse
+    the array), and no piece is read into a buffer it has dropped.
+    """
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def split(param: Any, upload_id: str, piece_bytes: int = PIECE_BYTES) -> list[Any]:
@@ -291,5 +312,5 @@ async def _read_pieces(
         versions.add((p.version, p.origin))
         buffer[offset : offset + data.nbytes] = np.frombuffer(data, np.uint8)
 
-    await asyncio.gather(*(piece(o) for o in range(0, total, piece_bytes)))
+    await gather_or_stop(piece(o) for o in range(0, total, piece_bytes))
     return buffer, versions

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from cluster_helpers import LocalCluster, ProcessCluster, eventually
 
-from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
+from aioparamsync import (
+    CallTimeout,
+    ErrorCode,
+    Node,
+    ParameterClient,
+    RequestError,
+    sum_rule,
+    thrift,
+)
 from aioparamsync import pieces as pieces_module
 from aioparamsync.arrays import from_parameter, to_parameter
 from aioparamsync.pieces import Uploads, fetch, split
@@ -309,6 +319,29 @@ async def test_the_client_sends_and_reads_large_parameters_in_pieces(node: Node)
     # A client that reads whole messages gets it whole (it is under 2 GiB).
     async with ParameterClient(node.address) as whole_reader:
         np.testing.assert_array_equal((await whole_reader.get_arrays(["big"]))["big"], big * 2)
+
+
+async def test_a_piece_that_fails_stops_the_others(node: Node) -> None:
+    w = np.ones(64 * 1024, np.float32)  # 256 KiB: 16 pieces of 16 KiB
+    async with ParameterClient(
+        node.address, max_inline_bytes=64 * 1024, piece_bytes=16 * 1024
+    ) as c:
+        await c.ping()
+
+        def sending() -> list[asyncio.Task]:
+            return [
+                t
+                for t in asyncio.all_tasks()
+                if "update_parameters.<locals>.send" in t.get_coro().__qualname__ and not t.done()
+            ]
+
+        with pytest.raises(CallTimeout):
+            await c.update_arrays({"w": w}, timeout=0.0001)
+        assert sending() == []  # nothing of the failed call goes on
+        w[:] = 7  # so the caller may reuse its array
+        await asyncio.sleep(0.3)
+        got = await c.get_arrays(["w"])
+        assert "w" not in got or np.unique(got["w"]).size == 1  # never a torn array
 
 
 @pytest.mark.parametrize("encoding", ["fp16", "zlib"])
