@@ -689,13 +689,22 @@ class ParameterClient:
             request.wait_ms = round(wait * 1000)
             timeout = self._held_timeout(wait, timeout)
         request.max_inline_bytes = self.max_inline_bytes
+        started = asyncio.get_running_loop().time()
         response = await self.call("pull_parameters", timeout=timeout, request=request)
         if any(p.total_bytes is not None for p in response.params):
-            # Larger than one message: answered without data; read in pieces.
-            response.params = [
-                p if p.total_bytes is None else await pieces.fetch(self, p, self.piece_bytes)
-                for p in response.params
-            ]
+            # Larger than one message: answered without data; read in pieces,
+            # within what is left of this call's deadline.
+            deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
+            try:
+                async with asyncio.timeout_at(None if deadline is None else started + deadline):
+                    response.params = [
+                        p
+                        if p.total_bytes is None
+                        else await pieces.fetch(self, p, self.piece_bytes, timeout=timeout)
+                        for p in response.params
+                    ]
+            except TimeoutError:
+                raise CallTimeout(f"pull_parameters did not complete within {deadline} s") from None
         return response
 
     def _held_timeout(

@@ -245,7 +245,9 @@ class Uploads:
         }
 
 
-async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any:
+async def fetch(
+    client: Any, header: Any, piece_bytes: int = PIECE_BYTES, *, timeout: Any = ...
+) -> Any:
     """Read a parameter a node answered without data (its ``total_bytes`` set), in pieces.
 
     Args:
@@ -253,6 +255,8 @@ async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any
             with its ``call``).
         header: the ``Parameter`` the node answered: name, version, total_bytes.
         piece_bytes: the size of each piece asked for.
+        timeout: each read's, as ``client.call`` takes it (the whole read's
+            deadline is its caller's).
 
     Returns:
         The whole ``Parameter``: its data one writable numpy buffer's bytes.
@@ -263,7 +267,7 @@ async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any
     """
     name = header.name
     for _ in range(FETCH_TRIES):
-        buffer, versions = await _read_pieces(client, header, piece_bytes)
+        buffer, versions = await _read_pieces(client, header, piece_bytes, timeout)
         if versions == {(header.version, header.origin)}:
             return thrift.Parameter(
                 name=name,
@@ -277,6 +281,7 @@ async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any
         # It changed while we read: read the newest whole again.
         response = await client.call(
             "pull_parameters",
+            timeout=timeout,
             request=thrift.ParameterRequest(param_names=[name], max_inline_bytes=0),
         )
         if not response.params:
@@ -288,7 +293,7 @@ async def fetch(client: Any, header: Any, piece_bytes: int = PIECE_BYTES) -> Any
 
 
 async def _read_pieces(
-    client: Any, header: Any, piece_bytes: int
+    client: Any, header: Any, piece_bytes: int, timeout: Any
 ) -> tuple[np.ndarray, set[tuple[int, str]]]:
     """Every piece of ``header``'s parameter, into one buffer; and the versions they had."""
     name, total = header.name, header.total_bytes
@@ -301,7 +306,7 @@ async def _read_pieces(
             request = thrift.ParameterRequest(
                 param_names=[name], piece_offset=offset, piece_bytes=piece_bytes
             )
-            response = await client.call("pull_parameters", request=request)
+            response = await client.call("pull_parameters", timeout=timeout, request=request)
         if not response.params:
             raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"{name!r} is gone")
         p = response.params[0]
