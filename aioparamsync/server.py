@@ -147,6 +147,11 @@ def _app_error(kind: int, message: str) -> TApplicationException:
     return TApplicationException(type=kind, message=message)
 
 
+def _shutting_down() -> RequestError:
+    """What a read held at shutdown is answered."""
+    return RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+
+
 class ServerConnection(asyncio.BufferedProtocol):
     """One client's connection (see the module's docstring)."""
 
@@ -165,8 +170,14 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._request_timeout = server.config.request_timeout
         self.peer: Any = None
         self._calls: collections.deque[_Call] = collections.deque()
-        self._last_write: asyncio.Future | None = None
+        # The futures of the writes sent that may not be applied yet, in the order
+        # they were sent (the applied ones at the front are dropped as they are
+        # seen), and how many were ever put there: a read waits for the writes
+        # sent before it (see _pending_write).
+        self._unapplied: collections.deque[asyncio.Future] = collections.deque()
+        self._writes_sent = 0
         self._held: set[asyncio.Future] = set()  # reads the handler holds (long polls)
+        self._shutting_down = False  # close() was called: the node is shutting down
         self._write_paused = False
         self._read_paused = False
         self._closing = False  # no new requests: finish, then close
@@ -311,8 +322,12 @@ class ServerConnection(asyncio.BufferedProtocol):
             return
         calls = self._calls
         write = name in self._writes
-        last_write = self._last_write
-        if not calls and not write and not m.oneway and (last_write is None or last_write.done()):
+        if (
+            not calls
+            and not write
+            and not m.oneway
+            and (not self._unapplied or self._pending_write(self._writes_sent) is None)
+        ):
             # A read with nothing owed before it: answered at once, in the common
             # case, without queueing (see _answer).
             self._answer(m, seqid, frame, args)
@@ -324,15 +339,48 @@ class ServerConnection(asyncio.BufferedProtocol):
                 calls.append(call)
             if write:
                 outcome = self._call_handler(call, args, True)
-                if isinstance(outcome, asyncio.Future):
-                    self._last_write = outcome
-            elif last_write is not None and not last_write.done():
+                if isinstance(outcome, asyncio.Future) and not outcome.done():
+                    # (Not always a new future: a push_gradients sent again answers
+                    # the first push's, which may be older than the writes before.)
+                    unapplied = self._unapplied
+                    while unapplied and unapplied[0].done():
+                        unapplied.popleft()
+                    unapplied.append(outcome)
+                    self._writes_sent += 1
+            elif self._unapplied:
                 # Read-your-writes: run the read once the writes before it are applied.
-                last_write.add_done_callback(lambda _: self._call_handler(call, args, False))
+                self._read_after_writes(call, args, self._writes_sent)
             else:
                 self._call_handler(call, args, False)
         if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
             self._update_reading()
+
+    def _pending_write(self, sent: int) -> asyncio.Future | None:
+        """The first write not applied yet of the first ``sent`` sent on the connection.
+
+        None once they all are. Writes are applied in the order they were sent,
+        so this is most often the oldest; but a write's future may complete out
+        of that order (a push sent again answers the first push's future).
+        """
+        unapplied = self._unapplied
+        while unapplied and unapplied[0].done():
+            unapplied.popleft()
+        index = self._writes_sent - len(unapplied)  # (of unapplied[0], counted as sent)
+        for future in unapplied:
+            if index >= sent:
+                break
+            if not future.done():
+                return future
+            index += 1
+        return None
+
+    def _read_after_writes(self, call: _Call, args: Any, sent: int) -> None:
+        """Call the handler for a read once the first ``sent`` writes are applied."""
+        pending = self._pending_write(sent)
+        if pending is None:
+            self._call_handler(call, args, False)
+        else:
+            pending.add_done_callback(lambda _: self._read_after_writes(call, args, sent))
 
     def _answer(self, m: Method, seqid: int, frame: Frame, args: Any) -> None:
         """Call the handler for a read that is owed first; reply at once if it answers at once.
@@ -402,6 +450,9 @@ class ServerConnection(asyncio.BufferedProtocol):
             # A read held for a long poll or a barrier: it has its own deadline.
             self._held.add(outcome)
             outcome.add_done_callback(self._held.discard)
+            if self._closing:
+                # (A read that waited for writes, and is held only now.)
+                self._end_held(outcome)
             return
         deadline = self._request_timeout
         if deadline is not None and not call.method.oneway:
@@ -610,14 +661,27 @@ class ServerConnection(asyncio.BufferedProtocol):
         See :meth:`Server.close`.
         """
         self._closing = True
+        self._shutting_down = True
         self.receiver.close()
         self._update_reading()
         # Reads held for long polls and barriers end now, rather than at their deadline.
-        closing = RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+        closing = _shutting_down()
         for held in list(self._held):
             if not held.done():
                 held.set_exception(closing)
         self._maybe_finish()
+
+    def _end_held(self, held: asyncio.Future) -> None:
+        """End a read held after its connection began closing, as those held before were.
+
+        (A read behind writes is held only once they are applied, maybe after
+        eof_received, connection_lost or close ended the held reads.)
+        """
+        transport = self.transport
+        if self._peer_eof or transport is None or transport.is_closing():
+            held.cancel()  # the caller stopped sending, or is gone (see eof_received)
+        elif self._shutting_down:
+            held.set_exception(_shutting_down())  # (see close)
 
     def abort(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
