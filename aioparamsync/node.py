@@ -110,6 +110,8 @@ class Node:
             thrift.Member(node_id="", host="", port=0),
             repair_interval=repair_interval,
             ssl=peer_ssl,
+            limits=self.table.limits,  # (peers are assumed to run with the same)
+            max_frame_bytes=max_frame_bytes,
         )
         self.service = ParameterService(
             self.store,

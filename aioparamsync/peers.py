@@ -21,13 +21,15 @@ Membership: a link's first call announces this node to its peer, which adds
 it to its own links and answers the members it knows; any member new to this
 node gets a link too. So a node started with one live member joins the whole
 cluster. A peer that cannot be reached is retried with capped exponential
-backoff, forever; it is never forgotten, and its state is in ``info``.
+backoff, forever; it is never forgotten, and its state is in ``info``; but
+while its link is down it owns no parameters (see :meth:`Cluster.owner`).
 
 Which nodes hold a name is :func:`replicas` (today: every node); it is the
 one place that sharding would change. Which node folds a name's gradients is
-:meth:`Cluster.owner` (rendezvous hashing over the members): gradients of one
-parameter pushed at different nodes meet at that one node, in one order, so
-none is lost to last-writer-wins; its results replicate like any update.
+:meth:`Cluster.owner` (rendezvous hashing over the members that are up):
+gradients of one parameter pushed at different nodes meet at that one node,
+in one order, so none is lost to last-writer-wins; its results replicate like
+any update.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from typing import Any
 from . import pieces
 from .client import ParameterClient
 from .errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, RequestError
-from .store import Entry, ParameterStore
-from .wire import thrift
+from .store import Entry, Limits, ParameterStore
+from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
 
 __all__ = ["Cluster", "PeerLink", "replicas"]
 
@@ -66,9 +68,19 @@ FORWARD_CONNECT_WAIT = 2.0
 HEARTBEAT_SECONDS = 1.0
 # How often the node logs each peer link's state and counters (seconds).
 STATS_LOG_SECONDS = 60.0
-# Most bytes, and most parameters, in one replication message or one pull.
+# Most bytes, and most parameters, in one replication message or one pull;
+# fewer where the node's limits say so (see Cluster).
 BATCH_BYTES = 64 * 1024 * 1024
 BATCH_PARAMS = 1024
+# What a parameter takes in a message besides its data, name and origin (its
+# dtype, shape, version, rule and upload id, and Thrift's field headers): an
+# estimate on the safe side, counted when cutting batches.
+PARAM_OVERHEAD = 512
+# The states of a link whose member may own parameters (fold their gradients):
+# up, or being made (a member just learned or just announced, alive as far as
+# anyone knows: forward waits FORWARD_CONNECT_WAIT for it). A link in backoff
+# is down: its member owns nothing until the link is up again.
+OWNER_STATES = frozenset({"up", "connecting"})
 
 
 def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
@@ -76,25 +88,39 @@ def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
     return members
 
 
-def _messages(entries: list[Entry]) -> Iterable[list[Any]]:
-    """The replication messages of a batch: one, or the pieces of a large parameter."""
-    if len(entries) == 1 and entries[0].nbytes > pieces.INLINE_BYTES:
+def _messages(entries: list[Entry], inline_bytes: int, piece_bytes: int) -> Iterable[list[Any]]:
+    """The replication messages of a batch: one, or the pieces of a large parameter.
+
+    A parameter over ``inline_bytes`` is alone in its batch (see
+    :func:`_batches`) and goes in pieces of ``piece_bytes``.
+    """
+    if len(entries) == 1 and entries[0].nbytes > inline_bytes:
         e = entries[0]
-        for piece in pieces.split(
-            e.to_parameter(), f"peer:{e.origin}:{e.version}:{e.name}", pieces.PIECE_BYTES
-        ):
+        # The same id for every resend of this version, so a receiver that has
+        # some of its pieces already keeps them; hashed, as an upload id is
+        # short (pieces.MAX_UPLOAD_ID_BYTES) and a name need not be.
+        key = hashlib.blake2b(f"{e.origin}\0{e.version}\0{e.name}".encode(), digest_size=16)
+        for piece in pieces.split(e.to_parameter(), f"peer:{key.hexdigest()}", piece_bytes):
             yield [piece]
     else:
         yield [e.to_parameter() for e in entries]
 
 
-def _batches(items: Iterable[Any], nbytes: Any) -> Iterable[list[Any]]:
-    """Cut ``items`` into lists of at most BATCH_PARAMS items and about BATCH_BYTES bytes."""
+def _wire_bytes(item: Any) -> int:
+    """About what an entry (or a digest item) takes in a message, data and fields."""
+    return item.nbytes + len(item.name.encode()) + len(item.origin.encode()) + PARAM_OVERHEAD
+
+
+def _batches(items: Iterable[Any], max_items: int, max_bytes: int) -> Iterable[list[Any]]:
+    """Cut ``items`` into lists of at most ``max_items`` items and ``max_bytes`` bytes.
+
+    An item larger than ``max_bytes`` (by :func:`_wire_bytes`) is alone in its list.
+    """
     batch: list[Any] = []
     size = 0
     for item in items:
-        n = nbytes(item)
-        if batch and (len(batch) >= BATCH_PARAMS or size + n > BATCH_BYTES):
+        n = _wire_bytes(item)
+        if batch and (len(batch) >= max_items or size + n > max_bytes):
             yield batch
             batch, size = [], 0
         batch.append(item)
@@ -287,14 +313,15 @@ class PeerLink:
             mine = table.entry(item.name)
             if mine is None or (mine.version, mine.origin) < (item.version, item.origin):
                 wanted.append(item)
-        for batch in _batches(wanted, lambda item: item.nbytes):
+        cluster = self.cluster
+        for batch in _batches(wanted, cluster.batch_params, cluster.batch_bytes):
             request = thrift.ParameterRequest(
-                param_names=[item.name for item in batch], max_inline_bytes=pieces.INLINE_BYTES
+                param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
             )
             response = await client.call("pull_parameters", request=request)
             # A large parameter comes without its data: read it in pieces.
             params = [
-                p if p.total_bytes is None else await pieces.fetch(client, p, pieces.PIECE_BYTES)
+                p if p.total_bytes is None else await pieces.fetch(client, p, cluster.piece_bytes)
                 for p in response.params
             ]
             if params:
@@ -332,11 +359,12 @@ class PeerLink:
     async def _send_outbox(self, client: ParameterClient) -> None:
         taken, self.outbox = self.outbox, {}
         self._oldest = None
-        timestamp = self.cluster.store.timestamp
-        batches = list(_batches(taken.values(), lambda e: e.nbytes))
+        cluster = self.cluster
+        timestamp = cluster.store.timestamp
+        batches = list(_batches(taken.values(), cluster.batch_params, cluster.batch_bytes))
         for i, batch in enumerate(batches):
             try:
-                for params in _messages(batch):
+                for params in _messages(batch, cluster.inline_bytes, cluster.piece_bytes):
                     update = thrift.ParameterUpdate(params=params, timestamp=timestamp)
                     await client.call("broadcast_update", update=update)
             except BaseException:
@@ -367,6 +395,14 @@ class Cluster:
         me: this node as its peers reach it (``thrift.Member``).
         repair_interval: seconds between anti-entropy rounds with each peer.
         ssl: the ``ssl.SSLContext`` links connect with (None: plain TCP).
+        limits: this node's limits of one request (default: ``Limits()``).
+        max_frame_bytes: the largest frame this node accepts.
+
+    The messages links send, and the pulls they make, are cut to this node's
+    limits and frame size: the members of a cluster are assumed to run with
+    the same ones, so what this node would take, its peers take too. (A peer
+    with lower limits refuses them: a oneway update is then lost until a
+    repair, and a pull fails and is retried.)
     """
 
     def __init__(
@@ -376,11 +412,27 @@ class Cluster:
         *,
         repair_interval: float = DEFAULT_REPAIR_INTERVAL,
         ssl: Any = None,
+        limits: Limits | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.store = store
         self.me = me
         self.repair_interval = repair_interval
         self.ssl = ssl
+        limits = limits or Limits()
+        # A batch is one broadcast_update (parameters in one update) or one
+        # pull (names in one request).
+        self.batch_params = max(
+            1, min(BATCH_PARAMS, limits.max_params_per_update, limits.max_names_per_request)
+        )
+        # Half a frame: the rest leaves room for the message's header and for
+        # PARAM_OVERHEAD's estimate being short (long names need frames well
+        # above the smallest, 1 KiB). A parameter over inline_bytes goes in
+        # pieces of piece_bytes (both at most half a frame, too).
+        frame = max(1, max_frame_bytes // 2)
+        self.batch_bytes = min(BATCH_BYTES, frame)
+        self.inline_bytes = min(pieces.INLINE_BYTES, frame)
+        self.piece_bytes = min(pieces.PIECE_BYTES, frame)
         self.links: dict[str, PeerLink] = {}  # by address
         self._started = False
         self._reporter: asyncio.Task[None] | None = None
@@ -503,14 +555,32 @@ class Cluster:
     def owner(self, name: str) -> PeerLink | None:
         """The member that folds gradients of ``name``: a link, or None for this node.
 
-        Rendezvous hashing over the members whose ids are known: each node
-        computes the same owner, and a member joining or leaving moves only
-        the names it wins or held.
+        Rendezvous hashing over this node and the members it can reach (see
+        ``OWNER_STATES``) whose ids are known: nodes that see the same members
+        live compute the same owner, and a member joining or leaving moves
+        only the names it wins or held. A member that is down is left out, so
+        its names move to a live member the survivors agree on. (Ranking it
+        anyway made each survivor fold those names itself, once forwarding
+        failed: concurrent pushes at two nodes then overwrote each other by
+        last-writer-wins, for as long as the member stayed away.)
+
+        What remains: while nodes disagree on whether a member is up, they
+        may choose different owners for its names, and gradients of one name
+        pushed concurrently at two of them may then be lost to
+        last-writer-wins, as above. That lasts until each notices the change:
+        a member that went away shows when its link's next call fails (within
+        ``HEARTBEAT_SECONDS`` on an idle link whose connection broke; up to
+        ``PEER_CALL_TIMEOUT`` if the member froze), and one that came back
+        when each link's backoff (up to ``BACKOFF_MAX``) ends or it announces
+        itself; a link that flaps, or a partition between some members only,
+        keeps the window open as long as it lasts. Each push is still applied
+        atomically, once, and replicates; only concurrent ones at nodes that
+        disagree can overwrite each other.
         """
         best: PeerLink | None = None
         best_score = _score(self.me.node_id, name)
         for link in self.links.values():
-            if link.node_id:
+            if link.node_id and link.state in OWNER_STATES:
                 score = _score(link.node_id, name)
                 if score > best_score:
                     best, best_score = link, score

@@ -1,0 +1,195 @@
+"""Replication under faults and limits: a dead owner, lower request limits, small frames.
+
+In-process nodes on this test's loop, on 127.0.0.1 and ports from port 0;
+every wait is a poll bounded by a deadline, and no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import LocalCluster, address_text, eventually, free_port, table_state
+
+from aioparamsync import Node, ParameterClient, sum_rule
+from aioparamsync.store import Limits
+
+pytestmark = pytest.mark.timeout(60)
+
+KiB = 1024
+# Long enough for a peer in backoff to come back (peers.BACKOFF_MAX is 5 s),
+# short enough that a test of a bug not fixed fails soon.
+WAIT = 10.0
+
+
+def _cluster_fixture(repair_interval: float) -> Any:
+    async def fixture() -> AsyncIterator[LocalCluster]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: reported.append(context))
+        nodes = LocalCluster(repair_interval=repair_interval)
+        try:
+            yield nodes
+        finally:
+            await nodes.close()
+        await asyncio.sleep(0)
+        assert not reported, f"the event loop reported errors: {reported}"
+
+    return pytest.fixture(fixture)
+
+
+# In-process nodes; any error the loop reports fails the test.
+cluster = _cluster_fixture(repair_interval=0.2)
+# The same, with repair only when a link (re)connects: what reaches a peer
+# later came by its outbox.
+quiet_cluster = _cluster_fixture(repair_interval=3600.0)
+
+
+def _holds(node: Node, names: list[str]) -> None:
+    assert set(names) <= set(node.table.names()), (
+        f"{node.node_id} lacks {sorted(set(names) - set(node.table.names()))}"
+    )
+
+
+def _same(a: Node, b: Node) -> None:
+    assert table_state(a) == table_state(b), (
+        f"{a.node_id} holds {sorted(a.table.names())}, {b.node_id} {sorted(b.table.names())}"
+    )
+
+
+# -- 1. a stopped owner's parameters -----------------------------------------------------
+
+
+async def test_gradients_of_a_stopped_owners_parameter_meet_at_one_survivor(
+    cluster: LocalCluster,
+) -> None:
+    a = await cluster.start()
+    b = await cluster.start(peers=[a])
+    c = await cluster.start(peers=[a])
+    await cluster.formed([a, b, c])
+    name = next(
+        n
+        for i in range(1000)
+        if (owner := a.cluster.owner(n := f"w{i}")) is not None and owner.node_id == c.node_id
+    )
+    async with ParameterClient(a.address) as ca, ParameterClient(b.address) as cb:
+        await ca.update_arrays({name: np.zeros(1, np.float64)}, rules=sum_rule())
+        await cluster.converged([a, b, c])
+        c_address = address_text(c.address)
+        await cluster.stop(c)
+
+        def c_is_down() -> None:
+            for node in (a, b):
+                link = node.cluster.links[c_address]
+                assert link.state == "backoff", f"{node.node_id} -> {link!r}"
+
+        await eventually(c_is_down, timeout=WAIT)
+        # The survivors agree on one of them; C, remembered, owns nothing.
+        at_a, at_b = a.cluster.owner(name), b.cluster.owner(name)
+        assert (at_a, at_b) in {
+            (None, b.cluster.links[address_text(a.address)]),
+            (a.cluster.links[address_text(b.address)], None),
+        }, f"owner of {name!r}: at A {at_a!r}, at B {at_b!r}"
+
+        rounds = 20
+        grads = {name: np.ones(1, np.float64)}
+        for _ in range(rounds):
+            await asyncio.gather(ca.push_gradients(grads), cb.push_gradients(grads))
+        await cluster.converged([a, b], timeout=WAIT)
+        got = (await ca.get_arrays([name]))[name]
+        assert got.tolist() == [2.0 * rounds], f"{2 * rounds} gradients of 1 pushed; {got}"
+        assert a.service.forward_failures == b.service.forward_failures == 0
+
+
+# -- 2. limits of one request --------------------------------------------------------------
+
+LIMITS = Limits(max_names_per_request=16, max_params_per_update=16)
+
+
+async def _write_32(node: Node) -> list[str]:
+    """Two updates of 16 parameters each (each within LIMITS); answer the names."""
+    names = []
+    async with ParameterClient(node.address) as client:
+        for k in range(2):
+            arrays = {f"p{k}_{i}": np.full(4, k * 16 + i, np.float32) for i in range(16)}
+            await client.update_arrays(arrays)
+            names += arrays
+    return names
+
+
+async def test_a_late_joiner_pulls_more_parameters_than_one_request_may_name(
+    cluster: LocalCluster,
+) -> None:
+    a = await cluster.start(limits=LIMITS)
+    names = await _write_32(a)
+    b = await cluster.start(peers=[a], limits=LIMITS)
+
+    def caught_up() -> None:
+        _holds(b, names)
+        _same(a, b)
+        link = b.cluster.links[address_text(a.address)]
+        assert link.state == "up", f"{link!r}: {link.last_error}"
+
+    await eventually(caught_up, timeout=WAIT)
+    assert a.store.updates_refused == b.store.updates_refused == 0
+
+
+async def test_an_outbox_larger_than_one_update_may_hold_reaches_its_peer(
+    quiet_cluster: LocalCluster,
+) -> None:
+    a = await quiet_cluster.start(limits=LIMITS)
+    port = free_port()
+    b = await quiet_cluster.start(peers=[a], port=port, limits=LIMITS)
+    await quiet_cluster.formed([a, b])
+    await quiet_cluster.stop(b)
+    names = await _write_32(a)  # B is down: its outbox at A holds 32
+    b = await quiet_cluster.start(peers=[a], port=port, limits=LIMITS)
+
+    def caught_up() -> None:
+        _holds(b, names)
+        _same(a, b)
+        link = a.cluster.links[address_text(b.address)]
+        assert link.state == "up" and not link.outbox, f"{link!r}: {link.last_error}"
+
+    await eventually(caught_up, timeout=WAIT)
+    # Nothing refused: not one oneway batch counted as sent but dropped.
+    assert b.store.updates_refused == 0
+
+
+# -- 3. frames smaller than a batch, or than a parameter -----------------------------------
+
+FRAME = 64 * KiB
+
+
+async def test_updates_larger_than_a_frame_reach_a_peer_and_do_not_hold_back_later_ones(
+    quiet_cluster: LocalCluster,
+) -> None:
+    a = await quiet_cluster.start(max_frame_bytes=FRAME)
+    port = free_port()
+    b = await quiet_cluster.start(peers=[a], port=port, max_frame_bytes=FRAME)
+    await quiet_cluster.formed([a, b])
+    await quiet_cluster.stop(b)
+    # While B is down, A takes updates that each fit a frame, but not together.
+    small = {f"x{i}": np.full(6 * KiB, i, np.float32) for i in range(3)}  # 24 KiB each
+    # (a client sends a parameter larger than a frame in pieces)
+    client = ParameterClient(a.address, max_inline_bytes=16 * KiB, piece_bytes=16 * KiB)
+    async with client:
+        for name, array in small.items():
+            await client.update_arrays({name: array})
+        await client.update_arrays({"big": np.arange(40 * KiB, dtype=np.float32)})  # 160 KiB
+        b = await quiet_cluster.start(peers=[a], port=port, max_frame_bytes=FRAME)
+        await eventually(lambda: _holds(b, [*small, "big"]), timeout=WAIT)
+        # Later updates, by the outbox alone (B repairs only when its link connects).
+        await client.update_arrays({"z": np.zeros(4, np.float32)})
+        await client.update_arrays({"big2": np.ones(40 * KiB, np.float32)})
+
+    def caught_up() -> None:
+        _holds(b, ["z", "big2"])
+        _same(a, b)
+        link = a.cluster.links[address_text(b.address)]
+        assert link.state == "up" and not link.outbox, f"{link!r}: {link.last_error}"
+
+    await eventually(caught_up, timeout=WAIT)
