@@ -245,7 +245,12 @@ class ParameterService:
 
         if not compression.encodable(entry.dtype, encoding):
             return entry.to_parameter()  # e.g. fp16 of integers: sent raw
-        param = compression.encode(entry.name, from_parameter(entry), encoding)
+        try:
+            param = compression.encode(entry.name, from_parameter(entry), encoding)
+        except ValueError:
+            # int8 has no code for NaN or inf (say, after a model diverged):
+            # sent raw, as are values no encoding fits.
+            return entry.to_parameter()
         param.version, param.origin, param.rule = entry.version, entry.origin, entry.rule
         if entry.dtype is None:  # plain bytes: a shape says how many
             param.dtype, param.shape = None, [entry.nbytes]

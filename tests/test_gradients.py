@@ -182,6 +182,17 @@ async def test_updates_and_pulls_in_any_encoding(client: ParameterClient) -> Non
     assert zlib_bytes < ints.nbytes
 
 
+async def test_a_pull_in_int8_of_values_it_cannot_code_sends_them_raw(client) -> None:
+    diverged = np.array([1.0, np.inf, np.nan, -2.0], np.float32)
+    await client.update_arrays({"w": diverged, "ok": np.ones(3, np.float32)})
+    response = await client.get_parameters(["w", "ok"], encoding="int8")
+    by_name = {p.name: p for p in response.params}
+    assert by_name["w"].encoding is None and by_name["ok"].encoding == "int8"
+    got = await client.get_arrays(["w", "ok"], encoding="int8")
+    np.testing.assert_array_equal(got["w"], diverged)  # (NaN equals NaN here)
+    np.testing.assert_allclose(got["ok"], 1.0, rtol=1e-2)
+
+
 async def test_bad_encodings_are_refused(node: Node, client: ParameterClient) -> None:
     await client.update_arrays({"w": ones(4)}, rules=sum_rule())
     with pytest.raises(RequestError) as info:
