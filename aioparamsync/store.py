@@ -44,6 +44,9 @@ MAX_BATCH = 256
 MAX_VERSION = 2**31 - 1
 # Batches larger than this are written to the log from a worker thread (bytes).
 INLINE_LOG_BYTES = 1024 * 1024
+# The one name a parameter may not have: a safetensors file (a snapshot) keeps
+# its own metadata under it.
+RESERVED_NAME = "__metadata__"
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +413,12 @@ class ParameterTable:
             name = p.name
             if not isinstance(name, str) or not name:
                 raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
+            if name == RESERVED_NAME:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"{name!r} is reserved: snapshots are safetensors files, whose header "
+                    "keeps its own data under that name",
+                )
             if len(name.encode()) > limits.max_name_bytes:
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,

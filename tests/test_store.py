@@ -64,6 +64,7 @@ def test_a_bad_parameter_refuses_the_whole_update() -> None:
     [
         ([P("")], ErrorCode.BAD_REQUEST),
         ([P("a"), P("a")], ErrorCode.BAD_REQUEST),
+        ([P("__metadata__")], ErrorCode.BAD_REQUEST),  # (a snapshot's own key)
         ([P("x" * 2000)], ErrorCode.LIMIT_EXCEEDED),
         ([P("é" * 600)], ErrorCode.LIMIT_EXCEEDED),  # 1200 bytes in UTF-8
         ([P("a", b"123", dtype="<f4")], ErrorCode.SHAPE_MISMATCH),
