@@ -192,6 +192,17 @@ class Waiting:
             )
         seconds = _wait_seconds(request.wait_ms)
         group = self._groups.get(group_name)
+        if (
+            group is not None
+            and not group.waiting
+            and (group.world_size != size or step < group.reached.get(worker, step))
+        ):
+            # Nobody waits, and this call is not of the run the group saw: a
+            # worker went back (restarted from a checkpoint, or a new job under
+            # the same name) or the job has another size. The group starts
+            # afresh: the old run's steps would let this worker through alone.
+            del self._groups[group_name]
+            group = None
         if group is None:
             if len(self._groups) >= MAX_GROUPS and not self._forget_an_idle_group():
                 raise RequestError(

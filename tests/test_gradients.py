@@ -394,6 +394,20 @@ async def test_a_barrier_group_keeps_its_size_and_its_workers(client: ParameterC
         await client.barrier("g", "c", 1, 2, timeout=1)
 
 
+async def test_a_barrier_group_starts_afresh_for_a_new_run(client: ParameterClient) -> None:
+    await asyncio.gather(*(client.barrier("run", f"w{i}", 100, 2, timeout=10) for i in range(2)))
+    # The job starts again (or w0 goes back to a checkpoint): at step 0, w0 waits
+    # for w1, not let through by the steps of the run before.
+    early = asyncio.ensure_future(client.barrier("run", "w0", 0, 2, timeout=10))
+    await eventually(lambda: _waiting(client, 1))
+    assert not early.done()
+    await client.barrier("run", "w1", 0, 2, timeout=10)
+    assert (await early).workers == ["w0", "w1"]
+    # Started again with another size while nobody waits: a new group, not a refusal.
+    three = [client.barrier("run", f"w{i}", 1, 3, timeout=10) for i in range(3)]
+    assert [r.workers for r in await asyncio.gather(*three)] == [["w0", "w1", "w2"]] * 3
+
+
 # -- durability and the cluster --------------------------------------------------------------
 
 
