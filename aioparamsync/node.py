@@ -172,7 +172,12 @@ class Node:
             )
         if self.metrics_port is not None:
             metrics = NodeMetrics(self)
-            metrics.start(self.config.host, self.metrics_port)
+            try:
+                metrics.start(self.config.host, self.metrics_port)
+            except BaseException:
+                if self.data_dir is not None:
+                    self.data_dir.close()  # (its lock too: the directory is free again)
+                raise
             self.metrics = metrics
         self._writer = asyncio.create_task(self.store.run(), name="aioparamsync-store-writer")
         try:

@@ -31,12 +31,21 @@ on. A record cut short or failing its checksum at the end of the last
 segment is a torn write: it is cut off, with a warning. Damage anywhere else,
 or a snapshot that fails its checks, is an error: the node refuses to start
 rather than lose data silently (``ignore_corrupt_snapshot`` overrides for a
-snapshot: then it starts from what the log still holds).
+snapshot: then it starts from what the log still holds). What a crash amid a
+snapshot left behind (``.tmp`` files, a ``.safetensors`` without its
+``.json``) is never read, so recovery removes it.
+
+One node a directory: recovery takes an exclusive ``flock`` on ``LOCK`` in
+it, held until :meth:`DataDir.close` (or the process's end, however it ends).
+A second node on the same directory would delete the first one's log
+segments at its first snapshot; it refuses to start instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -72,6 +81,10 @@ PROGRESS_SECONDS = 2.0
 _RECORD = struct.Struct("!II")  # length, crc32
 _SEGMENT = re.compile(r"wal-(\d{8})\.log")
 _SNAPSHOT = re.compile(r"snapshot-(\d{8})\.json")
+_SNAPSHOT_DATA = re.compile(r"snapshot-(\d{8})\.safetensors")
+_SNAPSHOT_TMP = re.compile(r"snapshot-\d{8}\.(?:safetensors|json)\.tmp")
+# The file whose flock keeps a second node out of a data directory in use.
+LOCK_NAME = "LOCK"
 # numpy dtype strings that safetensors has a name for (little-endian only).
 _SAFETENSORS_DTYPES = {
     "<f8": "F64",
@@ -121,6 +134,32 @@ def _segment_name(n: int) -> str:
     return f"wal-{n:08d}.log"
 
 
+def _log_upload_id(key: str) -> str:
+    """The upload id of a large parameter's pieces in the log, from a key that names it
+    (``origin:version:name``).
+
+    Fixed-length: a name (up to ``--max-name-bytes``) and an origin (a node id
+    and more) make the key longer than an upload id may be
+    (``pieces.MAX_UPLOAD_ID_BYTES``), which replay enforces. Ids are only
+    matched within one replay, so a hash is as good as the key.
+    """
+    return "log:" + hashlib.sha256(key.encode(errors="surrogatepass")).hexdigest()
+
+
+def _replayed(piece: Any) -> Any:
+    """``piece``, read from the log, with an upload id that replay accepts.
+
+    Logs written before ids were hashed (:func:`_log_upload_id`) name pieces
+    ``log:origin:version:name``, which may be longer than an upload id may
+    be: those updates were acknowledged, so such an id is hashed (every piece
+    of the upload alike) rather than refused.
+    """
+    upload_id = piece.upload_id
+    if isinstance(upload_id, str) and len(upload_id.encode()) > pieces.MAX_UPLOAD_ID_BYTES:
+        piece.upload_id = _log_upload_id(upload_id)
+    return piece
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -156,6 +195,7 @@ class DataDir:
         self.sync_interval = FSYNC_BATCH_SECONDS  # with fsync=batch
         self.segment = 0  # the segment being written
         self._fd: int | None = None
+        self._lock_fd: int | None = None  # LOCK, flocked: from recover() to close()
         self.wal_bytes = 0  # bytes in the log since the last snapshot
         self._last_sync = 0.0
         self._dirty = False
@@ -167,10 +207,12 @@ class DataDir:
     # -- recovery -----------------------------------------------------------------
 
     def recover(self, table: ParameterTable) -> Recovered:
-        """Load the newest snapshot and replay the log into ``table``; open the log.
+        """Lock the directory, load the newest snapshot and replay the log into ``table``;
+        open the log.
 
         Raises:
-            PersistenceError: the directory is damaged (see the module's docstring).
+            PersistenceError: the directory is damaged (see the module's docstring),
+                or another node (or another DataDir) has it.
         """
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -179,9 +221,89 @@ class DataDir:
         if not os.access(self.path, os.W_OK):
             raise PersistenceError(f"data directory {self.path} is not writable")
         try:
-            return self._recover(table)
+            self._lock()
+            try:
+                self._remove_leftovers()
+                return self._recover(table)
+            except BaseException:
+                # A DataDir that did not recover holds nothing: the directory may be
+                # tried again (say with ignore_corrupt_snapshot) in this process.
+                self._unlock()
+                raise
         except OSError as exc:
             raise PersistenceError(f"cannot use {self.path} as a data directory: {exc}") from exc
+
+    def _lock(self) -> None:
+        """Take ``LOCK``'s flock, or raise PersistenceError: one node a directory.
+
+        Two nodes on one directory would each delete the other's log segments
+        as they snapshot, losing acknowledged updates. The kernel drops a
+        flock when the process ends, however it ends, so a ``kill -9`` leaves
+        no stale lock. The file stays when released (removing it would race
+        with a node opening it); it holds its last holder's pid, for the
+        message. A flock belongs to an open file: a second DataDir on the
+        directory in the same process is kept out too.
+        """
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+            raise PersistenceError(
+                f"data directory {self.path} is in use by another node ({who}); the node "
+                "will not start (two nodes on one directory delete each other's log)"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # which drops the flock
+            raise
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for a child forked with the file
+            finally:
+                os.close(fd)
+
+    def _remove_leftovers(self) -> None:
+        """Remove what a crash amid writing a snapshot left: files a model's size.
+
+        A snapshot is written to ``.tmp`` files renamed into place, its data
+        first, its ``.json`` last (from then on it exists), and older ones
+        are dropped ``.json`` first. So a crash leaves ``snapshot-N.*.tmp``,
+        or a ``snapshot-N.safetensors`` without its ``.json``: recovery never
+        loads either (only a snapshot with its ``.json``), and the snapshot
+        before with the log from its number on still holds everything, so
+        they would stay forever. Called under the lock: no node is writing a
+        snapshot here now.
+        """
+        names = {p.name for p in self.path.iterdir()}
+        for name in sorted(names):
+            data = _SNAPSHOT_DATA.fullmatch(name)
+            if not (
+                _SNAPSHOT_TMP.fullmatch(name) or (data and f"snapshot-{data[1]}.json" not in names)
+            ):
+                continue
+            path = self.path / name
+            if not path.is_file():
+                continue  # not something a snapshot writes: not ours to remove
+            log.warning(
+                "removing %s (%d MiB), left by a crash while a snapshot was written",
+                path,
+                path.stat().st_size >> 20,
+            )
+            path.unlink(missing_ok=True)
 
     def _recover(self, table: ParameterTable) -> Recovered:
         found = Recovered()
@@ -279,7 +401,8 @@ class DataDir:
                 params = [
                     whole
                     for p in update.params
-                    if (whole := p if p.total_bytes is None else uploads.add(p)) is not None
+                    if (whole := p if p.total_bytes is None else uploads.add(_replayed(p)))
+                    is not None
                 ]
                 table.merge(params, update.timestamp)
             except ParamSyncError as exc:
@@ -396,7 +519,7 @@ class DataDir:
             self._write_record(thrift.ParameterUpdate(params=small, timestamp=timestamp))
         for e in entries:
             if e.nbytes > pieces.INLINE_BYTES:
-                upload_id = f"log:{e.origin}:{e.version}:{e.name}"
+                upload_id = _log_upload_id(f"{e.origin}:{e.version}:{e.name}")
                 for piece in pieces.split(e.to_parameter(), upload_id, pieces.PIECE_BYTES):
                     self._write_record(thrift.ParameterUpdate(params=[piece], timestamp=timestamp))
 
@@ -520,7 +643,12 @@ class DataDir:
                         p.with_suffix(".safetensors").unlink()
 
     def close(self) -> None:
-        if self._fd is not None:
-            self.sync()
-            os.close(self._fd)
-            self._fd = None
+        """Sync and close the log; release the directory to another node."""
+        try:
+            if self._fd is not None:
+                self.sync()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._unlock()

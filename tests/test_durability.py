@@ -45,6 +45,7 @@ from aioparamsync import (
     ParamSyncError,
     RequestError,
     persistence,
+    pieces,
     thrift,
 )
 from aioparamsync.persistence import DataDir, PersistenceError
@@ -411,11 +412,17 @@ async def test_sigterm_writes_a_snapshot_safetensors_reads_and_a_restart_recover
     assert await terminate(node) == 0, node.stderr
     assert_no_traceback(node.stderr)
 
-    # One snapshot pair and a small (here: empty) log; older segments are gone.
+    # One snapshot pair and a small (here: empty) log; older segments are gone. (LOCK
+    # stays: a node's flock on it, dropped as it exited, keeps out a second node.)
     [n] = snapshot_numbers(data_dir)
     assert segment_numbers(data_dir) == [n]
     assert sorted(p.name for p in data_dir.iterdir()) == sorted(
-        [f"snapshot-{n:08d}.json", f"snapshot-{n:08d}.safetensors", f"wal-{n:08d}.log"]
+        [
+            f"snapshot-{n:08d}.json",
+            f"snapshot-{n:08d}.safetensors",
+            f"wal-{n:08d}.log",
+            persistence.LOCK_NAME,
+        ]
     )
     assert segment_path(data_dir, n).stat().st_size < 1024
 
@@ -963,3 +970,252 @@ async def test_fsync_batch_syncs_an_acknowledged_update_within_the_interval(
             f"the log was written, then not synced for {time.monotonic() - last_write:.1f} s "
             f"(FSYNC_BATCH_SECONDS = {interval})"
         )
+
+
+# == 9. one node a directory =================================================================
+
+
+def logged_table(path: Path, updates: int = 3) -> tuple[DataDir, ParameterTable]:
+    """A recovered DataDir on ``path`` (left open) with ``updates`` updates logged and synced."""
+    table = ParameterTable("first")
+    data_dir = DataDir(path, fsync="always")
+    data_dir.recover(table)
+    for i in range(updates):
+        applied = table.apply([thrift.Parameter(name=f"p{i}", data=bytes([i]) * 8)], i + 1)
+        data_dir.append(applied.entries, table.timestamp)
+    data_dir.sync()
+    return data_dir, table
+
+
+def test_a_second_data_dir_on_a_directory_in_use_is_refused_until_the_first_closes(
+    tmp_path: Path,
+) -> None:
+    """Two nodes on one directory would delete each other's log as they snapshot: the
+    second is refused, touching no file, and may try again once the first has closed.
+    (A flock belongs to an open file: two DataDirs of one process exclude each other.)"""
+    path = tmp_path / "data"
+    first, table = logged_table(path)
+    try:
+        before = {p.name: p.read_bytes() for p in path.iterdir()}
+        second = DataDir(path)
+        second_table = ParameterTable("second")
+        for _ in range(2):  # refused again: a refusal holds nothing
+            with pytest.raises(PersistenceError) as caught:
+                second.recover(second_table)
+            message = str(caught.value)
+            assert f"data directory {path} is in use by another node" in message, message
+            assert f"(pid {os.getpid()})" in message, message
+        assert len(second_table) == 0
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+        # The first goes on: a record, a snapshot (which drops older segments).
+        applied = table.apply([thrift.Parameter(name="late", data=b"late")], 10)
+        first.append(applied.entries, table.timestamp)
+        n = first.start_snapshot()
+        first.write_snapshot(n, [e for name in table.names() if (e := table.entry(name))], 10)
+    finally:
+        first.close()
+    # Closed: released, to the DataDir refused before as to any other.
+    try:
+        second.recover(second_table)
+    finally:
+        second.close()
+    assert table_state(second_table) == table_state(table)
+    assert recover_into_table(path)[0] == table_state(table)
+
+
+async def test_a_node_refused_a_data_dir_in_use_holds_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    holder, table = logged_table(path)
+    try:
+        message = str(await refused(path))
+        assert f"{path} is in use by another node (pid {os.getpid()})" in message, message
+    finally:
+        holder.close()
+    async with running(path) as node:
+        assert table_state(node.table) == table_state(table)
+
+
+async def test_a_node_process_refuses_a_data_dir_another_node_process_holds(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """The second node exits 1 with one line saying who holds the directory; the first
+    goes on, and once it is gone (even by ``kill -9``: the kernel drops the lock) the
+    directory is free again, with everything the first acknowledged."""
+    data_dir = tmp_path / "data"
+    flags = ("--data-dir", str(data_dir), "--fsync", "always")
+    first = await spawn(*flags)
+    async with client_of(first.address) as client:
+        assert await client.update_arrays({"a": np.arange(3.0)}) == {"a": 1}
+        result = await asyncio.to_thread(run_cli, *flags)
+        assert result.returncode == 1, result
+        assert result.stdout == ""
+        assert result.stderr.splitlines() == [
+            f"aioparamsync-node: data directory {data_dir} is in use by another node "
+            f"(pid {first.pid}); the node will not start (two nodes on one directory "
+            "delete each other's log)"
+        ], result.stderr
+        assert await client.update_arrays({"a": np.arange(3.0) + 1}) == {"a": 2}
+        expected = await read_state(client, ["a"])
+    assert await first.kill() == -signal.SIGKILL
+    second = await spawn(*flags)
+    async with client_of(second.address) as client:
+        assert await read_state(client, ["a"]) == expected
+    assert await terminate(second) == 0, second.stderr
+    assert_no_traceback(first.stderr + second.stderr)
+
+
+# == 10. large parameters with long names in the log =========================================
+
+# 1015 bytes: within the names a node takes (Limits.max_name_bytes, 1024).
+LONG_NAME = "encoder." + "x" * 1000 + ".weight"
+
+
+async def test_a_large_parameter_with_a_long_name_is_logged_in_pieces_and_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter larger than ``pieces.INLINE_BYTES`` is logged in pieces under one upload
+    id; a long name and node id must not make that id longer than replay takes, or the
+    node answers the update and then cannot start. Sizes scaled down: 4 KiB inline,
+    pieces of 1 KiB (really 128 and 64 MiB)."""
+    monkeypatch.setattr(pieces, "INLINE_BYTES", 4 * 1024)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 1024)
+    path = tmp_path / "data"
+    big = arange(4096, np.float32)  # 16 KiB: 16 pieces
+    async with running(path, node_id="node-" + "n" * 250) as node:
+        async with client_of(node.address) as client:
+            assert await client.update_arrays({LONG_NAME: big, "small": np.ones(2)}) == {
+                LONG_NAME: 1,
+                "small": 1,
+            }
+        image = crash_image(path, tmp_path / "image")
+        expected = table_state(node.table)
+    assert len(record_spans(segment_path(image, 1).read_bytes())) == 1 + 16  # "small", pieces
+    recovered, found = recover_into_table(image)
+    assert recovered == expected and found.records == 1 + 16
+    assert recover_into_table(path)[0] == expected  # and from the clean stop's snapshot
+
+
+def test_a_log_with_the_upload_ids_of_older_versions_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Versions before upload ids in the log were hashed wrote ``log:origin:version:name``:
+    such a log still replays, whether the id was short enough for replay (it was then)
+    or not (acknowledged, but refused on replay then)."""
+    monkeypatch.setattr(pieces, "INLINE_BYTES", 1024)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 256)
+    path = tmp_path / "data"
+    table = ParameterTable("node-a")
+    data_dir = DataDir(path, fsync="always")
+    data_dir.recover(table)
+    try:
+        for i, name in enumerate(["short", LONG_NAME, "short"]):
+            data = arange(1024, np.int32, i)
+            param = thrift.Parameter(name=name, data=data.tobytes(), dtype="<i4", shape=[1024])
+            [entry] = table.apply([param], i + 1).entries
+            old_id = f"log:{entry.origin}:{entry.version}:{entry.name}"  # as they wrote it
+            assert (len(old_id.encode()) > 256) == (name == LONG_NAME)
+            for piece in pieces.split(entry.to_parameter(), old_id, pieces.PIECE_BYTES):
+                data_dir._write_record(thrift.ParameterUpdate(params=[piece], timestamp=i + 1))
+    finally:
+        data_dir.close()
+    recovered, found = recover_into_table(path)
+    assert found.records == 3 * 16
+    assert recovered == table_state(table)
+    assert recovered["short"][0] == 2 and recovered[LONG_NAME][0] == 1
+
+
+# == 11. what a crash amid a snapshot leaves =================================================
+
+
+def snapshot_name(n: int, suffix: str) -> str:
+    return f"snapshot-{n:08d}{suffix}"
+
+
+@contextlib.contextmanager
+def snapshot_dies(how: str, monkeypatch: pytest.MonkeyPatch):
+    """Make the next snapshot stop where ``how`` says, as a ``kill -9`` there would."""
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def replace(src: Any, dst: Any) -> None:
+        name = Path(src).name
+        if (how == "data_written" and name.endswith(".safetensors.tmp")) or (
+            how == "data_renamed" and name.endswith(".json.tmp")
+        ):
+            raise OSError(errno.EIO, f"killed before renaming {name}")
+        real_replace(src, dst)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if how == "older_dropped" and self.name.endswith(".safetensors"):
+            raise OSError(errno.EIO, f"killed before unlinking {self.name}")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(os, "replace", real_replace)
+        monkeypatch.setattr(Path, "unlink", real_unlink)
+
+
+# How the snapshot died -> (what it left that no recovery reads, the snapshot recovery loads).
+SNAPSHOT_DEATHS = {
+    # Amid writing its data (the whole file, here: it is never read either way).
+    "data_written": ([snapshot_name(3, ".safetensors.tmp")], 2),
+    # Between its two renames: data in place, its description not yet.
+    "data_renamed": ([snapshot_name(3, ".safetensors"), snapshot_name(3, ".json.tmp")], 2),
+    # Written, then dropping the one before it: its description gone, its data not yet.
+    "older_dropped": ([snapshot_name(2, ".safetensors")], 3),
+}
+
+
+@pytest.mark.parametrize("how", list(SNAPSHOT_DEATHS))
+def test_recovery_removes_what_a_crash_amid_a_snapshot_left_and_keeps_what_it_needs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    """A crash amid a snapshot leaves files a model's size that no recovery reads; before,
+    each crash leaked one for good. Recovery removes them, and nothing else: not the
+    snapshot it loads, nor the log it replays."""
+    leftovers, loaded = SNAPSHOT_DEATHS[how]
+    live = tmp_path / "live"
+    data_dir, table = logged_table(live)
+
+    def snapshot() -> None:
+        n = data_dir.start_snapshot()
+        entries = [e for name in table.names() if (e := table.entry(name))]
+        data_dir.write_snapshot(n, entries, table.timestamp)
+
+    def update(name: str, step: int) -> None:
+        param = thrift.Parameter(name=name, data=arange(64, np.int16, step).tobytes())
+        data_dir.append(table.apply([param], step).entries, table.timestamp)
+
+    try:
+        snapshot()  # snapshot 2, whole
+        update("p0", 10)  # in segment 2
+        with snapshot_dies(how, monkeypatch), pytest.raises(OSError, match="killed"):
+            snapshot()  # snapshot 3
+        update("p1", 11)  # in segment 3
+        data_dir.sync()
+        image = crash_image(live, tmp_path / "image")
+        expected = table_state(table)
+    finally:
+        data_dir.close()
+    before = {p.name: p.read_bytes() for p in image.iterdir()}
+    assert set(leftovers) <= set(before), sorted(before)
+    caplog.set_level(logging.WARNING, logger="aioparamsync")
+    recovered, found = recover_into_table(image)
+    assert recovered == expected and found.snapshot == loaded
+    after = {p.name: p.read_bytes() for p in image.iterdir()}
+    assert sorted(after) == sorted(set(before) - set(leftovers))
+    for name, data in after.items():
+        if name != persistence.LOCK_NAME:
+            assert data == before[name], f"{name} changed"
+    assert {snapshot_name(loaded, ".json"), snapshot_name(loaded, ".safetensors")} <= set(after)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name in leftovers:
+        assert any(f"removing {image / name}" in m for m in warnings), warnings
+    # Nothing recovery needs was removed: again, from what is left, the same.
+    assert recover_into_table(image)[0] == expected

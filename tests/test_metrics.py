@@ -277,16 +277,19 @@ async def test_stop_releases_the_port_and_metrics_off_costs_no_hook(
         await scrape(address)
 
 
-async def test_a_metrics_port_in_use_fails_the_start_cleanly() -> None:
+async def test_a_metrics_port_in_use_fails_the_start_cleanly(tmp_path) -> None:
     with free_listener() as busy:
         port = busy.getsockname()[1]
-        node = Node(LOOPBACK, 0, metrics_port=port)
+        node = Node(LOOPBACK, 0, metrics_port=port, data_dir=tmp_path)
         with pytest.raises(MetricsBindError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}"):
             await node.start()
         assert isinstance(MetricsBindError(), OSError)
         assert node.metrics is None and node._writer is None
         with pytest.raises(AssertionError):
             _ = node.address  # it never listened
+    # It let go of its data directory: another node may have it.
+    async with Node(LOOPBACK, 0, data_dir=tmp_path) as again:
+        assert again.address
 
 
 async def test_metrics_without_prometheus_client_is_a_clear_error(
