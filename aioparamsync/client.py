@@ -823,24 +823,38 @@ class ParameterClient:
         """
         if not isinstance(grads, Mapping):
             raise TypeError("grads must be a mapping of name -> array")
-        if encoding is None:
-            params = [to_parameter(name, g) for name, g in grads.items()]
-        else:
-            from . import compression
-
-            if encoding in compression.LOSSY and error_feedback:
-                if self._feedback is None:
-                    self._feedback = compression.ErrorFeedback()
-                encode = self._feedback.encode
+        feedback, kept = None, {}
+        try:
+            if encoding is None:
+                params = [to_parameter(name, g) for name, g in grads.items()]
             else:
-                encode = compression.encode
-            params = [encode(name, g, encoding, ratio=ratio) for name, g in grads.items()]
-        push = thrift.GradientPush(
-            grads=params,
-            request_id=request_id or uuid.uuid4().hex,
-            timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
-        )
-        result = await self.call("push_gradients", timeout=timeout, push=push)
+                from . import compression
+
+                if encoding in compression.LOSSY and error_feedback:
+                    if self._feedback is None:
+                        self._feedback = compression.ErrorFeedback()
+                    feedback = self._feedback
+                    kept = feedback.kept(grads)
+                    encode = feedback.encode
+                else:
+                    encode = compression.encode
+                params = [encode(name, g, encoding, ratio=ratio) for name, g in grads.items()]
+            push = thrift.GradientPush(
+                grads=params,
+                request_id=request_id or uuid.uuid4().hex,
+                timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
+            )
+            result = await self.call("push_gradients", timeout=timeout, push=push)
+        except (RequestError, TypeError, ValueError):
+            # Not applied (refused by the node, or never sent): error feedback
+            # keeps the residuals it had, so what this push would have sent is
+            # neither lost nor sent twice by the next. (After a timeout or a
+            # broken connection the push may have been applied: then the
+            # residuals stay as sent; a retry under the same request_id is
+            # applied once.)
+            if feedback is not None:
+                feedback.restore(kept)
+            raise
         return dict(result.versions)
 
     async def barrier(

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -551,6 +551,21 @@ class ErrorFeedback:
             np.subtract(total, decode(sent).astype(work, copy=False), out=total)
         self._residuals[name] = total
         return sent
+
+    def kept(self, names: Iterable[str]) -> dict[str, np.ndarray | None]:
+        """The residuals of ``names`` as they are now, for :meth:`restore`.
+
+        No copy: :meth:`encode` replaces a residual, it never changes one.
+        """
+        return {name: self._residuals.get(name) for name in names}
+
+    def restore(self, kept: Mapping[str, np.ndarray | None]) -> None:
+        """Put back the residuals :meth:`kept` answered (a push the node did not apply)."""
+        for name, residual in kept.items():
+            if residual is None:
+                self._residuals.pop(name, None)
+            else:
+                self._residuals[name] = residual
 
     def residual(self, name: str) -> np.ndarray | None:
         """A copy of the residual kept for ``name``, or ``None`` when there is none."""

@@ -159,6 +159,23 @@ async def test_encoded_gradients_and_error_feedback(client: ParameterClient) -> 
         assert np.abs(after - before - g).max() <= tolerance[encoding] * 1.01 + 1e-4
 
 
+async def test_a_push_not_applied_leaves_error_feedback_as_it_was(client) -> None:
+    g = np.array([4.0, 3.0, 2.0, 1.0], np.float32)
+    await client.update_arrays({"w": np.zeros(4, np.float32)}, rules=sum_rule())
+    await client.push_gradients({"w": g}, encoding="topk", ratio=0.5)  # sends 4 and 3
+    kept = client._feedback.residual("w")
+    with pytest.raises(RequestError) as refused:  # nothing applied: "missing" is unknown
+        await client.push_gradients({"w": g, "missing": g}, encoding="topk", ratio=0.5)
+    assert refused.value.code == ErrorCode.UNKNOWN_PARAMETER
+    with pytest.raises(ValueError, match="non-finite"):  # never sent
+        await client.push_gradients({"w": g, "v": np.array([np.inf])}, encoding="int8")
+    np.testing.assert_array_equal(client._feedback.residual("w"), kept)
+    assert client._feedback.residual("missing") is None
+    await client.push_gradients({"w": np.zeros(4, np.float32)}, encoding="topk", ratio=1.0)
+    # What reached the node is the one push that was applied, whole.
+    np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], g)
+
+
 async def test_updates_and_pulls_in_any_encoding(client: ParameterClient) -> None:
     w = np.linspace(-3, 3, 600, dtype=np.float32).reshape(20, 30)
     ints = np.arange(10, dtype=np.int64)
