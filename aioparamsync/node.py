@@ -212,6 +212,7 @@ class Node:
         """
         try:
             await self.server.close(grace)
+            self.service.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
             self.store.close()

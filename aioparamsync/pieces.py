@@ -142,6 +142,10 @@ class Uploads:
     def __repr__(self) -> str:
         return f"<Uploads [{len(self._uploads)} open | {self.staged_bytes} bytes staged]>"
 
+    def __len__(self) -> int:
+        """How many uploads are open."""
+        return len(self._uploads)
+
     def add(self, piece: Any) -> Any | None:
         """Take one piece; answer the whole ``Parameter`` once it is complete, else None.
 

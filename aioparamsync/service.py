@@ -143,6 +143,8 @@ class ParameterService:
         self.pushes_repeated = 0
         self.pushes_forwarded = 0  # gradient pushes folded by their owner, another node
         self.forward_failures = 0  # ... that could not reach it, and were folded here
+        # While uploads are open: the timer that drops those abandoned (see _sweep).
+        self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def node_id(self) -> str:
@@ -234,9 +236,29 @@ class ParameterService:
             if p.total_bytes is not None:
                 if (whole := self.uploads.add(p)) is not None:
                     ready.append(whole)
+                elif self._sweeper is None:
+                    self._sweep_later()
             else:
                 ready.append(_decode(p, max_nbytes) if p.encoding else p)
         return ready
+
+    def _sweep_later(self) -> None:
+        # A quarter of the timeout: an abandoned upload's buffer goes within
+        # 1.25 timeouts of its last piece, even if no other piece ever comes.
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.call_later(self.uploads.timeout / 4, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.uploads.sweep()
+        if len(self.uploads):
+            self._sweep_later()
+
+    def close(self) -> None:
+        """Stop the timers of this service (the node is stopping)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     @staticmethod
     def _encoded(entry: Entry, encoding: str) -> Any:

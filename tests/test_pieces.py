@@ -149,6 +149,21 @@ def test_uploads_are_bounded_and_abandoned_ones_dropped() -> None:
 # -- a live node ----------------------------------------------------------------------------
 
 
+async def test_an_abandoned_upload_is_dropped_though_no_piece_follows(node: Node) -> None:
+    node.service.uploads.timeout = 0.2
+    first = split(to_parameter("big", np.ones(1000, np.float32)), "abandoned", 1000)[0]
+    async with ParameterClient(node.address) as c:  # 1 piece of 4, then the caller is gone
+        await c.call("push_parameters", update=thrift.ParameterUpdate(params=[first], timestamp=1))
+    assert node.service.uploads.statistics()["uploads_open"] == 1
+
+    async def dropped() -> None:
+        stats = node.service.uploads.statistics()
+        assert stats["uploads_open"] == 0 and stats["upload_bytes_staged"] == 0
+        assert stats["uploads_dropped"] == 1
+
+    await eventually(dropped, timeout=5)
+
+
 async def test_a_node_puts_pieces_together_and_reads_them_out(
     node: Node, client: ParameterClient
 ) -> None:
