@@ -53,6 +53,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
@@ -195,6 +196,12 @@ class DataDir:
         self.sync_interval = FSYNC_BATCH_SECONDS  # with fsync=batch
         self.segment = 0  # the segment being written
         self._fd: int | None = None
+        # Held while the log's fd is synced, or closed (and replaced): a sync
+        # runs in a worker thread (fsync=batch), and a snapshot cuts the log on
+        # the event loop's; without it the sync could fsync an fd closed under
+        # it (EBADF: the node then takes no more updates) or, its number reused
+        # by the next segment, the wrong file.
+        self._fd_lock = threading.Lock()
         self._lock_fd: int | None = None  # LOCK, flocked: from recover() to close()
         self.wal_bytes = 0  # bytes in the log since the last snapshot
         self._last_sync = 0.0
@@ -497,10 +504,12 @@ class DataDir:
     # -- the log ------------------------------------------------------------------
 
     def _open_segment(self, n: int) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
         path = self.path / _segment_name(n)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         _fsync_dir(self.path)
         self.segment = n
 
@@ -555,9 +564,10 @@ class DataDir:
         return self._dirty
 
     def sync(self) -> None:
-        if self._fd is not None and self._dirty:
-            self._dirty = False  # before: a record written meanwhile stays dirty
-            os.fsync(self._fd)
+        with self._fd_lock:
+            if self._fd is not None and self._dirty:
+                self._dirty = False  # before: a record written meanwhile stays dirty
+                os.fsync(self._fd)
         self._last_sync = time.monotonic()
 
     # -- snapshots ----------------------------------------------------------------
@@ -648,7 +658,8 @@ class DataDir:
             if self._fd is not None:
                 self.sync()
         finally:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            with self._fd_lock:
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
             self._unlock()

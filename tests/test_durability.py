@@ -1219,3 +1219,58 @@ def test_recovery_removes_what_a_crash_amid_a_snapshot_left_and_keeps_what_it_ne
         assert any(f"removing {image / name}" in m for m in warnings), warnings
     # Nothing recovery needs was removed: again, from what is left, the same.
     assert recover_into_table(image)[0] == expected
+
+
+# == 12. the log's fd between threads ============================================================
+
+
+def test_a_sync_in_a_worker_thread_and_a_snapshot_cut_do_not_race(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fsync=batch the log is synced in a worker thread while the event loop's
+    thread may cut it for a snapshot (closing its fd): the cut waits for the sync. It
+    synced a closed fd (EBADF: the node took no more updates) or, the fd's number
+    reused by the next segment, the wrong file (the cut one's tail left unsynced)."""
+    data_dir, table = logged_table(tmp_path / "data", updates=1)
+    try:
+        applied = table.apply([thrift.Parameter(name="late", data=b"late")], 10)
+        data_dir.append(applied.entries, table.timestamp)  # dirty: the sync has work
+        in_sync, go_on = threading.Event(), threading.Event()
+        real_fsync = os.fsync
+        synced: list[int] = []  # the inodes the syncer's fsync reached
+
+        def slow_fsync(fd: int) -> None:
+            if threading.current_thread().name == "syncer":
+                in_sync.set()
+                go_on.wait(5)  # the fd is in hand: the cut comes now
+                synced.append(os.fstat(fd).st_ino)
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", slow_fsync)
+        errors: list[BaseException] = []
+
+        def run(target: Callable[[], Any]) -> Callable[[], None]:
+            def guarded() -> None:
+                try:
+                    target()
+                except BaseException as exc:  # noqa: BLE001 (to be asserted on)
+                    errors.append(exc)
+
+            return guarded
+
+        syncer = threading.Thread(target=run(data_dir.sync), name="syncer")
+        syncer.start()
+        assert in_sync.wait(5)
+        cut = threading.Thread(target=run(data_dir.start_snapshot), name="cut")
+        cut.start()
+        cut.join(0.3)
+        go_on.set()
+        syncer.join(5)
+        cut.join(5)
+        assert not syncer.is_alive() and not cut.is_alive()
+        assert errors == []
+        assert data_dir.segment == 2
+        # It synced the segment it meant to (not, its fd number reused, the next).
+        assert synced == [(tmp_path / "data" / "wal-00000001.log").stat().st_ino]
+    finally:
+        data_dir.close()
