@@ -41,6 +41,7 @@ __all__ = [
 NUMERIC_KINDS = frozenset("biufc")
 # Most dimensions a parameter may have (numpy's own limit).
 MAX_DIMS = 64
+_MAX_INTP = int(np.iinfo(np.intp).max)
 # The wire's dtype string of ml_dtypes.bfloat16 (numpy's own, "<V2", is ambiguous).
 BFLOAT16 = "bfloat16"
 # bfloat16 bytes on the wire are little-endian; a big-endian host swaps them.
@@ -117,6 +118,13 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
     if any(d < 0 for d in shape):
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
+        )
+    # (A zero dimension makes the size 0 whatever the others are, so no size
+    # limit catches a huge one; numpy refuses any array whose other dimensions'
+    # product, in bytes, passes its index type.)
+    if math.prod(d for d in shape if d) * 16 > _MAX_INTP:
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH, f"{name!r}: the shape {tuple(shape)} is too large for numpy"
         )
 
 

@@ -41,6 +41,7 @@ Pure numpy: no asyncio, no sockets; the node and the client both use it.
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -189,8 +190,11 @@ def _int8(name: str, arr: np.ndarray) -> tuple[memoryview, float]:
     # An all-zero array: scale 0 (every code decodes to 0). A float64 subnormal
     # max would underflow to 0: the smallest scale then still decodes it.
     scale = amax / _INT8_MAX
-    if scale == 0.0 and amax > 0.0:
-        scale = math.ulp(0.0)
+    if scale < sys.float_info.min:
+        # A subnormal scale is coarse (or 0 for a tiny amax): it must still
+        # cover amax, or the largest values would be clipped beyond scale / 2.
+        while scale * _INT8_MAX < amax:
+            scale = math.nextafter(scale, math.inf)
     q = np.zeros(x.size, np.int8)
     if scale:
         np.divide(x, scale, out=x)
@@ -549,6 +553,10 @@ class ErrorFeedback:
             # Sent in the gradient's dtype: what that cast loses is kept in the residual too.
             sent = encode(name, total.astype(g.dtype, copy=False), encoding, ratio=ratio)
             np.subtract(total, decode(sent).astype(work, copy=False), out=total)
+        # What is not finite is not carried on: a value fp16 cannot hold was
+        # sent as inf, and inf - inf would make this element NaN in every push
+        # after it.
+        total[~np.isfinite(total)] = 0
         self._residuals[name] = total
         return sent
 

@@ -112,6 +112,20 @@ def test_bfloat16_checks_layout_and_reads_plain_bytes_as_asked() -> None:
     np.testing.assert_array_equal(from_parameter(raw, bf16).astype(np.float32), [1, -2])
 
 
+@pytest.mark.parametrize("encoding", [None, "fp16", "bf16", "int8", "topk", "zlib"])
+def test_a_shape_of_no_elements_but_too_large_for_numpy_is_refused(encoding) -> None:
+    # Size 0 passes every size limit; numpy still refuses the array.
+    from aioparamsync.compression import decode
+
+    param = thrift.Parameter(name="w", data=b"", dtype="<f4", shape=[0, 1 << 62])
+    param.encoding = encoding
+    with pytest.raises(RequestError, match="too large for numpy") as info:
+        decode(param, max_nbytes=1 << 20) if encoding else from_parameter(param)
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    empty = thrift.Parameter(name="w", data=b"", dtype="<f4", shape=[0, 5])
+    assert from_parameter(empty).shape == (0, 5)  # an empty array of a sane shape is fine
+
+
 @pytest.mark.parametrize("dtype", ["<V2", "|V2", "V4", "float8_e4m3fn", "<U1"])
 def test_void_and_other_extension_dtypes_are_refused(dtype: str) -> None:
     param = thrift.Parameter(name="w", data=b"\0\0", dtype=dtype, shape=[1])

@@ -90,6 +90,27 @@ def test_int8_absolute_error_is_at_most_half_the_scale(arr: np.ndarray) -> None:
     assert np.all(np.abs(back - x) <= bound)
 
 
+def test_int8_keeps_its_error_bound_for_subnormal_float64_values() -> None:
+    tiny = math.ulp(0.0)
+    for m in (1, 190, 250, 300, 1000, 2**20):
+        arr = np.array([m * tiny, -m * tiny / 2, m * tiny / 3])
+        param = encode("g", arr, "int8")
+        assert param.scale * 127 >= m * tiny  # it covers the largest value
+        assert np.all(np.abs(decode(param) - arr) <= param.scale / 2)
+
+
+def test_error_feedback_does_not_carry_what_is_not_finite() -> None:
+    feedback = ErrorFeedback()
+    # 1e5 is past fp16's largest (65504): sent as inf, as encode does.
+    sent = feedback.encode("w", np.array([1e5, 1.0], np.float32), "fp16")
+    assert np.isinf(decode(sent)[0])
+    residual = feedback.residual("w")
+    assert residual is not None and np.all(np.isfinite(residual))
+    for _ in range(3):  # the next pushes are themselves, not -inf and then NaN
+        sent = feedback.encode("w", np.array([0.5, 1.0], np.float32), "fp16")
+        np.testing.assert_array_equal(decode(sent), [0.5, 1.0])
+
+
 def test_int8_of_an_all_zero_array_has_scale_zero() -> None:
     param = encode("w", np.zeros((3, 2), np.float32), "int8")
     assert param.scale == 0.0
