@@ -105,9 +105,21 @@ def from_numpy(array: Any) -> torch.Tensor:
         TypeError: a dtype torch has no tensors of (longdouble, strings...).
     """
     arr = np.asarray(array)
-    if not (arr.flags.writeable and arr.flags.c_contiguous and arr.dtype.isnative):
+    flags = arr.flags
+    if not (flags.writeable and flags.c_contiguous and _aligned(arr) and arr.dtype.isnative):
         arr = _native_copy(arr)
     return _tensor(arr)
+
+
+def _aligned(arr: np.ndarray) -> bool:
+    """Whether ``arr`` starts at a multiple of its item size (up to 16 bytes).
+
+    Stricter than numpy's ``aligned`` flag, which asks a complex128 array for 8
+    bytes only: torch's copy of a complex128 tensor at an odd multiple of 8
+    crashes the process. A received array is a view of its message, wherever
+    the message puts it.
+    """
+    return arr.ctypes.data % min(arr.dtype.itemsize, 16) == 0
 
 
 def _native_copy(arr: np.ndarray) -> np.ndarray:
@@ -126,8 +138,12 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
 
 
 def _source_tensor(arr: np.ndarray) -> torch.Tensor:
-    """A tensor over ``arr`` (read-only or not) that is only ever read from: no copy."""
-    if not (arr.flags.c_contiguous and arr.dtype.isnative):
+    """A tensor over ``arr`` (read-only or not) that is only ever read from: no copy.
+
+    But for a copy where torch needs one: an array in another byte order or
+    layout, or one not aligned to its items (see :func:`_aligned`).
+    """
+    if not (arr.flags.c_contiguous and _aligned(arr) and arr.dtype.isnative):
         arr = _native_copy(arr)
     if arr.flags.writeable:
         return _tensor(arr)
@@ -340,6 +356,11 @@ async def load_into(
     sources: dict[str, torch.Tensor] = {}
     for key, (arr, _) in pulled.items():
         source, target = _source_tensor(arr), targets[key]
+        if target.is_meta:  # (copy_ into it does nothing, and says nothing)
+            raise ValueError(
+                f"{key!r} is on the meta device: it has no memory to load into "
+                "(materialize the module first, e.g. module.to_empty(device='cpu'))"
+            )
         if source.dtype != target.dtype or source.shape != target.shape:
             raise ValueError(
                 f"{key!r}: the node holds {source.dtype} {tuple(source.shape)}, "

@@ -211,6 +211,39 @@ async def test_a_shape_or_dtype_mismatch_names_the_tensor_and_changes_nothing(
     assert all(torch.equal(t, before[k]) for k, t in fresh.state_dict().items())
 
 
+@pytest.mark.parametrize("name", ["f", "freqs", "a_longer_buffer_name"])
+async def test_a_buffer_received_out_of_alignment_loads(client: ParameterClient, name) -> None:
+    # A received array is a view of the message, wherever its name's length puts
+    # it: a complex128 one is often not aligned to 16 bytes (torch crashed on it).
+    freqs = torch.polar(torch.ones(3, dtype=torch.float64), torch.arange(3.0, dtype=torch.float64))
+    await ps_torch.push_state_dict(client, {name: freqs})
+    target = {name: torch.zeros(3, dtype=torch.complex128)}
+    assert await ps_torch.load_into(client, _Holder(target)) == {name: 1}
+    assert torch.equal(target[name], freqs)
+    assert torch.equal(ps_torch.from_numpy((await client.get_arrays([name]))[name]), freqs)
+
+
+class _Holder(torch.nn.Module):
+    """A module whose buffers are the given tensors (by name)."""
+
+    def __init__(self, tensors: dict) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.tensors = tensors
+
+    def state_dict(self, *args, **kwargs):  # the given tensors themselves
+        return dict(self.tensors)
+
+
+async def test_a_module_on_the_meta_device_is_refused_not_left_empty(client) -> None:
+    await ps_torch.push_state_dict(client, torch.nn.Linear(3, 2))
+    with torch.device("meta"):
+        module = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="meta device"):
+        await ps_torch.load_into(client, module)
+
+
 async def test_missing_names_raise_when_strict_and_are_skipped_when_not(
     client: ParameterClient,
 ) -> None:
