@@ -263,11 +263,23 @@ class _Connection(asyncio.BufferedProtocol):
         self._timer = None
         now = self._loop.time() + TIMER_SLACK
         deadlines = self._deadlines
+        expired = False
         for seqid in [s for s, when in deadlines.items() if when <= now]:
             del deadlines[seqid]
             future = self.pending.pop(seqid, None)  # a late reply is dropped
             if future is not None and not future.done():
                 future.set_exception(TimeoutError())
+                expired = True
+        transport = self.transport
+        if expired and transport is not None and transport.get_write_buffer_size():
+            # Part of a message is still unsent, maybe the expired call's, and
+            # large data goes by reference (uvloop): sent later, it would come
+            # from memory its caller may change now that the call has failed,
+            # and the node would take a mix that nobody sent. Drop it unsent
+            # (the node refuses a cut message) and end the connection.
+            transport.abort()
+            self._break(ConnectionLostError("a call timed out with a message not yet sent whole"))
+            return
         if deadlines:
             when = min(deadlines.values())
             self._timer = self._loop.call_at(when, self._expire)
