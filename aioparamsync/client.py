@@ -417,6 +417,9 @@ class ParameterClient:
         #: bytes sent and received on every connection, framing included
         self.traffic: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0}
         self._feedback: Any = None  # compression.ErrorFeedback, made when first needed
+        # The last push with error feedback under a caller's request id, and what
+        # it sent: sent again under that id, it goes as it went (see push_gradients).
+        self._last_push: tuple[str, list[Any]] | None = None
 
     @property
     def host(self) -> str:
@@ -821,7 +824,10 @@ class ParameterClient:
             error_feedback: with a lossy encoding, keep what compression left
                 out of each gradient and add it to the next one (so nothing
                 is lost over time; see :class:`~aioparamsync.compression.ErrorFeedback`).
-            request_id: the push's id (default: a new UUID).
+            request_id: the push's id (default: a new UUID). With error
+                feedback, the last push sent under your id is sent again as
+                it was when you push under that id again (a retry after a
+                timeout), so that its gradients count once.
             timestamp: the push's timestamp (default: now, in milliseconds).
             timeout: this call's deadline (seconds; default: the client's).
 
@@ -836,8 +842,13 @@ class ParameterClient:
         if not isinstance(grads, Mapping):
             raise TypeError("grads must be a mapping of name -> array")
         feedback, kept = None, {}
+        last = self._last_push
         try:
-            if encoding is None:
+            if request_id is not None and last is not None and last[0] == request_id:
+                # Sent again (a retry): what went the first time. Error feedback
+                # counted it once; encoding it anew would count it twice.
+                params = last[1]
+            elif encoding is None:
                 params = [to_parameter(name, g) for name, g in grads.items()]
             else:
                 from . import compression
@@ -851,6 +862,8 @@ class ParameterClient:
                 else:
                     encode = compression.encode
                 params = [encode(name, g, encoding, ratio=ratio) for name, g in grads.items()]
+                if feedback is not None and request_id is not None:
+                    self._last_push = (request_id, params)
             push = thrift.GradientPush(
                 grads=params,
                 request_id=request_id or uuid.uuid4().hex,
@@ -866,6 +879,7 @@ class ParameterClient:
             # applied once.)
             if feedback is not None:
                 feedback.restore(kept)
+                self._last_push = None  # (to be encoded again, from the old residuals)
             raise
         return dict(result.versions)
 

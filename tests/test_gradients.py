@@ -176,6 +176,19 @@ async def test_a_push_not_applied_leaves_error_feedback_as_it_was(client) -> Non
     np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], g)
 
 
+async def test_a_push_retried_under_its_id_counts_once_with_error_feedback(client) -> None:
+    g = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    await client.update_arrays({"w": np.zeros(4, np.float32)}, rules=sum_rule())
+    first = await client.push_gradients({"w": g}, encoding="topk", ratio=0.25, request_id="s1")
+    kept = client._feedback.residual("w")
+    again = await client.push_gradients({"w": g}, encoding="topk", ratio=0.25, request_id="s1")
+    assert again == first  # applied once, by the node
+    np.testing.assert_array_equal(client._feedback.residual("w"), kept)  # counted once here
+    for _ in range(4):  # what error feedback held back goes out
+        await client.push_gradients({"w": np.zeros(4, np.float32)}, encoding="topk", ratio=0.25)
+    np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], g)
+
+
 async def test_updates_and_pulls_in_any_encoding(client: ParameterClient) -> None:
     w = np.linspace(-3, 3, 600, dtype=np.float32).reshape(20, 30)
     ints = np.arange(10, dtype=np.int64)
