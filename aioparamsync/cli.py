@@ -88,6 +88,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def directory(text: str) -> str:
+    if not text.strip():
+        # (say, --data-dir "$UNSET": the node's files would go where it was started)
+        raise argparse.ArgumentTypeError("an empty path: give the directory")
+    return text
+
+
 def address(text: str) -> tuple[str, int]:
     try:
         return parse_address(text)
@@ -152,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--data-dir",
+        type=directory,
         metavar="DIR",
         help="keep a write-ahead log and snapshots here, and recover from them on start "
         "(default: in memory only)",
@@ -159,16 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fsync",
         choices=FSYNC_MODES,
-        default="batch",
         help="with --data-dir: 'always' syncs before each answer (survives a machine crash); "
         "'batch' syncs every 50 ms (an answered update survives kill -9; a machine crash may "
-        "lose the last 50 ms); 'never' leaves it to the OS (default: %(default)s)",
+        "lose the last 50 ms); 'never' leaves it to the OS (default: batch)",
     )
     parser.add_argument(
         "--ignore-corrupt-snapshot",
         action="store_true",
-        help="start even if the newest snapshot is damaged, from what the log still holds "
-        "(losing what only that snapshot held)",
+        help="with --data-dir: start even if the newest snapshot is damaged, from what the log "
+        "still holds (losing what only that snapshot held)",
     )
     parser.add_argument(
         "--max-frame-bytes",
@@ -337,7 +344,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
+        # (a node in memory that was meant to keep its data)
+        parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
+    args.fsync = args.fsync or "batch"
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
