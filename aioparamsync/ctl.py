@@ -175,10 +175,11 @@ def _duration(seconds: float) -> str:
     return " ".join(parts)
 
 
-def _timestamp(ms: int) -> str:
+def _timestamp(ms: int, parameters: int) -> str:
     """An update timestamp (milliseconds since the epoch, by convention), and its UTC time."""
     if ms == 0:
-        return "0 (no update yet)"
+        # (updates may say 0 themselves: a node holding parameters has had some)
+        return "0" if parameters else "0 (no update yet)"
     try:
         when = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
     except (OverflowError, ValueError, OSError):
@@ -258,7 +259,7 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
                 ("node", info.node_id),
                 ("version", info.version),
                 ("parameters", f"{info.parameter_count} ({_size(info.parameter_bytes)})"),
-                ("timestamp", _timestamp(info.timestamp)),
+                ("timestamp", _timestamp(info.timestamp, info.parameter_count)),
                 ("uptime", _duration(info.uptime_seconds)),
                 ("peers", f"{len(peers)} ({up} up)"),
             ]
@@ -443,13 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # What the client logs (e.g. why it closed a connection), as our own lines.
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
     ssl = None
+    if args.tls_key and not args.tls_cert:
+        parser.error("--tls-key needs --tls-cert")
     if args.tls or args.tls_ca or args.tls_cert:
         try:
             ssl = client_context(args.tls_ca, args.tls_cert, args.tls_key)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             parser.error(f"TLS: {exc}")
-    elif args.tls_key:
-        parser.error("--tls-key needs --tls-cert")
     try:
         return _run(run(args, ssl))
     except ParamSyncError as exc:

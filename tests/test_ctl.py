@@ -140,6 +140,11 @@ async def test_stats_of_a_node_without_updates(node: Node, capsys) -> None:
     assert rc == 0
     assert "timestamp   0 (no update yet)" in out
     assert "parameters  0 (0 B)" in out
+    # Updates may say timestamp 0 themselves: then it is no sign of no update.
+    async with ParameterClient(node.address) as client:
+        await client.update_arrays({"p": np.zeros(2)}, timestamp=0)
+    rc, out, _ = await ctl(capsys, "stats", text(node.address))
+    assert "timestamp   0\n" in out and "no update yet" not in out
 
 
 # -- get -------------------------------------------------------------------------------------
@@ -402,6 +407,8 @@ async def test_a_name_that_cannot_be_resolved_exits_1(capsys) -> None:
         (["ping", "127.0.0.1:9090", "--bogus"], "unrecognized arguments: --bogus"),
         (["ping", "127.0.0.1:9090", "extra"], "unrecognized arguments: extra"),
         (["ping", "127.0.0.1:9090", "--tls-key", "k.pem"], "--tls-key needs --tls-cert"),
+        (["ping", "127.0.0.1:9090", "--tls", "--tls-key", "k.pem"], "--tls-key needs --tls-cert"),
+        (["ping", "127.0.0.1:9090", "--tls-ca", "ca.pem", "--tls-key", "k.pem"], "--tls-key needs"),
         (["ping", "127.0.0.1:9090", "--tls-ca", "/no/such/ca.pem"], "TLS: "),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
