@@ -262,11 +262,13 @@ class ServerConnection(asyncio.BufferedProtocol):
             self.receiver.close()
         # Keep the socket open for the replies still owed; close after them.
         # A caller that has stopped sending is not held for: its long polls
-        # and barriers end now.
+        # and barriers end now. (TLS has no half-close: there the transport
+        # closes itself, and asyncio warns of a True.)
         for held in list(self._held):
             held.cancel()
         self._maybe_finish()
-        return True
+        transport = self.transport
+        return transport is None or transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True

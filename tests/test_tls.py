@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trustme
+from cluster_helpers import eventually
 
 from aioparamsync import ConnectError, NetworkError, Node, ParameterClient
 from aioparamsync.tls import client_context, server_context
@@ -43,6 +44,20 @@ async def test_a_tls_node_serves_a_tls_client(pki) -> None:
     ):
         assert await client.update_arrays({"w": np.arange(3.0)}) == {"w": 1}
         assert (await client.get_arrays(["w"]))["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+async def test_a_tls_client_leaving_is_not_a_warning(pki, caplog) -> None:
+    async with Node("127.0.0.1", 0, ssl=server_context(str(pki["node"]))) as node:
+        for _ in range(3):
+            async with ParameterClient(node.address, ssl=client_context(str(pki["ca"]))) as c:
+                await c.ping()
+
+        async def all_gone() -> None:
+            assert not node.server.connections
+
+        await eventually(all_gone)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert not [m for m in warned if "eof_received" in m], warned
 
 
 async def test_client_certificates_are_required_when_a_ca_is_given(pki) -> None:
