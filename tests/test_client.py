@@ -8,6 +8,7 @@ import socket
 
 import numpy as np
 import pytest
+from raw_helpers import slow_link
 
 from aioparamsync import (
     CallTimeout,
@@ -331,38 +332,15 @@ async def test_calls_woken_by_flow_control_send_one_message_at_a_time(monkeypatc
 async def test_a_write_that_timed_out_unsent_is_never_finished_from_changed_memory(
     node: Node,
 ) -> None:
-    async def pipe(reader, writer) -> None:
-        try:
-            while data := await reader.read(1 << 20):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    relays: set[asyncio.Task] = set()
-
-    async def late_link(client_reader, client_writer) -> None:  # reads nothing for 1 s
-        await asyncio.sleep(1.0)
-        node_reader, node_writer = await asyncio.open_connection(*node.address)
-        relays.add(asyncio.ensure_future(pipe(client_reader, node_writer)))
-        relays.add(asyncio.ensure_future(pipe(node_reader, client_writer)))
-
-    proxy = await asyncio.start_server(late_link, "127.0.0.1", 0)
     w = np.ones(16 * 1024 * 1024, np.float32)  # 64 MiB: most of it waits in the client
-    try:
-        async with ParameterClient(proxy.sockets[0].getsockname()[:2], timeout=0.3) as client:
-            with pytest.raises(CallTimeout):
-                await client.update_arrays({"w": w})
-            w[:] = 2  # the call has failed: the caller may change its array
-            await asyncio.sleep(1.5)  # the link reads again
-    finally:
-        proxy.close()
-        for relay in relays:
-            relay.cancel()
-        await asyncio.gather(*relays, return_exceptions=True)
-        await proxy.wait_closed()
+    async with (
+        slow_link(node.address, first_read_after=1.0) as address,  # reads nothing for 1 s
+        ParameterClient(address, timeout=0.3) as client,
+    ):
+        with pytest.raises(CallTimeout):
+            await client.update_arrays({"w": w})
+        w[:] = 2  # the call has failed: the caller may change its array
+        await asyncio.sleep(1.5)  # the link reads again
     # Not a mix of ones and twos: nothing, since the rest was never sent.
     stored = node.store.table.entry("w")
     assert stored is None or len(set(np.frombuffer(stored.data, np.float32)[:: 1 << 16])) == 1

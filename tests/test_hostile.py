@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from raw_helpers import TIMEOUT, encoded, raw, wait_until
 from thriftpy2.thrift import TApplicationException
 
 from aioparamsync import ErrorCode, Node, ParameterClient
@@ -35,13 +36,10 @@ from aioparamsync.wire import (
     Protocol,
     Receiver,
     decode_header,
-    encode_message,
     method,
     thrift,
 )
 
-# The longest any one step may take (seconds).
-TIMEOUT = 3.0
 # What "at once" means for a refusal that needs no more bytes (seconds): far
 # below any idle timeout, with room for a loaded machine. (That a reply comes
 # at all, with no more bytes sent, already shows the node did not wait.)
@@ -119,21 +117,6 @@ async def seeded(node: Node, client: ParameterClient) -> Snapshot:
 
 # ---------------------------------------------------------------------------
 # Raw connections
-
-
-@contextlib.asynccontextmanager
-async def raw(
-    address: tuple[str, int],
-) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    async with asyncio.timeout(TIMEOUT):
-        reader, writer = await asyncio.open_connection(*address)
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            async with asyncio.timeout(TIMEOUT):
-                await writer.wait_closed()
 
 
 async def read_to_eof(reader: asyncio.StreamReader, timeout: float = TIMEOUT) -> bytes:
@@ -243,31 +226,8 @@ async def assert_refused(
     return error.message
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """Wait (bounded) for a condition on the node's state; not a fixed delay."""
-    async with asyncio.timeout(timeout):
-        # the node's state has no event to await: poll it
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
-
-
 # ---------------------------------------------------------------------------
 # Messages, valid and crafted
-
-
-def encoded(
-    name: str,
-    args: Any,
-    *,
-    seqid: int = 1,
-    protocol: Protocol = Protocol.BINARY,
-    framed: bool = True,
-    mtype: int = MessageType.CALL,
-) -> bytes:
-    parts, size = encode_message(name, mtype, seqid, args, protocol, framed=framed)
-    data = b"".join(bytes(p) for p in parts)
-    assert len(data) == size
-    return data
 
 
 def evil_push(data: bytes = b"\x00" * 4, **param: Any) -> Any:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from cluster_helpers import LocalCluster, ProcessCluster, eventually
+from raw_helpers import slow_link
 
 from aioparamsync import (
     CallTimeout,
@@ -365,37 +366,14 @@ async def test_a_read_in_pieces_keeps_the_calls_deadline(node: Node) -> None:
     async with ParameterClient(node.address, **small) as c:
         await c.update_arrays({"w": np.arange(64 * 1024, dtype=np.float32)})  # 16 pieces
 
-    async def pipe(reader, writer, delay: float) -> None:
-        try:
-            while data := await reader.read(1 << 20):
-                await asyncio.sleep(delay)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    relays: set[asyncio.Task] = set()
-
-    async def slow_link(client_reader, client_writer) -> None:  # each reply 0.2 s late
-        node_reader, node_writer = await asyncio.open_connection(*node.address)
-        relays.add(asyncio.ensure_future(pipe(client_reader, node_writer, 0)))
-        relays.add(asyncio.ensure_future(pipe(node_reader, client_writer, 0.2)))
-
-    proxy = await asyncio.start_server(slow_link, "127.0.0.1", 0)
-    try:
-        async with ParameterClient(proxy.sockets[0].getsockname()[:2], **small) as c:
-            started = time.monotonic()
-            with pytest.raises(CallTimeout, match=r"within 0\.5 s"):
-                await c.get_arrays(["w"], timeout=0.5)
-            assert time.monotonic() - started < 0.5 + 0.3  # not a piece's own timeout later
-    finally:
-        proxy.close()
-        for relay in relays:
-            relay.cancel()
-        await asyncio.gather(*relays, return_exceptions=True)
-        await proxy.wait_closed()
+    async with (
+        slow_link(node.address, reply_delay=0.2) as address,  # each reply 0.2 s late
+        ParameterClient(address, **small) as c,
+    ):
+        started = time.monotonic()
+        with pytest.raises(CallTimeout, match=r"within 0\.5 s"):
+            await c.get_arrays(["w"], timeout=0.5)
+        assert time.monotonic() - started < 0.5 + 0.3  # not a piece's own timeout later
 
 
 @pytest.mark.parametrize("encoding", ["fp16", "zlib"])

@@ -15,12 +15,11 @@ condition, bounded by ``asyncio.timeout``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
+from raw_helpers import TIMEOUT, encoded, raw, wait_until
 from thriftpy2.thrift import TApplicationException
 
 from aioparamsync import ErrorCode, Node
@@ -28,39 +27,16 @@ from aioparamsync.wire import (
     MessageType,
     Receiver,
     decode_header,
-    encode_message,
     method,
     thrift,
 )
 
-# The longest any one step may take (seconds).
-TIMEOUT = 3.0
 # How long a long poll asks to be held (ms): far beyond any wait here.
 HOUR_MS = 3_600_000
 
 
 # ---------------------------------------------------------------------------
 # Raw connections and messages
-
-
-@contextlib.asynccontextmanager
-async def raw(
-    address: tuple[str, int],
-) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    async with asyncio.timeout(TIMEOUT):
-        reader, writer = await asyncio.open_connection(*address)
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            async with asyncio.timeout(TIMEOUT):
-                await writer.wait_closed()
-
-
-def encoded(name: str, args: Any, seqid: int) -> bytes:
-    parts, _ = encode_message(name, MessageType.CALL, seqid, args)
-    return b"".join(bytes(p) for p in parts)
 
 
 def decode_reply(frame: Any) -> tuple[str, int, int, Any]:
@@ -95,29 +71,21 @@ async def read_replies(reader: asyncio.StreamReader, count: int) -> list[tuple[s
     return replies
 
 
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Wait (bounded) for a condition on the node's state; not a fixed delay."""
-    async with asyncio.timeout(TIMEOUT):
-        # the node's state has no event to await: poll it
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
-
-
 def push(seqid: int, name: str, data: bytes, **param: Any) -> bytes:
     p = thrift.Parameter(name=name, data=data, **param)
     update = thrift.ParameterUpdate(params=[p], timestamp=seqid)
-    return encoded("push_parameters", method("push_parameters").args(update=update), seqid)
+    return encoded("push_parameters", method("push_parameters").args(update=update), seqid=seqid)
 
 
 def pull(seqid: int, name: str, **request: Any) -> bytes:
     request_ = thrift.ParameterRequest(param_names=[name], **request)
-    return encoded("pull_parameters", method("pull_parameters").args(request=request_), seqid)
+    return encoded("pull_parameters", method("pull_parameters").args(request=request_), seqid=seqid)
 
 
 def push_gradients(seqid: int, request_id: str) -> bytes:
     g = thrift.Parameter(name="g", data=np.ones(4, np.float32).tobytes(), dtype="<f4", shape=[4])
     args = method("push_gradients").args(push=thrift.GradientPush(grads=[g], request_id=request_id))
-    return encoded("push_gradients", args, seqid)
+    return encoded("push_gradients", args, seqid=seqid)
 
 
 def a_write_then_a_long_poll() -> bytes:
@@ -218,7 +186,7 @@ async def test_a_read_behind_a_repeated_push_sees_the_write_before_it(node: Node
                 params=[g, thrift.Parameter(name="b", data=b"old!")], timestamp=1
             )
         )
-        writer.write(encoded("push_parameters", setup, 1) + push_gradients(2, "X"))
+        writer.write(encoded("push_parameters", setup, seqid=1) + push_gradients(2, "X"))
         first = await read_replies(reader, 2)
         assert first[1][3].success.versions == {"g": 2}
         # A write, the push X again (answered with the first push's outcome, done
