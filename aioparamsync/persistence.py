@@ -161,6 +161,29 @@ def _replayed(piece: Any) -> Any:
     return piece
 
 
+# The upload ids of pieces logged since a batch's last record commits them
+# (see DataDir.append): _log_upload_id's. Older logs' ids name the parameter.
+_COMMITTED_BY_RECORD = re.compile(r"log:[0-9a-f]{64}")
+
+
+def _latest(params: Iterable[Any]) -> list[Any]:
+    """``params`` with one per name: the largest ``(version, origin)``, as merge keeps.
+
+    A batch is every update the writer applied at once, so its record may hold
+    a name twice (two workers updating it together); one update may not.
+    """
+    latest: dict[str, Any] = {}
+    for p in params:
+        kept = latest.get(p.name)
+        if kept is None or _rank(p) > _rank(kept):
+            latest[p.name] = p
+    return list(latest.values())
+
+
+def _rank(p: Any) -> tuple[int, str]:
+    return (p.version or 0, p.origin or "")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -339,23 +362,30 @@ class DataDir:
         segments = [n for n in segments if n >= start]
         # Large parameters are logged in pieces: put together here.
         uploads = pieces.Uploads(max_bytes=2**63, timeout=math.inf)
+        held: list[Any] = []  # large parameters whole, waiting for their batch's record
         for i, n in enumerate(segments):
             last = i == len(segments) - 1
-            records, torn = self._replay(n, table, uploads, last=last)
+            records, torn = self._replay(n, table, uploads, held, last=last)
             found.records += records
             found.torn_bytes += torn
-        if uploads.statistics()["uploads_open"]:
+        if uploads.statistics()["uploads_open"] or held:
             log.warning(
-                "the log ends amid %d large parameters written in pieces (a crash while "
-                "writing them: their updates were not acknowledged); they are dropped",
-                uploads.statistics()["uploads_open"],
+                "the log ends amid a batch with %d large parameters written in pieces (a "
+                "crash while writing it: its updates were not acknowledged); it is dropped",
+                uploads.statistics()["uploads_open"] + len(held),
             )
         self.segment = max([start, *segments], default=0) or 1
         self._open_segment(self.segment)
         return found
 
     def _replay(
-        self, n: int, table: ParameterTable, uploads: pieces.Uploads, *, last: bool
+        self,
+        n: int,
+        table: ParameterTable,
+        uploads: pieces.Uploads,
+        held: list[Any],
+        *,
+        last: bool,
     ) -> tuple[int, int]:
         path = self.path / _segment_name(n)
         records = 0
@@ -405,13 +435,23 @@ class DataDir:
             try:
                 # A copy per record: the entries it leaves must not keep the segment alive.
                 update = BinaryReader(bytes(payload)).read_struct(thrift.ParameterUpdate)
-                params = [
-                    whole
-                    for p in update.params
-                    if (whole := p if p.total_bytes is None else uploads.add(_replayed(p)))
-                    is not None
-                ]
-                table.merge(params, update.timestamp)
+                params = []
+                for p in update.params:
+                    if p.total_bytes is None:
+                        params.append(p)
+                    elif _COMMITTED_BY_RECORD.fullmatch(p.upload_id or ""):
+                        # Whole, it waits for its batch's record (see append).
+                        if (whole := uploads.add(p)) is not None:
+                            held.append(whole)
+                    elif (whole := uploads.add(_replayed(p))) is not None:
+                        params.append(whole)  # (older logs: applied once whole)
+                if update.params and all(p.total_bytes is not None for p in update.params):
+                    if params:
+                        table.merge(_latest(params), update.timestamp)
+                else:  # a batch's record: with the large ones it commits
+                    params += held
+                    held.clear()
+                    table.merge(_latest(params), update.timestamp)
             except ParamSyncError as exc:
                 raise PersistenceError(
                     f"{path}: record at byte {pos} passes its checksum but cannot be applied: {exc}"
@@ -517,20 +557,23 @@ class DataDir:
         """Write ``entries`` to the log (call from a worker thread for large ones).
 
         One record holds them, but for parameters too large for one record
-        (more than ``pieces.INLINE_BYTES``): each of those is written as
-        records of pieces, put together again on replay. A crash amid them
-        leaves an unfinished upload, dropped on replay: its update was not
-        acknowledged.
+        (more than ``pieces.INLINE_BYTES``): each of those is written first,
+        as records of pieces, put together again on replay, and the record of
+        the rest comes last. Replay applies a large one only with that record,
+        so a crash amid the batch leaves none of it (its updates were not
+        acknowledged). A name updated twice in the batch is written once.
         """
         assert self._fd is not None, "recover() opens the log"
-        small = [e.to_parameter() for e in entries if e.nbytes <= pieces.INLINE_BYTES]
-        if small or not entries:
-            self._write_record(thrift.ParameterUpdate(params=small, timestamp=timestamp))
-        for e in entries:
-            if e.nbytes > pieces.INLINE_BYTES:
-                upload_id = _log_upload_id(f"{e.origin}:{e.version}:{e.name}")
-                for piece in pieces.split(e.to_parameter(), upload_id, pieces.PIECE_BYTES):
-                    self._write_record(thrift.ParameterUpdate(params=[piece], timestamp=timestamp))
+        params = _latest(e.to_parameter() for e in entries)
+        large = [p for p in params if memoryview(p.data).nbytes > pieces.INLINE_BYTES]
+        for p in large:
+            upload_id = _log_upload_id(f"{p.origin}:{p.version}:{p.name}")
+            for piece in pieces.split(p, upload_id, pieces.PIECE_BYTES):
+                self._write_record(thrift.ParameterUpdate(params=[piece], timestamp=timestamp))
+        # Last, and always: the batch's record commits the large ones before it,
+        # so that a crash amid them leaves none of the batch (see _replay).
+        small = [p for p in params if memoryview(p.data).nbytes <= pieces.INLINE_BYTES]
+        self._write_record(thrift.ParameterUpdate(params=small, timestamp=timestamp))
 
     def _write_record(self, update: Any) -> None:
         assert self._fd is not None, "recover() opens the log"

@@ -1124,6 +1124,85 @@ def test_a_log_with_the_upload_ids_of_older_versions_replays(
     assert recovered["short"][0] == 2 and recovered[LONG_NAME][0] == 1
 
 
+# == 10b. what one batch holds ==============================================================
+
+
+async def test_a_batch_that_updated_a_name_twice_survives_a_crash(tmp_path: Path) -> None:
+    """The writer applies the updates queued at once as one batch, logged together:
+    two workers updating one name put it in a batch twice. Replayed as one update,
+    it was refused ("appears twice") and the node would not start."""
+    path = tmp_path / "data"
+    async with running(path, fsync="batch") as node:
+        async with client_of(node.address) as client:
+            updates = [client.update_arrays({"w": np.full(4, i, np.float32)}) for i in range(50)]
+            await asyncio.gather(*updates)
+        assert node.store.batches < 50  # so some batch held "w" more than once
+        image = crash_image(path, tmp_path / "image")
+        expected = table_state(node.table)
+    recovered, _ = recover_into_table(image)
+    assert recovered == expected and recovered["w"][0] == 50
+
+
+def test_a_record_of_older_versions_with_a_name_twice_replays(tmp_path: Path) -> None:
+    """Logs written before batches were written a name once hold such records."""
+    path = tmp_path / "data"
+    table = ParameterTable("node-a")
+    data_dir = DataDir(path, fsync="always")
+    data_dir.recover(table)
+    try:
+        entries = [
+            *table.apply([thrift.Parameter(name="w", data=b"first!")], 1).entries,
+            *table.apply([thrift.Parameter(name="w", data=b"second")], 2).entries,
+        ]
+        params = [e.to_parameter() for e in entries]
+        data_dir._write_record(thrift.ParameterUpdate(params=params, timestamp=2))
+    finally:
+        data_dir.close()
+    recovered, _ = recover_into_table(path)
+    assert recovered == table_state(table) and recovered["w"][4] == b"second"
+
+
+@pytest.mark.parametrize("cut", ["before_its_last_record", "amid_its_pieces"])
+def test_a_crash_amid_a_batch_with_a_large_parameter_leaves_none_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """A large parameter is logged in pieces, then its batch's record: a crash before
+    that record leaves none of the batch, not its small parameters without the large
+    one (the update was not acknowledged; an update is applied whole or not at all).
+    Sizes scaled down: 1 KiB inline, pieces of 256 bytes."""
+    monkeypatch.setattr(pieces, "INLINE_BYTES", 1024)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 256)
+    path = tmp_path / "data"
+    table = ParameterTable("node-a")
+    data_dir = DataDir(path, fsync="always")
+    data_dir.recover(table)
+    try:
+        first = table.apply([thrift.Parameter(name="s", data=b"before")], 1)
+        data_dir.append(first.entries, table.timestamp)
+        before = table_state(table)
+        big = arange(1024, np.int32)  # 4 KiB: 16 pieces
+        batch = table.apply(
+            [
+                thrift.Parameter(name="s", data=b"after!"),
+                thrift.Parameter(name="b", data=big.tobytes(), dtype="<i4", shape=[1024]),
+            ],
+            2,
+        )
+        data_dir.append(batch.entries, table.timestamp)
+        after = table_state(table)
+    finally:
+        data_dir.close()
+    log = segment_path(path, 1).read_bytes()
+    spans = record_spans(log)
+    assert len(spans) == 1 + 16 + 1  # the first batch; b's pieces; the second batch's record
+    image = tmp_path / "image"
+    image.mkdir()
+    keep = spans[-1][0] if cut == "before_its_last_record" else spans[9][0]
+    segment_path(image, 1).write_bytes(log[:keep])  # what a crash there leaves
+    assert recover_into_table(image)[0] == before
+    assert recover_into_table(path)[0] == after  # whole, it replays whole
+
+
 # == 11. what a crash amid a snapshot leaves =================================================
 
 
