@@ -912,6 +912,11 @@ class ParameterClient:
             RequestError: ``TIMEOUT`` (naming the workers that did not come),
                 or BAD_REQUEST (e.g. a world_size the group disagrees with).
         """
+        if not isinstance(group, str) or not isinstance(worker, str):
+            raise TypeError(
+                f"a barrier's group and worker are names (str), e.g. worker=f'rank{{rank}}'; "
+                f"got {type(group).__name__} and {type(worker).__name__}"
+            )
         request = thrift.BarrierRequest(
             group=group,
             worker=worker,
@@ -1003,6 +1008,9 @@ class ParameterClient:
             if not isinstance(params, Mapping):
                 raise TypeError("an encoded update takes a mapping of name -> array")
             from . import compression
+
+            if encoding == "topk":
+                raise ValueError(compression.TOPK_IS_FOR_GRADIENTS)
 
             updates = [compression.encode(n, a, encoding) for n, a in params.items()]
         else:

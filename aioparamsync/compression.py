@@ -80,6 +80,11 @@ ENCODINGS = ("fp16", "bf16", "int8", "topk", "zlib")
 PULL_ENCODINGS = ("fp16", "bf16", "int8", "zlib")
 # Encodings that lose precision, and need a floating dtype (float16/32/64, bfloat16).
 LOSSY = frozenset(("fp16", "bf16", "int8", "topk"))
+# Why an update (not a gradient) may not be sent in topk.
+TOPK_IS_FOR_GRADIENTS = (
+    "topk is for gradients (push_gradients): an update sent so would keep the largest "
+    "values only and set the rest to 0"
+)
 # zlib inflates at most this many bytes at a time: decoding holds the array plus this.
 ZLIB_CHUNK = 1 << 20
 # Casts between float types meet inf and NaN as values, not as errors: no warnings.

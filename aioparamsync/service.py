@@ -233,6 +233,10 @@ class ParameterService:
         max_nbytes = self.max_decoded_bytes
         ready = []
         for p in params:
+            if p.encoding == "topk":
+                from .compression import TOPK_IS_FOR_GRADIENTS
+
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{p.name!r}: {TOPK_IS_FOR_GRADIENTS}")
             if p.total_bytes is not None:
                 if (whole := self.uploads.add(p)) is not None:
                     ready.append(whole)

@@ -223,6 +223,28 @@ async def test_a_pull_in_int8_of_values_it_cannot_code_sends_them_raw(client) ->
     np.testing.assert_allclose(got["ok"], 1.0, rtol=1e-2)
 
 
+async def test_topk_is_refused_for_updates(client: ParameterClient) -> None:
+    values = np.arange(100, dtype=np.float32)
+    with pytest.raises(ValueError, match="topk is for gradients"):
+        await client.update_arrays({"w": values}, encoding="topk")
+    # A client that encodes it anyway (another language, say) is refused by the node.
+    from aioparamsync import compression
+
+    update = thrift.ParameterUpdate(
+        params=[compression.encode("w", values, "topk", ratio=0.1)], timestamp=1
+    )
+    with pytest.raises(RequestError, match="topk is for gradients") as info:
+        await client.call("push_parameters", update=update)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    assert await client.get_arrays(["w"]) == {}
+
+
+async def test_a_barrier_worker_is_a_name(client: ParameterClient) -> None:
+    with pytest.raises(TypeError, match=r"names \(str\)"):
+        await client.barrier("train", 0, 1, 1)  # type: ignore[arg-type]
+    assert (await client.barrier("train", "rank0", 1, 1)).workers == ["rank0"]
+
+
 async def test_bad_encodings_are_refused(node: Node, client: ParameterClient) -> None:
     await client.update_arrays({"w": ones(4)}, rules=sum_rule())
     with pytest.raises(RequestError) as info:
