@@ -140,6 +140,11 @@ class ParameterService:
         self._handlers: dict[str, Callable[[Method, Any], Any]] = {}  # by method name
         # request id -> the future of that push's reply (kept while it succeeds)
         self._pushes: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+        # request id -> the names this node has folded under it, and the versions
+        # made: in a cluster a push is folded in parts, at each name's owner, and
+        # a push sent again (after one part failed, or at another node) folds
+        # only what no part has folded yet.
+        self._folded: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
         self.pushes_repeated = 0
         self.pushes_forwarded = 0  # gradient pushes folded by their owner, another node
         self.forward_failures = 0  # ... that could not reach it, and were folded here
@@ -344,49 +349,92 @@ class ParameterService:
                     ErrorCode.BAD_REQUEST,
                     f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
                 )
-            first = self._pushes.get(request_id)
+            # A part forwarded here by another node is told apart from a whole
+            # push sent here under the same id (its names differ).
+            key = request_id
+            if push.forwarded:
+                key += "\0" + "\0".join(sorted(g.name for g in push.grads))
+            first = self._pushes.get(key)
             if first is not None:  # a retry: the first push's outcome
                 self.pushes_repeated += 1
-                self._pushes.move_to_end(request_id)
+                self._pushes.move_to_end(key)
                 return first
+        folded = self._folded.get(request_id) if request_id is not None else None
+        grads = push.grads
+        if folded:  # parts of it were folded before: not again
+            grads = [g for g in grads if g.name not in folded]
+            self.pushes_repeated += 1
+        before = {g.name: folded[g.name] for g in push.grads if folded and g.name in folded}
 
         def result(applied: Applied) -> Any:
-            return method.result(success=_update_result(applied))
+            made = _update_result(applied)
+            self._remember_folded(request_id, made.versions)
+            made.versions = {**before, **made.versions}
+            return method.result(success=made)
 
         timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
         cluster = self.cluster
         parts: dict[Any, list[Any]] = {}
         if cluster is not None and cluster.links and not push.forwarded:
-            for g in push.grads:
+            for g in grads:
                 parts.setdefault(cluster.owner(g.name), []).append(g)
         future: asyncio.Future
-        if any(owner is not None for owner in parts):
-            future = asyncio.ensure_future(self._forward(method, push, parts, timestamp))
+        if not grads:  # every part was folded already
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(
+                method.result(
+                    success=thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
+                )
+            )
+        elif any(owner is not None for owner in parts):
+            # Checked here first (this node holds every parameter too): a push
+            # that cannot be folded is refused before any part of it is.
+            self.store.table.check_gradients(_decoded(grads, self.max_decoded_bytes))
+            future = asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
         else:
             future = self.store.submit(
-                _decoded(push.grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
+                _decoded(grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
             )
         if request_id is not None:
             pushes = self._pushes
-            pushes[request_id] = future
+            pushes[key] = future
             if len(pushes) > MAX_REQUEST_IDS:
                 pushes.popitem(last=False)
 
             def forget_failure(done: asyncio.Future) -> None:
-                # Nothing was applied: a retry may try again.
-                if (done.cancelled() or done.exception()) and pushes.get(request_id) is done:
-                    del pushes[request_id]
+                # A retry may try again (what was folded of it, it folds no more).
+                if (done.cancelled() or done.exception()) and pushes.get(key) is done:
+                    del pushes[key]
 
             future.add_done_callback(forget_failure)
         return future
 
+    def _remember_folded(self, request_id: str | None, versions: Mapping[str, int]) -> None:
+        """Note that the names of ``versions`` were folded under ``request_id``."""
+        if request_id is None or not versions:
+            return
+        folded = self._folded
+        folded.setdefault(request_id, {}).update(versions)
+        folded.move_to_end(request_id)
+        if len(folded) > MAX_REQUEST_IDS:
+            folded.popitem(last=False)
+
     async def _forward(
-        self, method: Method, push: Any, parts: dict[Any, list[Any]], timestamp: int
+        self,
+        method: Method,
+        push: Any,
+        parts: dict[Any, list[Any]],
+        timestamp: int,
+        before: Mapping[str, int],
     ) -> Any:
         """Fold each part of a push at its owner (None: here); answer the versions made.
 
         The parts are applied concurrently, each atomically at its owner. An
-        owner that cannot be reached has its part folded here instead.
+        owner that cannot be reached has its part folded here instead. If a
+        part fails, the push fails once every part has ended, and what the
+        others folded is remembered under the push's id (see ``_folded``):
+        sent again, the push folds only the rest. ``before``: the versions of
+        the names folded by earlier tries.
         """
 
         async def fold(owner: Any, grads: list[Any]) -> Any:
@@ -415,11 +463,18 @@ class ParameterService:
             )
             return _update_result(applied)
 
-        results = await asyncio.gather(*(fold(o, g) for o, g in parts.items()))
-        versions: dict[str, int] = {}
+        results = await asyncio.gather(
+            *(fold(o, g) for o, g in parts.items()), return_exceptions=True
+        )
+        versions: dict[str, int] = dict(before)
         for r in results:
-            versions.update(r.versions)
-        stamp = max(r.timestamp for r in results)
+            if not isinstance(r, BaseException):
+                versions.update(r.versions)
+                self._remember_folded(push.request_id, r.versions)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        stamp = max(r.timestamp for r in results if not isinstance(r, BaseException))
         return method.result(success=thrift.UpdateResult(versions=versions, timestamp=stamp))
 
     async def _forward_to(self, owner: Any, push: Any) -> Any:

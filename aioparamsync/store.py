@@ -346,6 +346,33 @@ class ParameterTable:
         Raises:
             RequestError: a gradient may not be folded (nothing is changed).
         """
+        work = self.check_gradients(grads)
+        # Every check passed: compute all, then store all.
+        made = []
+        states = {}
+        for current, weights, grad in work:
+            value, state = rules.fold(current.rule, weights, grad, self._states.get(current.name))
+            states[current.name] = state
+            value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
+            made.append(
+                Entry(
+                    current.name,
+                    _readonly(value.reshape(-1).view(np.uint8)),
+                    current.version + 1,
+                    current.dtype,
+                    current.shape,
+                    self.origin,
+                    current.rule,
+                )
+            )
+        self._states.update(states)
+        return self._store(made, timestamp)
+
+    def check_gradients(self, grads: Sequence[Any]) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
+        """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
+
+        Answers, for each, its parameter's entry, the parameter's array and the gradient's.
+        """
         self._check_names(grads, what="gradients")
         entries = self._entries
         work = []
@@ -380,26 +407,7 @@ class ParameterTable:
                     f"{weights.shape}",
                 )
             work.append((current, weights, grad))
-        # Every check passed: compute all, then store all.
-        made = []
-        states = {}
-        for current, weights, grad in work:
-            value, state = rules.fold(current.rule, weights, grad, self._states.get(current.name))
-            states[current.name] = state
-            value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
-            made.append(
-                Entry(
-                    current.name,
-                    _readonly(value.reshape(-1).view(np.uint8)),
-                    current.version + 1,
-                    current.dtype,
-                    current.shape,
-                    self.origin,
-                    current.rule,
-                )
-            )
-        self._states.update(states)
-        return self._store(made, timestamp)
+        return work
 
     def _check_names(self, params: Sequence[Any], *, what: str) -> None:
         limits = self.limits
