@@ -814,7 +814,10 @@ class ParameterClient:
         The parameters must exist with a rule (see :meth:`update_parameters`).
         All gradients of one push are applied together, or none. The push
         carries a request id (a new one by default): sent again with the same
-        id, it is applied once, and a broken connection is retried so.
+        id, it is applied once, and a broken connection is retried so. (In a
+        cluster a push is folded in parts, one at each parameter's owner; if
+        one part is refused after others were folded, sending the push again
+        under its id folds the rest, each part once: see the README.)
 
         Args:
             grads: name -> gradient array (the parameter's shape).
