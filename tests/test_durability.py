@@ -1104,9 +1104,7 @@ def test_a_log_with_the_upload_ids_of_older_versions_replays(
     monkeypatch.setattr(pieces, "INLINE_BYTES", 1024)
     monkeypatch.setattr(pieces, "PIECE_BYTES", 256)
     path = tmp_path / "data"
-    table = ParameterTable("node-a")
-    data_dir = DataDir(path, fsync="always")
-    data_dir.recover(table)
+    data_dir, table = logged_table(path, updates=0)
     try:
         for i, name in enumerate(["short", LONG_NAME, "short"]):
             data = arange(1024, np.int32, i)
@@ -1146,9 +1144,7 @@ async def test_a_batch_that_updated_a_name_twice_survives_a_crash(tmp_path: Path
 def test_a_record_of_older_versions_with_a_name_twice_replays(tmp_path: Path) -> None:
     """Logs written before batches were written a name once hold such records."""
     path = tmp_path / "data"
-    table = ParameterTable("node-a")
-    data_dir = DataDir(path, fsync="always")
-    data_dir.recover(table)
+    data_dir, table = logged_table(path, updates=0)
     try:
         entries = [
             *table.apply([thrift.Parameter(name="w", data=b"first!")], 1).entries,
@@ -1173,9 +1169,7 @@ def test_a_crash_amid_a_batch_with_a_large_parameter_leaves_none_of_it(
     monkeypatch.setattr(pieces, "INLINE_BYTES", 1024)
     monkeypatch.setattr(pieces, "PIECE_BYTES", 256)
     path = tmp_path / "data"
-    table = ParameterTable("node-a")
-    data_dir = DataDir(path, fsync="always")
-    data_dir.recover(table)
+    data_dir, table = logged_table(path, updates=0)
     try:
         first = table.apply([thrift.Parameter(name="s", data=b"before")], 1)
         data_dir.append(first.entries, table.timestamp)

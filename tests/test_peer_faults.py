@@ -198,24 +198,33 @@ async def test_updates_larger_than_a_frame_reach_a_peer_and_do_not_hold_back_lat
 # -- 4. a push folded in parts ---------------------------------------------------------------
 
 
-def _names_owned(a: Node) -> tuple[str, str]:
-    """A name ``a`` folds itself, and one its peer folds."""
+async def _two_owners(cluster: LocalCluster) -> tuple[Node, Node, str, str]:
+    """Nodes a and b, and two parameters (zeros, summed): one a folds, one b folds."""
+    a = await cluster.start()
+    b = await cluster.start(peers=[a])
+    await cluster.formed([a, b])
     names = [f"p{i}" for i in range(200)]
     mine = next(n for n in names if a.cluster.owner(n) is None)
     theirs = next(n for n in names if a.cluster.owner(n) is not None)
-    return mine, theirs
+    async with ParameterClient(a.address) as client:
+        await client.update_arrays({mine: np.zeros(4), theirs: np.zeros(4)}, rules=sum_rule())
+    await cluster.converged([a, b])
+    return a, b, mine, theirs
+
+
+async def _folded_once(client: ParameterClient, names: list[str]) -> None:
+    async def once() -> None:
+        got = await client.get_arrays(names)
+        assert all(got[n].tolist() == [1.0] * 4 for n in names), got
+
+    await eventually(once, timeout=WAIT)
 
 
 async def test_a_push_one_part_of_which_cannot_be_folded_folds_no_part(
     cluster: LocalCluster,
 ) -> None:
-    a = await cluster.start()
-    b = await cluster.start(peers=[a])
-    await cluster.formed([a, b])
-    mine, theirs = _names_owned(a)
+    a, _, mine, theirs = await _two_owners(cluster)
     async with ParameterClient(a.address) as client:
-        await client.update_arrays({mine: np.zeros(4), theirs: np.zeros(4)}, rules=sum_rule())
-        await cluster.converged([a, b])
         with pytest.raises(RequestError) as refused:  # the shape of theirs is wrong
             await client.push_gradients({mine: np.ones(4), theirs: np.ones(3)})
         assert refused.value.code == ErrorCode.SHAPE_MISMATCH
@@ -226,14 +235,9 @@ async def test_a_push_one_part_of_which_cannot_be_folded_folds_no_part(
 async def test_a_push_sent_again_after_one_part_failed_folds_each_part_once(
     cluster: LocalCluster,
 ) -> None:
-    a = await cluster.start()
-    b = await cluster.start(peers=[a])
-    await cluster.formed([a, b])
-    mine, theirs = _names_owned(a)
+    a, b, mine, theirs = await _two_owners(cluster)
     grads = {mine: np.ones(4), theirs: np.ones(4)}
     async with ParameterClient(a.address) as at_a, ParameterClient(b.address) as at_b:
-        await at_a.update_arrays({mine: np.zeros(4), theirs: np.zeros(4)}, rules=sum_rule())
-        await cluster.converged([a, b])
         b.store.max_pending = 0  # the owner of theirs refuses for now: mine is folded
         with pytest.raises(RequestError) as refused:
             await at_a.push_gradients(grads, request_id="step-1")
@@ -243,26 +247,17 @@ async def test_a_push_sent_again_after_one_part_failed_folds_each_part_once(
         # And sent again at the other node (say, the worker moved on): nothing more.
         await at_b.push_gradients(grads, request_id="step-1")
 
-        async def once() -> None:
-            got = await at_a.get_arrays([mine, theirs])
-            assert got[mine].tolist() == [1.0] * 4 and got[theirs].tolist() == [1.0] * 4
-
-        await eventually(once, timeout=WAIT)
+        await _folded_once(at_a, [mine, theirs])
         await cluster.converged([a, b])
-        assert (await at_b.get_arrays([mine]))[mine].tolist() == [1.0] * 4
+        await _folded_once(at_b, [mine, theirs])
 
 
 async def test_a_push_sent_again_at_the_owner_of_one_part_folds_the_rest(
     cluster: LocalCluster,
 ) -> None:
-    a = await cluster.start()
-    b = await cluster.start(peers=[a])
-    await cluster.formed([a, b])
-    mine, theirs = _names_owned(a)
+    a, b, mine, theirs = await _two_owners(cluster)
     grads = {mine: np.ones(4), theirs: np.ones(4)}
     async with ParameterClient(a.address) as at_a, ParameterClient(b.address) as at_b:
-        await at_a.update_arrays({mine: np.zeros(4), theirs: np.zeros(4)}, rules=sum_rule())
-        await cluster.converged([a, b])
         a.store.max_pending = 0  # a refuses its own part; theirs is folded at b
         with pytest.raises(RequestError):
             await at_a.push_gradients(grads, request_id="X")
@@ -271,8 +266,4 @@ async def test_a_push_sent_again_at_the_owner_of_one_part_folds_the_rest(
         versions = await at_b.push_gradients(grads, request_id="X")
         assert set(versions) == {mine, theirs}
 
-        async def once() -> None:
-            got = await at_b.get_arrays([mine, theirs])
-            assert got[mine].tolist() == [1.0] * 4 and got[theirs].tolist() == [1.0] * 4
-
-        await eventually(once, timeout=WAIT)
+        await _folded_once(at_b, [mine, theirs])
