@@ -368,7 +368,8 @@ class ParameterService:
 
         def result(applied: Applied) -> Any:
             made = _update_result(applied)
-            self._remember_folded(request_id, made.versions)
+            if push.forwarded:  # (a whole push here is remembered whole, in _pushes)
+                self._remember_folded(request_id, made.versions)
             made.versions = {**before, **made.versions}
             return method.result(success=made)
 
@@ -388,8 +389,14 @@ class ParameterService:
             )
         elif any(owner is not None for owner in parts):
             # Checked here first (this node holds every parameter too): a push
-            # that cannot be folded is refused before any part of it is.
-            self.store.table.check_gradients(_decoded(grads, self.max_decoded_bytes))
+            # that cannot be folded is refused before any part of it is. (One
+            # not here yet may be at its owner, just made elsewhere: the owner
+            # decides.)
+            try:
+                self.store.table.check_gradients(_decoded(grads, self.max_decoded_bytes))
+            except RequestError as exc:
+                if exc.code != ErrorCode.UNKNOWN_PARAMETER:
+                    raise
             future = asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
         else:
             future = self.store.submit(
