@@ -167,6 +167,9 @@ class _Connection(asyncio.BufferedProtocol):
         # Per-call deadlines share one timer, armed at the earliest of them:
         # cheaper than an asyncio.timeout (a timer and a cancellation) per call.
         self._deadlines: dict[int, float] = {}  # seqid -> loop time
+        # Calls with a deadline whose message holds the caller's own memory (a
+        # large binary value, sent by reference): see _expire.
+        self._borrowing: set[int] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0
 
@@ -248,6 +251,7 @@ class _Connection(asyncio.BufferedProtocol):
                 log.warning("closing a connection: the node sent an invalid message: %s", exc)
         pending, self.pending = self.pending, {}
         self._deadlines.clear()
+        self._borrowing.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -263,20 +267,21 @@ class _Connection(asyncio.BufferedProtocol):
         self._timer = None
         now = self._loop.time() + TIMER_SLACK
         deadlines = self._deadlines
-        expired = False
+        borrowed = False
         for seqid in [s for s, when in deadlines.items() if when <= now]:
             del deadlines[seqid]
             future = self.pending.pop(seqid, None)  # a late reply is dropped
             if future is not None and not future.done():
                 future.set_exception(TimeoutError())
-                expired = True
+                borrowed = borrowed or seqid in self._borrowing
         transport = self.transport
-        if expired and transport is not None and transport.get_write_buffer_size():
-            # Part of a message is still unsent, maybe the expired call's, and
-            # large data goes by reference (uvloop): sent later, it would come
-            # from memory its caller may change now that the call has failed,
-            # and the node would take a mix that nobody sent. Drop it unsent
-            # (the node refuses a cut message) and end the connection.
+        if borrowed and transport is not None and transport.get_write_buffer_size():
+            # Part of a message is still unsent, maybe that of an expired call
+            # that lent the caller's memory (large values go by reference on
+            # uvloop): sent later, it would come from memory the caller may
+            # change now that the call has failed, and the node would take a
+            # mix that nobody sent. Drop it unsent (the node refuses a cut
+            # message) and end the connection.
             transport.abort()
             self._break(ConnectionLostError("a call timed out with a message not yet sent whole"))
             return
@@ -335,6 +340,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.pending[seqid] = future
         if when is not None:  # failed with TimeoutError if not answered by then
             self._deadlines[seqid] = when
+            if len(parts) > 1:  # (a message without such values is one buffer)
+                self._borrowing.add(seqid)
             if self._timer is None or when < self._timer_when:
                 if self._timer is not None:
                     self._timer.cancel()
@@ -348,6 +355,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.pending.pop(seqid, None)
         if when is not None:
             self._deadlines.pop(seqid, None)
+            self._borrowing.discard(seqid)
 
     def close(self) -> None:
         if self.transport is not None:

@@ -346,6 +346,24 @@ async def test_a_write_that_timed_out_unsent_is_never_finished_from_changed_memo
     assert stored is None or len(set(np.frombuffer(stored.data, np.float32)[:: 1 << 16])) == 1
 
 
+async def test_a_small_call_timing_out_leaves_a_large_one_on_its_connection(
+    node: Node,
+) -> None:
+    w = np.ones(16 * 1024 * 1024, np.float32)  # 64 MiB, waiting in the client's buffer
+    async with (
+        slow_link(node.address, first_read_after=1.0) as address,  # reads nothing for 1 s
+        ParameterClient(address, timeout=30, max_connections=1) as client,
+    ):
+        ping = asyncio.ensure_future(client.ping(timeout=0.3))  # sent whole, unanswered
+        await asyncio.sleep(0.1)
+        update = asyncio.ensure_future(client.update_arrays({"w": w}))  # mostly unsent
+        with pytest.raises(CallTimeout):
+            await ping  # it lent no memory of its caller: the connection stays
+        assert await update == {"w": 1}
+    stored = node.store.table.entry("w")
+    assert stored is not None and bytes(stored.data) == w.tobytes()
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("127.0.0.1:9090", ("127.0.0.1", 9090)), ("[::1]:80", ("::1", 80)), (("h", 1), ("h", 1))],
