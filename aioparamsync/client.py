@@ -665,7 +665,7 @@ class ParameterClient:
         min_version: int = 0,
         *,
         wait: float | None = None,
-        known_versions: Mapping[str, int] | None = None,
+        known_versions: Mapping[str, int | tuple[int, str]] | None = None,
         encoding: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> Any:
@@ -680,8 +680,11 @@ class ParameterClient:
             wait: a long poll (stale-synchronous training): wait up to this
                 many seconds for every name to reach ``min_version``; the
                 call's deadline is extended by as much.
-            known_versions: a delta pull: the version held of each name; a
-                parameter comes back only if the node has a newer one.
+            known_versions: a delta pull: the version held of each name, or
+                its ``(version, origin)`` as a response gave them; a parameter
+                comes back only if the node has a newer one. With the origin,
+                also the same version from another writer that won (two
+                nodes wrote it at once: last-writer-wins).
             encoding: ask for the data encoded (``"fp16"``, ``"bf16"``,
                 ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.compression`).
             timeout: this call's deadline (seconds; default: the client's).
@@ -703,9 +706,17 @@ class ParameterClient:
             param_names=list(names) if names is not None else [],
             min_version=min_version,
             all_names=True if names is None else None,
-            known_versions=dict(known_versions) if known_versions is not None else None,
             encoding=encoding,
         )
+        if known_versions is not None:
+            versions, origins = {}, {}
+            for name, held in known_versions.items():
+                if isinstance(held, tuple):
+                    versions[name], origins[name] = held
+                else:
+                    versions[name] = held
+            request.known_versions = versions
+            request.known_origins = origins or None
         if wait is not None:
             if wait < 0:
                 raise ValueError(f"wait must not be negative, not {wait}")
@@ -959,7 +970,7 @@ class ParameterClient:
         min_version: int = 0,
         *,
         wait: float | None = None,
-        known_versions: Mapping[str, int] | None = None,
+        known_versions: Mapping[str, int | tuple[int, str]] | None = None,
         encoding: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, np.ndarray]:

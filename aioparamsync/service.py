@@ -64,6 +64,17 @@ def _decode(p: Any, max_nbytes: int) -> Any:
     return decoded
 
 
+def _newer(entry: Entry, version: int, origin: str | None) -> bool:
+    """Whether ``entry`` is newer than the ``version`` (of ``origin``, if known) a caller holds.
+
+    At equal versions the larger origin has won (last-writer-wins, as the
+    store merges): newer, if the caller holds the other.
+    """
+    if entry.version != version:
+        return entry.version > version
+    return origin is not None and entry.origin > origin
+
+
 def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
     """A future of ``make(result)`` once ``future`` succeeds (its error otherwise).
 
@@ -174,7 +185,8 @@ class ParameterService:
             entries = self.store.read(request.param_names, min_version)
         known = request.known_versions
         if known:
-            entries = [e for e in entries if e.version > known.get(e.name, 0)]
+            origins = request.known_origins or {}
+            entries = [e for e in entries if _newer(e, known.get(e.name, 0), origins.get(e.name))]
         limit = _inline_limit(request)
         if request.piece_offset is not None:
             params = self._piece(request, entries)

@@ -98,6 +98,10 @@ struct ParameterRequest {
     // the one parameter named (at most what remains).
     8: optional i64 piece_offset,
     9: optional i64 piece_bytes,
+    // With known_versions: the origin of the version held of each name. A
+    // name also comes back when the node holds the same version from another
+    // writer that won (last-writer-wins: the larger origin at equal versions).
+    10: optional map<string, string> known_origins,
 }
 
 struct ParameterResponse {

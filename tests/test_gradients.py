@@ -290,6 +290,24 @@ async def test_delta_pulls_answer_only_what_changed(client: ParameterClient) -> 
     assert sorted(unknown) == ["b", "c"]  # never held: changed
 
 
+async def test_a_delta_pull_with_origins_sees_a_writer_that_won_at_the_same_version(
+    client: ParameterClient,
+) -> None:
+    async def replicated(origin: str, data: bytes) -> None:  # as a peer sends it on
+        p = thrift.Parameter(name="w", data=data, version=2, origin=origin)
+        await client.call("broadcast_update", update=thrift.ParameterUpdate([p], timestamp=1))
+
+    await replicated("node-a", b"aaaa")
+    [held] = (await client.get_parameters(["w"])).params
+    assert (held.version, held.origin) == (2, "node-a")
+    await replicated("node-b", b"bbbb")  # written at once elsewhere: it wins, same version
+    assert await client.get_arrays(["w"], known_versions={"w": 2}) == {}  # a version says no more
+    changed = await client.get_parameters(["w"], known_versions={"w": (2, "node-a")})
+    assert [(p.origin, bytes(p.data)) for p in changed.params] == [("node-b", b"bbbb")]
+    assert await client.get_arrays(None, known_versions={"w": (2, "node-b")}) == {}
+    assert await client.get_arrays(None, known_versions={"w": (3, "node-a")}) == {}
+
+
 # -- long polls -------------------------------------------------------------------------------
 
 
