@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from aioparamsync import NetworkError, Node, ParameterClient
@@ -178,6 +178,26 @@ class NodeExited(AssertionError):
 
 # The ``spawn`` fixture (conftest.py): ``await spawn(*flags, listening=True)``.
 Spawn = Callable[..., Awaitable["NodeProcess"]]
+
+
+def watch_loop_errors(loop: asyncio.AbstractEventLoop) -> list[dict[str, Any]]:
+    """What ``loop`` reports as errors from now on (a test asserts it stays empty)."""
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    return reported
+
+
+@contextlib.asynccontextmanager
+async def watched_cluster(repair_interval: float) -> AsyncIterator[LocalCluster]:
+    """In-process nodes, closed at the end; any error the loop reports fails the test."""
+    reported = watch_loop_errors(asyncio.get_running_loop())
+    nodes = LocalCluster(repair_interval=repair_interval)
+    try:
+        yield nodes
+    finally:
+        await nodes.close()
+    await asyncio.sleep(0)
+    assert not reported, f"the event loop reported errors: {reported}"
 
 
 async def launch(*flags: str) -> NodeProcess:

@@ -30,6 +30,8 @@ from cluster_helpers import (
     eventually,
     free_port,
     table_state,
+    watch_loop_errors,
+    watched_cluster,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,23 +41,11 @@ from aioparamsync import ConnectError, Node, ParameterClient, to_parameter
 pytestmark = pytest.mark.timeout(60)
 
 
-def _watch_loop_errors(loop: asyncio.AbstractEventLoop) -> list[dict[str, Any]]:
-    reported: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, context: reported.append(context))
-    return reported
-
-
 @pytest.fixture
 async def cluster() -> AsyncIterator[LocalCluster]:
     """In-process nodes; any error the loop reports fails the test."""
-    reported = _watch_loop_errors(asyncio.get_running_loop())
-    nodes = LocalCluster(repair_interval=0.2)
-    try:
+    async with watched_cluster(repair_interval=0.2) as nodes:
         yield nodes
-    finally:
-        await nodes.close()
-    await asyncio.sleep(0)
-    assert not reported, f"the event loop reported errors: {reported}"
 
 
 @pytest.fixture
@@ -262,7 +252,7 @@ def test_concurrent_conflicting_writes_converge_to_the_largest_version_and_origi
 
 
 async def _conflicting_writes(schedule: list[Any]) -> None:
-    reported = _watch_loop_errors(asyncio.get_running_loop())
+    reported = watch_loop_errors(asyncio.get_running_loop())
     cluster = LocalCluster(repair_interval=0.2)
     clients: list[list[ParameterClient]] = []
     try:

@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_helpers import LocalCluster, address_text, eventually, free_port, table_state
+from cluster_helpers import (
+    LocalCluster,
+    address_text,
+    eventually,
+    free_port,
+    table_state,
+    watched_cluster,
+)
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule
 from aioparamsync.store import Limits
@@ -27,16 +34,8 @@ WAIT = 10.0
 
 def _cluster_fixture(repair_interval: float) -> Any:
     async def fixture() -> AsyncIterator[LocalCluster]:
-        loop = asyncio.get_running_loop()
-        reported: list[dict[str, Any]] = []
-        loop.set_exception_handler(lambda _loop, context: reported.append(context))
-        nodes = LocalCluster(repair_interval=repair_interval)
-        try:
+        async with watched_cluster(repair_interval) as nodes:
             yield nodes
-        finally:
-            await nodes.close()
-        await asyncio.sleep(0)
-        assert not reported, f"the event loop reported errors: {reported}"
 
     return pytest.fixture(fixture)
 
@@ -137,16 +136,22 @@ async def test_a_late_joiner_pulls_more_parameters_than_one_request_may_name(
     assert a.store.updates_refused == b.store.updates_refused == 0
 
 
+async def _a_with_b_down(cluster: LocalCluster, **options: Any) -> tuple[Node, int]:
+    """Node a, and the port of its peer b, which joined it and was stopped (same options)."""
+    a = await cluster.start(**options)
+    port = free_port()
+    b = await cluster.start(peers=[a], port=port, **options)
+    await cluster.formed([a, b])
+    await cluster.stop(b)
+    return a, port
+
+
 async def test_an_outbox_larger_than_one_update_may_hold_reaches_its_peer(
     quiet_cluster: LocalCluster,
 ) -> None:
-    a = await quiet_cluster.start(limits=LIMITS)
-    port = free_port()
-    b = await quiet_cluster.start(peers=[a], port=port, limits=LIMITS)
-    await quiet_cluster.formed([a, b])
-    await quiet_cluster.stop(b)
+    a, b_port = await _a_with_b_down(quiet_cluster, limits=LIMITS)
     names = await _write_32(a)  # B is down: its outbox at A holds 32
-    b = await quiet_cluster.start(peers=[a], port=port, limits=LIMITS)
+    b = await quiet_cluster.start(peers=[a], port=b_port, limits=LIMITS)
 
     def caught_up() -> None:
         _holds(b, names)
@@ -167,11 +172,7 @@ FRAME = 64 * KiB
 async def test_updates_larger_than_a_frame_reach_a_peer_and_do_not_hold_back_later_ones(
     quiet_cluster: LocalCluster,
 ) -> None:
-    a = await quiet_cluster.start(max_frame_bytes=FRAME)
-    port = free_port()
-    b = await quiet_cluster.start(peers=[a], port=port, max_frame_bytes=FRAME)
-    await quiet_cluster.formed([a, b])
-    await quiet_cluster.stop(b)
+    a, b_port = await _a_with_b_down(quiet_cluster, max_frame_bytes=FRAME)
     # While B is down, A takes updates that each fit a frame, but not together.
     small = {f"x{i}": np.full(6 * KiB, i, np.float32) for i in range(3)}  # 24 KiB each
     # (a client sends a parameter larger than a frame in pieces)
@@ -180,7 +181,7 @@ async def test_updates_larger_than_a_frame_reach_a_peer_and_do_not_hold_back_lat
         for name, array in small.items():
             await client.update_arrays({name: array})
         await client.update_arrays({"big": np.arange(40 * KiB, dtype=np.float32)})  # 160 KiB
-        b = await quiet_cluster.start(peers=[a], port=port, max_frame_bytes=FRAME)
+        b = await quiet_cluster.start(peers=[a], port=b_port, max_frame_bytes=FRAME)
         await eventually(lambda: _holds(b, [*small, "big"]), timeout=WAIT)
         # Later updates, by the outbox alone (B repairs only when its link connects).
         await client.update_arrays({"z": np.zeros(4, np.float32)})
