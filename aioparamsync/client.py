@@ -723,14 +723,16 @@ class ParameterClient:
             request.wait_ms = round(wait * 1000)
             timeout = self._held_timeout(wait, timeout)
         request.max_inline_bytes = self.max_inline_bytes
-        started = asyncio.get_running_loop().time()
+        # (time.monotonic: no getpid() system call, as asyncio.get_running_loop() makes on 3.11)
+        started = time.monotonic()
         response = await self.call("pull_parameters", timeout=timeout, request=request)
         if any(p.total_bytes is not None for p in response.params):
             # Larger than one message: answered without data; read in pieces,
             # within what is left of this call's deadline.
             deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
+            left = None if deadline is None else deadline - (time.monotonic() - started)
             try:
-                async with asyncio.timeout_at(None if deadline is None else started + deadline):
+                async with asyncio.timeout(left):
                     response.params = [
                         p
                         if p.total_bytes is None

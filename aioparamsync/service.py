@@ -401,11 +401,16 @@ class ParameterService:
             )
         elif any(owner is not None for owner in parts):
             # Checked here first (this node holds every parameter too): a push
-            # that cannot be folded is refused before any part of it is. (One
-            # not here yet may be at its owner, just made elsewhere: the owner
-            # decides.)
+            # that cannot be folded is refused before any part of it is. This
+            # node's own part is decoded once, for the check and its fold; an
+            # encoded part another node folds is left to it to decode and check.
+            # (One not here yet may be at its owner, just made elsewhere: the
+            # owner decides.)
+            if None in parts:
+                parts[None] = list(_decoded(parts[None], self.max_decoded_bytes))
+            checked = [g for gs in parts.values() for g in gs if not g.encoding]
             try:
-                self.store.table.check_gradients(_decoded(grads, self.max_decoded_bytes))
+                self.store.table.check_gradients(checked)
             except RequestError as exc:
                 if exc.code != ErrorCode.UNKNOWN_PARAMETER:
                     raise
