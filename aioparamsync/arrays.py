@@ -30,6 +30,11 @@ __all__ = [
     "BFLOAT16",
     "check_layout",
     "check_shape",
+    "describe_layout",
+    "dtype_name",
+    "layout",
+    "lossless_cast",
+    "same_kind_cast",
     "from_parameter",
     "is_bfloat16",
     "parse_dtype",
@@ -161,6 +166,72 @@ def check_layout(
             f"{name!r}: shape {tuple(shape)} of {dtype} needs {expected} bytes, got {nbytes}",
         )
     return dt
+
+
+def layout(nbytes: int, dtype: str | None, shape: Sequence[int] | None) -> Any:
+    """What a parameter's bytes are, normalised: ``(np.dtype, shape)``, or None for plain bytes.
+
+    A dtype without a shape is one dimension (the IDL's rule), so ``("<f4",
+    None)`` of 12 bytes and ``("float32", [3])`` are the same layout. The
+    parameter must have passed :func:`check_layout`.
+    """
+    if dtype is None:
+        return None
+    dt = parse_dtype(dtype)
+    return dt, (tuple(shape) if shape is not None else (nbytes // dt.itemsize,))
+
+
+def describe_layout(nbytes: int, dtype: str | None, shape: Sequence[int] | None) -> str:
+    """A layout as people read it: ``"float32 (4, 3)"``, or ``"48 plain bytes"``."""
+    made = layout(nbytes, dtype, shape)
+    if made is None:
+        return f"{nbytes} plain bytes"
+    dt, dims = made
+    return f"{dtype_name(dt)} {dims}"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """A dtype as people read it: ``"float32"``, ``"bfloat16"``, ``">f4"`` (not native)."""
+    if is_bfloat16(dtype):
+        return BFLOAT16
+    return dtype.name if dtype.isnative or dtype.byteorder == "|" else dtype.str
+
+
+# What bfloat16 (8 significant bits, float32's range) holds exactly, and what holds it.
+_INTO_BFLOAT16 = frozenset("?bB")
+_FROM_BFLOAT16 = frozenset("fdgFDG")
+
+
+def lossless_cast(source: np.dtype, target: np.dtype) -> bool:
+    """Whether every value of ``source`` is a value of ``target`` (numpy's "safe" casting).
+
+    Integers into floats wide enough, floats into wider floats, reals into
+    complex; never floats into integers, complex into reals, or wider into
+    narrower. bfloat16 counts as a float of 8 significant bits.
+    """
+    if source == target:
+        return True
+    if is_bfloat16(target):
+        return source.char in _INTO_BFLOAT16
+    if is_bfloat16(source):
+        return target.char in _FROM_BFLOAT16 and target.byteorder in "=<|"
+    return bool(np.can_cast(source, target, "safe"))
+
+
+def same_kind_cast(source: np.dtype, target: np.dtype) -> bool:
+    """Whether ``source`` may be cast to ``target`` keeping its kind (numpy's "same_kind").
+
+    Floats may become narrower floats, but never integers; complex never real.
+    bfloat16 counts as a float.
+    """
+    f4 = np.dtype(np.float32)
+    return bool(
+        np.can_cast(
+            f4 if is_bfloat16(source) else source,
+            f4 if is_bfloat16(target) else target,
+            "same_kind",
+        )
+    )
 
 
 def to_parameter(name: str, array: Any, version: int = 0) -> Any:

@@ -32,7 +32,7 @@ import socket
 import ssl as ssl_module
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from types import EllipsisType
 from typing import Any, cast
 
@@ -756,10 +756,15 @@ class ParameterClient:
         *,
         rules: Any = None,
         encoding: str | None = None,
+        replace: bool | Collection[str] = False,
         timestamp: int | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Apply an update atomically: every parameter in it, or none.
+
+        A stored parameter keeps its dtype and shape: an update that gives it
+        another is refused (``SHAPE_MISMATCH``, naming both layouts) unless
+        ``replace`` says to replace it.
 
         A parameter larger than ``max_inline_bytes`` (see the constructor)
         goes in pieces, and the node applies it once it is whole: atomically
@@ -773,6 +778,10 @@ class ParameterClient:
             encoding: send arrays encoded (``"fp16"``, ``"bf16"``, ``"int8"``,
                 ``"zlib"``); the node stores them decoded. An array larger than
                 ``max_inline_bytes`` even encoded goes raw, in pieces.
+            replace: replace stored parameters whose dtype or shape the update
+                changes: True for every parameter of the update, or the names
+                of those to replace. (Their rule stays if it fits the new
+                dtype; their optimizer state starts again.)
             timestamp: the update's timestamp (default: now, in milliseconds).
             timeout: this call's deadline (seconds; default: the client's).
 
@@ -784,7 +793,7 @@ class ParameterClient:
             ConnectionLostError: the connection broke; the update may or may
                 not have been applied.
         """
-        update = self._update(params, timestamp, rules=rules, encoding=encoding)
+        update = self._update(params, timestamp, rules=rules, encoding=encoding, replace=replace)
         large = [p for p in update.params if memoryview(p.data).nbytes > self.max_inline_bytes]
         if not large:
             result = await self.call("push_parameters", timeout=timeout, update=update)
@@ -809,8 +818,9 @@ class ParameterClient:
             if p.encoding:
                 # Pieces carry raw bytes (see pieces.split): too large even
                 # encoded, this parameter goes raw.
-                rule, p = p.rule, to_parameter(p.name, params[p.name])  # type: ignore[index]
-                p.rule = rule
+                rule, replaced = p.rule, p.replace
+                p = to_parameter(p.name, params[p.name])  # type: ignore[index]
+                p.rule, p.replace = rule, replaced
             # (A piece that fails stops the others: none is sent after the
             # caller is told, so the node never puts together a torn array.)
             for done in await pieces.gather_or_stop(
@@ -997,17 +1007,25 @@ class ParameterClient:
         *,
         rules: Any = None,
         encoding: str | None = None,
+        replace: bool | Collection[str] = False,
         timestamp: int | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions.
 
-        See :meth:`update_parameters` for ``rules`` and ``encoding``.
+        A stored parameter keeps its dtype and shape unless ``replace`` names
+        it. See :meth:`update_parameters` for ``rules``, ``encoding`` and
+        ``replace``.
         """
         if not isinstance(arrays, Mapping):
             raise TypeError("arrays must be a mapping of name -> array")
         return await self.update_parameters(
-            arrays, rules=rules, encoding=encoding, timestamp=timestamp, timeout=timeout
+            arrays,
+            rules=rules,
+            encoding=encoding,
+            replace=replace,
+            timestamp=timestamp,
+            timeout=timeout,
         )
 
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
@@ -1025,6 +1043,7 @@ class ParameterClient:
         *,
         rules: Any = None,
         encoding: str | None = None,
+        replace: bool | Collection[str] = False,
     ) -> Any:
         if timestamp is None:
             timestamp = time.time_ns() // 1_000_000
@@ -1050,7 +1069,29 @@ class ParameterClient:
                 rule = rules.get(p.name) if isinstance(rules, Mapping) else rules
                 if rule is not None:
                     p.rule = rule
+        if replace is True:
+            for p in updates:
+                p.replace = True
+        elif replace is not False:
+            names = _replaced_names(replace, {p.name for p in updates})
+            for p in updates:
+                if p.name in names:
+                    p.replace = True
         return thrift.ParameterUpdate(params=updates, timestamp=timestamp)
+
+
+def _replaced_names(replace: Any, names: set[str]) -> set[str]:
+    """The names ``replace`` (a collection of names) asks to replace, all in the update."""
+    if isinstance(replace, str | bytes) or not isinstance(replace, Iterable):
+        raise TypeError(
+            f"replace is True, False or a collection of parameter names, not {replace!r}"
+        )
+    asked = set(replace)
+    if not all(isinstance(n, str) for n in asked):
+        raise TypeError("replace names parameters by their names (str)")
+    if missing := asked - names:
+        raise ValueError(f"replace names parameters the update does not hold: {sorted(missing)}")
+    return asked
 
 
 def _array(p: Any) -> np.ndarray:
@@ -1073,4 +1114,5 @@ def _without_origin(p: Any) -> Any:
         scale=p.scale,
         indices=p.indices,
         rule=p.rule,
+        replace=p.replace,
     )

@@ -95,6 +95,7 @@ def split(param: Any, upload_id: str, piece_bytes: int = PIECE_BYTES) -> list[An
             shape=param.shape,
             origin=param.origin,
             rule=param.rule,
+            replace=param.replace,
             offset=offset,
             total_bytes=total,
             upload_id=upload_id,
@@ -113,7 +114,7 @@ class _Upload:
     seen: float = 0.0
 
 
-_SAME = ("name", "version", "dtype", "shape", "origin", "total_bytes")
+_SAME = ("name", "version", "dtype", "shape", "origin", "total_bytes", "replace")
 
 
 class Uploads:
@@ -228,6 +229,7 @@ class Uploads:
             shape=first.shape,
             origin=first.origin,
             rule=first.rule,
+            replace=first.replace,
         )
 
     def sweep(self) -> None:

@@ -21,6 +21,13 @@ log = logging.getLogger(__name__)
 # The largest parameter answered in one message: a Thrift binary holds less
 # than 2 GiB (and the message has a little more than the data).
 MAX_INLINE_BYTES = 2**31 - 1 - 64 * 1024
+# The server's counters (see server.py), in info's counters from the start:
+# 0 until they count something, so a reader need not guess what is missing.
+SERVER_COUNTERS = (
+    "requests", "errors", "protocol_errors", "timeouts", "bytes_in", "bytes_out",
+    "connections_total", "connections_refused", "idle_closed", "budget_waits",
+    "budget_overruns",
+)  # fmt: skip
 
 # Request ids of gradient pushes remembered (with their outcome) for retries.
 MAX_REQUEST_IDS = 100_000
@@ -53,14 +60,17 @@ def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
 def _decode(p: Any, max_nbytes: int) -> Any:
     """The raw ``Parameter`` of an encoded one; its data a read-only view of the decoded array."""
     from .arrays import to_parameter
-    from .compression import decode
+    from .compression import LOSSY, decode
 
     array = decode(p, max_nbytes=max_nbytes)
     array.flags.writeable = False  # ours alone: the store keeps it, uncopied
     decoded = to_parameter(p.name, array, p.version or 0)
-    decoded.origin, decoded.rule = p.origin, p.rule
+    decoded.origin, decoded.rule, decoded.replace = p.origin, p.rule, p.replace
     if p.dtype is None:  # plain bytes stay plain bytes
         decoded.dtype = decoded.shape = None
+    # The caller chose to lose precision: its gradient may fold into a
+    # narrower float (see ParameterTable.check_gradients). Not on the wire.
+    decoded.lossy = p.encoding in LOSSY
     return decoded
 
 
@@ -531,7 +541,8 @@ class ParameterService:
 
     def _info(self, method: Method, args: Any) -> Any:
         table = self.store.table
-        counters = {k: int(v) for k, v in self.counters.items()}
+        counters = dict.fromkeys(SERVER_COUNTERS, 0)
+        counters.update((k, int(v)) for k, v in self.counters.items())
         counters.update(self.store.statistics())
         counters.update(self.waiting.statistics())
         counters.update(self.uploads.statistics())

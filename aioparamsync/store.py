@@ -28,7 +28,17 @@ from typing import Any
 import numpy as np
 
 from . import rules
-from .arrays import BFLOAT16, check_layout, from_parameter, is_bfloat16
+from .arrays import (
+    BFLOAT16,
+    check_layout,
+    describe_layout,
+    dtype_name,
+    from_parameter,
+    is_bfloat16,
+    layout,
+    lossless_cast,
+    same_kind_cast,
+)
 from .errors import ErrorCode, RequestError
 from .wire import thrift
 
@@ -297,10 +307,14 @@ class ParameterTable:
                     )
                 continue
             current = self._entries.get(name)
-            if current is not None and current.version >= MAX_VERSION:
+            if current is None:
+                continue
+            if current.version >= MAX_VERSION:
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED, f"{name!r} has reached the largest version"
                 )
+            if current.dtype is not None and not p.replace:
+                _check_keeps_layout(current, nbytes, p.dtype, p.shape)
 
     def apply(self, params: Sequence[Any], timestamp: int) -> Applied:
         """Apply one update wholly, or raise :class:`RequestError` and change nothing.
@@ -315,11 +329,17 @@ class ParameterTable:
             current = entries.get(p.name)
             stored = current.version if current is not None else 0
             given = p.version or 0
+            dtype = p.dtype
             shape = tuple(p.shape) if p.shape is not None else None
+            if current is not None and current.dtype is not None and not p.replace:
+                # An update keeps the layout (check() saw that it fits): plain
+                # bytes (a founding client's) of the stored size take it whole,
+                # an array given without a shape takes the stored shape.
+                dtype, shape = current.dtype, current.shape
             rule = p.rule if p.rule is not None else (current.rule if current else None)
             if rule is not None and p.rule is None:
                 try:  # the stored rule must fit the new layout
-                    _check_rule_fits(p.name, rule, p.dtype)
+                    _check_rule_fits(p.name, rule, dtype)
                 except RequestError:
                     rule = None  # e.g. floats replaced by bytes: no rule applies
             made.append(
@@ -327,7 +347,7 @@ class ParameterTable:
                     p.name,
                     _readonly(p.data),
                     max(stored + 1, given),
-                    p.dtype,
+                    dtype,
                     shape,
                     self.origin,
                     rule,
@@ -339,9 +359,12 @@ class ParameterTable:
         """Fold gradients into their parameters by each one's rule, wholly or not at all.
 
         Each gradient (a decoded ``Parameter``) must name a stored parameter
-        that has a rule, and have its shape (any numeric dtype: it is
-        converted). Versions grow by one; the new values replicate like any
-        update.
+        that has a rule, and have its shape and a dtype that converts to the
+        parameter's without loss (an int32 parameter takes no float gradient,
+        a float32 one no float64 gradient), unless the gradient came in a
+        lossy encoding (the node's decoder sets its ``lossy``): then floats
+        may narrow, but a gradient still never changes kind. Versions grow by
+        one; the new values replicate like any update.
 
         Raises:
             RequestError: a gradient may not be folded (nothing is changed).
@@ -397,7 +420,7 @@ class ParameterTable:
             if grad.dtype.kind not in "iuf" and not is_bfloat16(grad.dtype):
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
-                    f"gradient {g.name!r} of dtype {g.dtype} is not a real number type",
+                    f"gradient {g.name!r} of {dtype_name(grad.dtype)} is not a real number type",
                 )
             weights = from_parameter(current)
             if grad.shape != weights.shape:
@@ -406,6 +429,7 @@ class ParameterTable:
                     f"gradient {g.name!r} has shape {grad.shape}; the parameter has "
                     f"{weights.shape}",
                 )
+            _check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
             work.append((current, weights, grad))
         return work
 
@@ -480,6 +504,61 @@ class ParameterTable:
         if timestamp > self.timestamp:
             self.timestamp = timestamp
         return Applied(tuple(made), self.timestamp)
+
+
+def _check_keeps_layout(
+    current: Entry, nbytes: int, dtype: str | None, shape: Sequence[int] | None
+) -> None:
+    """Check that an update of ``current`` keeps its layout (it was not asked to replace it).
+
+    Plain bytes keep the stored layout if they are its size; an array must
+    have the stored dtype, and the stored shape or none (and the stored size).
+    """
+    stored = current.nbytes, current.dtype, current.shape
+    if dtype is None:
+        if nbytes == current.nbytes:
+            return
+        raise RequestError(
+            ErrorCode.SHAPE_MISMATCH,
+            f"{current.name!r} is stored as {describe_layout(*stored)} ({current.nbytes} "
+            f"bytes); an update of {nbytes} plain bytes does not fit it. Send "
+            f"{current.nbytes} bytes, or replace the parameter (Parameter.replace)",
+        )
+    if shape is None and nbytes == current.nbytes:
+        shape = current.shape or None  # no shape given: the stored one, if the size is its
+    if layout(nbytes, dtype, shape) == layout(*stored):
+        return
+    raise RequestError(
+        ErrorCode.SHAPE_MISMATCH,
+        f"{current.name!r} is stored as {describe_layout(*stored)}; the update has "
+        f"{describe_layout(nbytes, dtype, shape)}. An update keeps a parameter's dtype "
+        "and shape: convert the array to the stored layout, or replace the parameter "
+        "(replace=True; on the wire, Parameter.replace)",
+    )
+
+
+def _check_cast(name: str, source: np.dtype, target: np.dtype, *, lossy: bool) -> None:
+    """Check that a gradient of dtype ``source`` folds into a parameter of ``target``.
+
+    Without loss only (numpy's "safe" casting: a float64 gradient does not
+    fold into float32 weights, a float into integers, complex into reals);
+    a gradient the caller sent in a lossy encoding may lose precision but
+    not its kind ("same_kind": floats into narrower floats).
+    """
+    if lossless_cast(source, target) or (lossy and same_kind_cast(source, target)):
+        return
+    what, given = dtype_name(target), dtype_name(source)
+    kind_lost = not same_kind_cast(source, target)
+    raise RequestError(
+        ErrorCode.SHAPE_MISMATCH,
+        f"gradient {name!r} of {given} cannot fold into a parameter of {what} without "
+        + (
+            f"loss ({given} values are not {what} values): send it as {what}"
+            if kind_lost
+            else f"losing precision: send it as {what}, or ask for a lossy encoding "
+            "(fp16, bf16, int8, topk)"
+        ),
+    )
 
 
 def _check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:

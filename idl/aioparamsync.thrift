@@ -38,7 +38,8 @@ struct Parameter {
     3: optional i32 version = 0,
     // numpy's dtype string (e.g. "<f4"); absent: plain bytes.
     4: optional string dtype,
-    // The array's shape; absent with a dtype: one dimension.
+    // The array's shape; absent with a dtype: one dimension (or, updating a
+    // stored parameter of that size, its shape: see `replace`).
     5: optional list<i64> shape,
     // Where this version was first applied: the node's id and its run
     // ("id@start-ms"). Set by nodes: on a replicated update it makes the
@@ -68,6 +69,12 @@ struct Parameter {
     11: optional i64 offset,
     12: optional i64 total_bytes,
     13: optional string upload_id,
+    // Set by an update that replaces the parameter with another dtype or
+    // shape. Once a parameter has a dtype and shape, an update with another
+    // layout is refused (SHAPE_MISMATCH) unless it sets this. Plain bytes
+    // (no dtype) of the stored size, and data of the stored dtype and size
+    // without a shape, keep the stored layout.
+    14: optional bool replace,
 }
 
 struct ParameterUpdate {

@@ -214,7 +214,7 @@ async def refused(data_dir: Path, **kwargs: Any) -> PersistenceError:
 async def write_one_by_one(client: ParameterClient, updates: list[dict[str, Any]]) -> None:
     """One update at a time: each is its own batch, so its own log record."""
     for arrays in updates:
-        await client.update_arrays(arrays)
+        await client.update_arrays(arrays, replace=True)
 
 
 # == 1. kill -9 at random moments ============================================================
@@ -580,7 +580,9 @@ async def test_a_torn_tail_is_cut_with_a_warning_and_the_log_goes_on(
         assert table_state(node.table) == state
         # The log goes on after the cut: a new write, then a crash, then recovery.
         async with client_of(node.address) as client:
-            assert await client.update_arrays({"p0": np.arange(3.0)}) == {"p0": state["p0"][0] + 1}
+            assert await client.update_arrays({"p0": np.arange(3.0)}, replace=True) == {
+                "p0": state["p0"][0] + 1
+            }
         again = crash_image(image, tmp_path / "again")
         expected = table_state(node.table)
     recovered, found = recover_into_table(again)

@@ -311,6 +311,31 @@ async def test_seed_bad_update_raises_and_connection_survives(
     assert len(node.table) == 1
 
 
+async def test_seed_bytes_keep_a_stored_layout_and_other_sizes_are_refused(
+    node: Node, seed: types.SimpleNamespace, stack: str
+) -> None:
+    T = seed.ttypes
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    async with ParameterClient(node.address, timeout=30) as ours:
+        await ours.update_arrays({"w": w})
+    async with apache_client(seed, node, stack) as c:
+        # the stored size: taken, and the parameter keeps its dtype and shape
+        await c.update_parameters(T.ParameterUpdate([T.Parameter("w", (w * 3).tobytes())], 1))
+        # another size: refused, saying why; nothing applied
+        for size in (20, 28, 0):
+            with pytest.raises(TApplicationException) as raised:
+                await c.update_parameters(T.ParameterUpdate([T.Parameter("w", b"\0" * size)], 2))
+            message = raised.value.message or ""
+            assert "'w' is stored as float32 (2, 3) (24 bytes)" in message, message
+            assert f"{size} plain bytes" in message, message
+        response = await c.get_parameters(T.ParameterRequest(param_names=["w"]))
+        assert [(p.version, p.data) for p in response.params] == [(2, (w * 3).tobytes())]
+    entry = node.table.entry("w")
+    assert entry is not None and (entry.dtype, entry.shape) == ("<f4", (2, 3))
+    async with ParameterClient(node.address, timeout=30) as ours:
+        np.testing.assert_array_equal((await ours.get_arrays(["w"]))["w"], w * 3)
+
+
 async def test_seed_large_unicode_and_empty(
     node: Node, seed: types.SimpleNamespace, stack: str
 ) -> None:
@@ -618,7 +643,8 @@ async def test_ours_typed_methods(node: Node, ours: types.SimpleNamespace) -> No
         )
         got = by_name(response.params)
         assert list(got) == ["m", "raw"]
-        assert (got["m"].version, got["m"].dtype, got["m"].shape) == (2, "<f4", None)
+        # The update without a shape kept the stored one (a parameter keeps its layout).
+        assert (got["m"].version, got["m"].dtype, got["m"].shape) == (2, "<f4", [2, 3])
         np.testing.assert_array_equal(np.frombuffer(got["m"].data, np.float32), matrix.ravel())
         assert (got["raw"].data, got["raw"].version, got["raw"].dtype) == (
             b"\x01\x02\x03",

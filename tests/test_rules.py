@@ -176,7 +176,7 @@ def value(table: ParameterTable, name: str) -> np.ndarray:
 
 def test_fold_bumps_versions_and_keeps_layout_and_rule() -> None:
     table = table_with(w=(np.ones((2, 2), np.float32), sgd(0.5)))
-    applied = table.fold([grad("w", np.ones((2, 2), np.float64))], 5)
+    applied = table.fold([grad("w", np.ones((2, 2), np.float16))], 5)
     entry = table.entry("w")
     assert entry is not None
     assert applied.entries == (entry,)
@@ -279,10 +279,12 @@ def test_an_update_keeps_the_rule_and_a_new_rule_starts_the_state_over() -> None
     table.apply([p], 4)
     assert table.state("w") is None
     table.fold([grad("w", [1.0, 1.0])], 5)
-    table.apply([to_parameter("w", np.zeros(3))], 6)
+    p = to_parameter("w", np.zeros(3))
+    p.replace = True
+    table.apply([p], 6)
     assert table.state("w") is None
     # Floats replaced by bytes: no rule applies any more.
-    table.apply([thrift.Parameter(name="w", data=b"abc")], 7)
+    table.apply([thrift.Parameter(name="w", data=b"abc", replace=True)], 7)
     assert table.entry("w").rule is None
 
 
