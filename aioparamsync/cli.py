@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from . import __version__
 from .client import parse_address, parse_addresses
 from .metrics import MetricsBindError
-from .node import Node
-from .peers import DEFAULT_REPAIR_INTERVAL
+from .node import Node, unspecified_host
+from .peers import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING
 from .persistence import FSYNC_MODES, PersistenceError
 from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
@@ -44,6 +44,18 @@ def byte_size(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)")
     return int(match[1]) * _UNITS[match[2].lower()]
+
+
+def human_size(value: int) -> str:
+    """Bytes as :func:`byte_size` reads them: ``268435456`` -> ``"256MiB"``.
+
+    The largest unit that divides ``value`` exactly, or bytes.
+    """
+    for unit in ("g", "m", "k"):
+        factor = _UNITS[unit]
+        if value and value % factor == 0:
+            return f"{value // factor}{unit.upper()}iB"
+    return str(value)
 
 
 def frame_size(text: str) -> int:
@@ -102,6 +114,17 @@ def address(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def advertised_address(text: str) -> tuple[str, int]:
+    """An address peers are told: not ``0.0.0.0`` or ``::`` (every interface)."""
+    host, port = address(text)
+    if unspecified_host(host):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} means every interface, not an address peers can reach: "
+            "give this node's address on their network"
+        )
+    return host, port
+
+
 def addresses(text: str) -> list[tuple[str, int]]:
     try:
         return parse_addresses(text)
@@ -122,11 +145,15 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aioparamsync-node",
-        description="Run an aioparamsync parameter-server node (in memory). "
-        "It speaks Thrift (framed or buffered, binary or compact) on one port.",
+        description="Run an aioparamsync parameter-server node: it holds its parameters in "
+        "memory, and with --data-dir keeps them on disk too. It speaks Thrift (framed or "
+        "buffered, binary or compact) on one port.",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 or :: for every interface (with --peers, "
+        "--advertise is then needed) (default: %(default)s)",
     )
     parser.add_argument(
         "--port",
@@ -146,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--advertise",
-        type=address,
+        type=advertised_address,
         metavar="HOST:PORT",
-        help="where peers reach this node (default: where it listens)",
+        help="where peers reach this node, an address they can reach (default: where it "
+        "listens, which must then not be 0.0.0.0 or :: if --peers are given)",
     )
     parser.add_argument(
         "--repair-interval",
@@ -156,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REPAIR_INTERVAL,
         metavar="SECONDS",
         help="seconds between anti-entropy rounds with each peer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--unreachable-warning",
+        type=seconds,
+        default=UNREACHABLE_WARNING,
+        metavar="SECONDS",
+        help="warn when no peer has answered for this long, then once a minute while none "
+        f"answers; 0: never (default: {UNREACHABLE_WARNING:g})",
     )
     parser.add_argument(
         "--data-dir",
@@ -182,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=frame_size,
         default=DEFAULT_MAX_FRAME_BYTES,
         metavar="SIZE",
-        help="largest message accepted, e.g. 256MiB (default: %(default)s bytes)",
+        help="largest message accepted, e.g. 1GiB "
+        f"(default: {human_size(DEFAULT_MAX_FRAME_BYTES)})",
     )
     parser.add_argument(
         "--max-upload-bytes",
@@ -190,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_UPLOAD_BYTES,
         metavar="SIZE",
         help="most bytes held at once for parameters larger than one message while their "
-        "pieces arrive, e.g. 16GiB (default: %(default)s bytes)",
+        f"pieces arrive, e.g. 64GiB (default: {human_size(MAX_UPLOAD_BYTES)})",
     )
     parser.add_argument(
         "--max-receiving-bytes",
@@ -200,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="most bytes that large messages being received may hold at once, all "
         "connections together (the first 64 KiB of each are not counted: 128MiB takes two "
         "64 MiB parameters); a message that does not fit waits for those ahead of it, "
-        "and one larger than this goes alone; 0: no limit (default: %(default)s bytes)",
+        "and one larger than this goes alone; 0: no limit "
+        f"(default: {human_size(DEFAULT_MAX_RECEIVING_BYTES)})",
     )
     parser.add_argument(
         "--idle-timeout",
@@ -249,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=port_number,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host; 0 picks a free "
-        "port (logged); needs prometheus-client: pip install 'aioparamsync[metrics]' "
+        "port (logged); needs prometheus-client: pip install '.[metrics]' in the checkout "
         "(default: no metrics)",
     )
     tls = parser.add_argument_group("TLS (for client and peer links)")
@@ -297,6 +335,7 @@ async def serve(args: argparse.Namespace) -> int:
         peers=args.peers,
         advertise=args.advertise,
         repair_interval=args.repair_interval,
+        unreachable_warning=args.unreachable_warning,
         data_dir=args.data_dir,
         fsync=args.fsync,
         ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
@@ -349,6 +388,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
         # (a node in memory that was meant to keep its data)
         parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
+    if args.peers and args.advertise is None and unspecified_host(args.host):
+        # (peers would be told HOST:PORT, and reach themselves or nothing)
+        parser.error(
+            f"--host {args.host} listens on every interface, which is no address to give "
+            "peers: with --peers, pass --advertise HOST:PORT with an address the peers can reach"
+        )
     args.fsync = args.fsync or "batch"
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,6 +1,6 @@
 """Prometheus metrics for a node: ``Node(metrics_port=...)``, ``aioparamsync-node --metrics-port``.
 
-Needs the ``prometheus-client`` package (``pip install 'aioparamsync[metrics]'``);
+Needs the ``prometheus-client`` package (``pip install '.[metrics]'`` in the checkout);
 it is imported only when a node's metrics are enabled, so ``import aioparamsync``
 never loads it.
 
@@ -107,8 +107,8 @@ PEER_STATES = ("connecting", "up", "backoff")
 PREFIX = "aioparamsync_"
 
 MISSING = (
-    "metrics need the prometheus-client package: pip install 'aioparamsync[metrics]' "
-    "(or pip install prometheus-client)"
+    "metrics need the prometheus-client package: pip install '.[metrics]' in the "
+    "aioparamsync checkout (or pip install prometheus-client)"
 )
 
 

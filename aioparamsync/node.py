@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import ssl as ssl_module
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 from .client import Address, parse_address, parse_addresses
 from .metrics import NodeMetrics
-from .peers import DEFAULT_REPAIR_INTERVAL, Cluster
+from .peers import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING, Cluster, member_name
 from .persistence import DataDir
 from .pieces import MAX_UPLOAD_BYTES
 from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
@@ -19,9 +20,33 @@ from .service import ParameterService
 from .store import Limits, ParameterStore, ParameterTable
 from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, thrift
 
-__all__ = ["Node"]
+__all__ = ["Node", "unspecified_host"]
 
 log = logging.getLogger(__name__)
+
+
+def unspecified_host(host: str) -> bool:
+    """Whether ``host`` means every interface (``0.0.0.0``, ``::``, or empty).
+
+    A node may listen there, but it is no address to give peers: told
+    ``0.0.0.0:PORT``, a peer on another machine reaches itself, or nothing.
+    """
+    host = host.strip()
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 class Node:
@@ -39,8 +64,13 @@ class Node:
         port: the port; 0 picks a free one (see :attr:`address`).
         node_id: a stable id for this node; by default its advertised ``host:port``.
         peers: members of the cluster to join (any one live member will do).
-        advertise: ``host:port`` where peers reach this node (default: where it listens).
+        advertise: ``host:port`` where peers reach this node (default: where it
+            listens). Needed with ``peers`` when ``host`` is ``0.0.0.0`` or ``::``
+            (every interface), which is no address a peer can reach; without
+            ``peers``, such a node starts with a warning.
         repair_interval: seconds between anti-entropy rounds with each peer.
+        unreachable_warning: warn (log) when no peer has answered for this many
+            seconds, then once a minute while none answers (None: never).
         data_dir: where to keep the write-ahead log and snapshots (None: in memory).
         fsync: ``always``, ``batch`` or ``never`` (see :mod:`aioparamsync.persistence`).
         ignore_corrupt_snapshot: start even if the newest snapshot is damaged.
@@ -58,8 +88,12 @@ class Node:
         limits: what one request may hold.
         metrics_port: serve Prometheus metrics on this port of ``host`` (0: a free
             one, see :attr:`metrics_address`; None: no metrics). Needs the
-            ``prometheus-client`` package (``aioparamsync[metrics]``); see
-            :mod:`aioparamsync.metrics`.
+            ``prometheus-client`` package (``pip install '.[metrics]'`` in the
+            checkout); see :mod:`aioparamsync.metrics`.
+
+    Raises:
+        ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
+            ``peers`` are given without ``advertise``.
     """
 
     def __init__(
@@ -71,6 +105,7 @@ class Node:
         peers: Iterable[Address] | str = (),
         advertise: Address | None = None,
         repair_interval: float = DEFAULT_REPAIR_INTERVAL,
+        unreachable_warning: float | None = UNREACHABLE_WARNING,
         data_dir: str | os.PathLike[str] | None = None,
         fsync: str = "batch",
         ignore_corrupt_snapshot: bool = False,
@@ -97,6 +132,18 @@ class Node:
         )
         self.seeds = parse_addresses(peers) if peers else []
         self._advertise = parse_address(advertise) if advertise is not None else None
+        if self._advertise is not None and unspecified_host(self._advertise[0]):
+            raise ValueError(
+                f"advertise={self._advertise[0]!r} means every interface, not an address "
+                "peers can reach: give this node's address on their network"
+            )
+        if self._advertise is None and self.seeds and unspecified_host(host):
+            told = f"[{host}]" if ":" in host else host or "0.0.0.0"
+            raise ValueError(
+                f"host={host!r} (every interface) with peers needs advertise=(host, port): "
+                f"an address the peers can reach (they would be told {told}:PORT, which "
+                "reaches no one)"
+            )
         self.table = ParameterTable(node_id or "", limits)
         self.data_dir = (
             DataDir(data_dir, fsync=fsync, ignore_corrupt_snapshot=ignore_corrupt_snapshot)
@@ -112,6 +159,7 @@ class Node:
             ssl=peer_ssl,
             limits=self.table.limits,  # (peers are assumed to run with the same)
             max_frame_bytes=max_frame_bytes,
+            unreachable_warning=unreachable_warning,
         )
         self.service = ParameterService(
             self.store,
@@ -201,7 +249,41 @@ class Node:
         self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
         self.cluster.start(self.seeds)
-        log.info("node %s listening on %s:%d", self.node_id, *self.address)
+        kept = f"data in {self.data_dir.path}" if self.data_dir is not None else "in memory"
+        log.info(
+            "node %s listening on %s:%d, %s",
+            member_name(self.node_id, adv_host, adv_port),
+            *self.address,
+            kept,
+        )
+        self._warn_of_address(adv_host, adv_port)
+
+    def _warn_of_address(self, host: str, port: int) -> None:
+        """Warn when the address peers are told is one they may not reach."""
+        if unspecified_host(host):
+            # (with seeds, __init__ refused it: here a node alone, so far)
+            log.warning(
+                "node %s listens on every interface, without --advertise: it would tell a "
+                "node that joins it later that it is at %s:%d, where that node cannot reach "
+                "it; pass --advertise HOST:PORT (Node(advertise=...)) with an address the "
+                "other nodes can reach",
+                self.node_id,
+                host or "0.0.0.0",
+                port,
+            )
+        elif _loopback(host):
+            remote = [f"{h}:{p}" for h, p in self.seeds if not _loopback(h)]
+            if remote:
+                log.warning(
+                    "node %s tells its peers it is at %s:%d, a loopback address, but %s may "
+                    "be on other machines, where that address is their own machine, not this "
+                    "node: pass --host with an address they can reach (or --host 0.0.0.0 and "
+                    "--advertise HOST:PORT)",
+                    self.node_id,
+                    host,
+                    port,
+                    ", ".join(remote),
+                )
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop gracefully: what was acknowledged is sent on and kept.

@@ -23,6 +23,10 @@ node gets a link too. So a node started with one live member joins the whole
 cluster. A peer that cannot be reached is retried with capped exponential
 backoff, forever; it is never forgotten, and its state is in ``info``; but
 while its link is down it owns no parameters (see :meth:`Cluster.owner`).
+While no link is up (say, none of the ``--peers`` a node started with
+answers), the node says so at WARNING after ``unreachable_warning`` seconds,
+then every ``UNREACHABLE_REPEAT`` seconds, not at every retry; when a peer
+answers again, an INFO line says which.
 
 Which nodes hold a name is :func:`replicas` (today: every node); it is the
 one place that sharding would change. Which node folds a name's gradients is
@@ -49,7 +53,7 @@ from .errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, 
 from .store import Entry, Limits, ParameterStore
 from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
 
-__all__ = ["Cluster", "PeerLink", "replicas"]
+__all__ = ["Cluster", "PeerLink", "member_name", "replicas"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,12 @@ FORWARD_CONNECT_WAIT = 2.0
 HEARTBEAT_SECONDS = 1.0
 # How often the node logs each peer link's state and counters (seconds).
 STATS_LOG_SECONDS = 60.0
+# How long no peer may fail to answer before the node warns (seconds; see
+# Cluster), and how often it warns again while none answers.
+UNREACHABLE_WARNING = 10.0
+UNREACHABLE_REPEAT = 60.0
+# Most peers one such warning names (the others are counted).
+UNREACHABLE_NAMED = 5
 # Most bytes, and most parameters, in one replication message or one pull;
 # fewer where the node's limits say so (see Cluster).
 BATCH_BYTES = 64 * 1024 * 1024
@@ -81,6 +91,18 @@ PARAM_OVERHEAD = 512
 # anyone knows: forward waits FORWARD_CONNECT_WAIT for it). A link in backoff
 # is down: its member owns nothing until the link is up again.
 OWNER_STATES = frozenset({"up", "connecting"})
+
+
+def member_name(node_id: str, host: str, port: int) -> str:
+    """How logs name a member: ``node-id (host:port)``, or its address alone.
+
+    The address alone while the id is unknown (a seed not reached yet), or
+    when the id is the address (the default id).
+    """
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not node_id or node_id in (address, f"{host}:{port}"):
+        return address
+    return f"{node_id} ({address})"
 
 
 def replicas(name: str, members: Sequence[PeerLink]) -> Sequence[PeerLink]:
@@ -181,6 +203,11 @@ class PeerLink:
         return f"{self.host}:{self.port}"
 
     @property
+    def name(self) -> str:
+        """The peer as logs name it (see :func:`member_name`)."""
+        return member_name(self.node_id, self.host, self.port)
+
+    @property
     def lag(self) -> float:
         """Seconds the oldest update waiting for this peer has waited."""
         oldest = self._oldest  # read once: a metrics scrape may call this from a thread
@@ -256,7 +283,7 @@ class PeerLink:
                 self.send_failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._set_state("backoff")
-                log.debug("peer %s: %s; retrying in %.2f s", self.address, exc, backoff)
+                log.debug("peer %s: %s; retrying in %.2f s", self.name, exc, backoff)
             finally:
                 self.client = None
                 self._changed.set()
@@ -294,9 +321,10 @@ class PeerLink:
         if state != self.state:
             level = logging.INFO if state in ("up", "backoff") else logging.DEBUG
             suffix = f" ({self.last_error})" if state == "backoff" else ""
-            log.log(level, "peer %s at %s: %s%s", self.node_id or "?", self.address, state, suffix)
+            log.log(level, "peer %s: %s%s", self.name, state, suffix)
             self.state = state
             self._changed.set()
+            self.cluster._links_changed()
 
     async def _join(self, client: ParameterClient) -> None:
         members = await client.call("announce", member=self.cluster.me)
@@ -397,6 +425,9 @@ class Cluster:
         ssl: the ``ssl.SSLContext`` links connect with (None: plain TCP).
         limits: this node's limits of one request (default: ``Limits()``).
         max_frame_bytes: the largest frame this node accepts.
+        unreachable_warning: warn when no peer has answered for this long
+            (seconds), then every ``UNREACHABLE_REPEAT`` seconds while none
+            answers; None: never.
 
     The messages links send, and the pulls they make, are cut to this node's
     limits and frame size: the members of a cluster are assumed to run with
@@ -414,6 +445,7 @@ class Cluster:
         ssl: Any = None,
         limits: Limits | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        unreachable_warning: float | None = UNREACHABLE_WARNING,
     ) -> None:
         self.store = store
         self.me = me
@@ -437,6 +469,13 @@ class Cluster:
         self._started = False
         self._reporter: asyncio.Task[None] | None = None
         self._stopping: set[asyncio.Future[None]] = set()  # links being stopped
+        # Links known and none up: since when (time.monotonic()), and when the
+        # node last warned of it (see _watch_alone).
+        self.unreachable_warning = unreachable_warning
+        self._alone_since: float | None = None
+        self._alone_warned: float | None = None
+        self._alone_changed = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
         store.subscribe(self._applied)
 
     def __repr__(self) -> str:
@@ -451,6 +490,8 @@ class Cluster:
             if link._task is None:
                 link.start()
         self._reporter = asyncio.create_task(self._report(), name="aioparamsync-peer-stats")
+        if self.unreachable_warning is not None:
+            self._watcher = asyncio.create_task(self._watch_alone(), name="aioparamsync-peer-watch")
 
     async def drain(self, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until every link that is up has sent its outbox.
@@ -469,14 +510,25 @@ class Cluster:
         for wait in pending:
             wait.cancel()
         if pending:
-            log.warning("%d peer outboxes not drained within %.1f s", len(pending), timeout)
+            late = [
+                link.name
+                for link in self.links.values()
+                if link.state == "up" and not link._drained.is_set()
+            ]
+            log.warning(
+                "%d peer outboxes not drained within %.1f s: %s",
+                len(pending),
+                timeout,
+                ", ".join(late) or "(their links went down meanwhile)",
+            )
         return not pending
 
     async def stop(self) -> None:
         self._started = False
-        if self._reporter is not None:
-            self._reporter.cancel()
-            await asyncio.wait({self._reporter})
+        for task in (self._reporter, self._watcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task})
         await asyncio.gather(*(link.stop() for link in self.links.values()))
 
     async def _report(self) -> None:
@@ -485,10 +537,9 @@ class Cluster:
             for link in self.links.values():
                 s = link.statistics()
                 log.info(
-                    "peer %s at %s: %s, outbox %d, sent %d, coalesced %d, failures %d, "
+                    "peer %s: %s, outbox %d, sent %d, coalesced %d, failures %d, "
                     "lag %.3f s, repaired %d",
-                    s["node_id"] or "?",
-                    s["address"],
+                    link.name,
                     s["state"],
                     s["outbox_depth"],
                     s["updates_sent"],
@@ -497,6 +548,63 @@ class Cluster:
                     s["lag_seconds"],
                     s["repaired"],
                 )
+
+    def _links_changed(self) -> None:
+        """A link changed state, or came or went: is there still a peer that answers?"""
+        links = self.links.values()
+        up = next((link for link in links if link.state == "up"), None)
+        alone = bool(self.links) and up is None
+        if alone and self._alone_since is None:
+            self._alone_since = time.monotonic()
+            self._alone_changed.set()
+        elif not alone and self._alone_since is not None:
+            if self._alone_warned is not None and up is not None:
+                log.info(
+                    "peer %s answers, after %.1f s with no peer answering",
+                    up.name,
+                    time.monotonic() - self._alone_since,
+                )
+            self._alone_since = self._alone_warned = None
+            self._alone_changed.set()
+
+    async def _watch_alone(self) -> None:
+        """Warn while links are known and none is up.
+
+        First ``unreachable_warning`` seconds after the last link went down
+        (or since the start, for seeds that never answered), then every
+        ``UNREACHABLE_REPEAT`` seconds: a line per minute, not per retry.
+        """
+        assert self.unreachable_warning is not None
+        while True:
+            self._alone_changed.clear()
+            since = self._alone_since
+            if since is None:
+                await self._alone_changed.wait()
+                continue
+            if self._alone_warned is None:
+                due = since + self.unreachable_warning
+            else:
+                due = self._alone_warned + UNREACHABLE_REPEAT
+            delay = due - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._alone_changed.wait()
+                continue
+            self._alone_warned = time.monotonic()
+            links = list(self.links.values())
+            tried = [
+                f"{link.name} ({link.last_error or 'no answer yet'})"
+                for link in links[:UNREACHABLE_NAMED]
+            ]
+            if len(links) > UNREACHABLE_NAMED:
+                tried.append(f"and {len(links) - UNREACHABLE_NAMED} more")
+            log.warning(
+                "no peer has answered for %.1f s; tried %s; retrying (this node serves "
+                "alone meanwhile; check the addresses, and that the peers run and can be reached)",
+                self._alone_warned - since,
+                ", ".join(tried),
+            )
 
     def add(
         self, host: str, port: int, node_id: str = "", *, itself: bool = False
@@ -516,13 +624,15 @@ class Cluster:
             if moved is not None:
                 if not itself:
                     return None  # known under another address; only it can say it moved
-                self._relink(moved)
+                self._relink(moved, address)
             link = self.links[address] = PeerLink(self, host, port, node_id)
-            log.info("member %s at %s added", node_id or "?", address)
-            if moved is not None:
+            if moved is None:
+                log.info("member %s added", link.name)
+            else:
                 link.offer_back(moved.outbox.values())
             if self._started:
                 link.start()
+            self._links_changed()
         else:
             if node_id and not link.node_id:
                 link.node_id = node_id
@@ -530,23 +640,30 @@ class Cluster:
                 link.poke()
         return link
 
-    def _relink(self, old: PeerLink) -> None:
-        """Drop the link to a member's old address (it announced a new one)."""
+    def _relink(self, old: PeerLink, address: str) -> None:
+        """Drop the link to a member's old address (it announced ``address``)."""
         del self.links[old.address]
-        log.info("member %s moved from %s", old.node_id, old.address)
+        log.info("member %s moved to %s", old.name, address)
         task = asyncio.ensure_future(old.stop())
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 
     def redundant(self, link: PeerLink) -> bool:
         """Drop a link that reached this node itself, or a node another link reaches."""
-        if link.node_id == self.me.node_id or any(
-            other is not link and other.node_id == link.node_id for other in self.links.values()
-        ):
-            self.links.pop(link.address, None)
-            log.info("link to %s dropped: it reaches %s, known already", link.address, link.node_id)
-            return True
-        return False
+        if link.node_id == self.me.node_id:
+            reaches = "this node itself"
+        else:
+            other = next(
+                (o for o in self.links.values() if o is not link and o.node_id == link.node_id),
+                None,
+            )
+            if other is None:
+                return False
+            reaches = f"{other.name}, linked already"
+        self.links.pop(link.address, None)
+        log.info("link to %s dropped: it reaches %s", link.address, reaches)
+        self._links_changed()
+        return True
 
     def learn(self, members: Iterable[Any]) -> None:
         for member in members:

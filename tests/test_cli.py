@@ -35,7 +35,7 @@ from aioparamsync import (
     __version__,
     from_parameter,
 )
-from aioparamsync.cli import build_parser
+from aioparamsync.cli import build_parser, byte_size, human_size
 from aioparamsync.wire import MessageType, Protocol, decode_header, encode_message, method, thrift
 
 pytestmark = pytest.mark.timeout(90)
@@ -300,7 +300,7 @@ async def test_max_frame_bytes_refuses_a_larger_update_and_keeps_serving(spawn) 
         # The same client carries on, on a fresh connection.
         assert await client.update_arrays({"small": np.arange(4)}) == {"small": 1}
     async with client_of(node) as fresh:
-        assert await fresh.update_arrays({"small": np.arange(8)}) == {"small": 2}
+        assert await fresh.update_arrays({"small": np.arange(8)}, replace=True) == {"small": 2}
         got = await fresh.get_arrays(["big", "small"])
         assert list(got) == ["small"]  # the refused update was not applied
         np.testing.assert_array_equal(got["small"], np.arange(8))
@@ -375,6 +375,18 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--peers", "a:b"], ["--peers", "'b'"]),
         (["--peers", ","], ["--peers", "no address"]),
         (["--advertise", "nohost"], ["--advertise", "host:port"]),
+        (["--advertise", "0.0.0.0:9000"], ["--advertise", "every interface", "peers can reach"]),
+        (["--advertise", "[::]:9000"], ["--advertise", "every interface", "peers can reach"]),
+        (
+            ["--host", "0.0.0.0", "--peers", "127.0.0.1:9"],
+            ["--host 0.0.0.0", "--peers", "--advertise HOST:PORT", "peers can reach"],
+        ),
+        (
+            ["--host", "::", "--peers", "127.0.0.1:9"],
+            ["--host ::", "--peers", "--advertise HOST:PORT", "peers can reach"],
+        ),
+        (["--unreachable-warning", "-1"], ["--unreachable-warning", "'-1'"]),
+        (["--unreachable-warning", "soon"], ["--unreachable-warning", "'soon'"]),
         (["--repair-interval", "0"], ["--repair-interval", "'0'"]),
         (["--fsync", "sometimes"], ["--fsync", "'sometimes'"]),
         (["--data-dir", ""], ["--data-dir", "an empty path"]),
@@ -427,7 +439,8 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     assert result.stdout.startswith("usage: aioparamsync-node")
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
-        "--repair-interval", "--data-dir", "--fsync", "--ignore-corrupt-snapshot",
+        "--repair-interval", "--unreachable-warning", "--data-dir", "--fsync",
+        "--ignore-corrupt-snapshot",
         "--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes", "--idle-timeout",
         "--log-level", "--version",
         "--request-timeout", "--max-connections", "--max-names-per-request",
@@ -440,6 +453,73 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), flag
     for choice in ("debug", "info", "warning", "error", "always", "batch", "never"):
         assert choice in result.stdout
+
+
+SIZE_FLAGS = ["--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes"]
+
+
+def test_help_shows_sizes_in_units_the_size_flags_read() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result
+    shown = " ".join(result.stdout.split())  # (argparse wraps lines)
+    actions = {s: a for a in build_parser()._actions for s in a.option_strings}
+    declared = {s for s, a in actions.items() if a.metavar == "SIZE"}
+    assert declared == set(SIZE_FLAGS), "a size flag was added: check its help"
+    for flag in SIZE_FLAGS:
+        action = actions[flag]
+        assert action.help is not None
+        [default] = re.findall(r"\(default: ([^)]+)\)", action.help)
+        assert re.fullmatch(r"\d+[KMG]iB", default), f"{flag}: {default}"
+        # What the help shows, given back to the flag, is the default.
+        assert action.type is not None and action.type(default) == action.default, flag
+        assert f"(default: {default})" in shown, flag
+    for raw in (str(MIB * 256), str(MIB * 64), str(16 * 1024 * MIB)):
+        assert raw not in result.stdout
+    assert "256MiB" in shown and "64MiB" in shown and "16GiB" in shown
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (0, "0"),
+        (1000, "1000"),
+        (1024, "1KiB"),
+        (1536, "1536"),
+        (3 * 1024 + 1, "3073"),
+        (64 * MIB, "64MiB"),
+        (MIB * 1024 * 3, "3GiB"),
+        (MIB * 1536, "1536MiB"),
+        (16 * 1024 * MIB * 1024, "16384GiB"),
+    ],
+)
+def test_human_size_is_exact_and_reads_back(value, shown) -> None:
+    assert human_size(value) == shown
+    assert byte_size(shown) == value
+
+
+def test_help_says_how_to_install_the_extras_from_the_checkout() -> None:
+    result = run_cli("--help")
+    shown = " ".join(result.stdout.split())
+    assert "pip install '.[metrics]'" in shown
+    assert "aioparamsync[" not in shown
+
+
+def test_help_describes_memory_and_data_dir() -> None:
+    result = run_cli("--help")
+    assert "(in memory)" not in result.stdout
+    description = " ".join(build_parser().description.split())
+    assert "memory" in description and "--data-dir" in description
+
+
+async def test_the_startup_line_says_where_the_data_is_kept(spawn, tmp_path: Path) -> None:
+    memory = await spawn()
+    kept = await spawn("--data-dir", str(tmp_path / "data"))
+    assert f"listening on 127.0.0.1:{memory.port}, in memory\n" in memory.stderr
+    assert f"listening on 127.0.0.1:{kept.port}, data in {tmp_path / 'data'}\n" in kept.stderr
+    assert "in memory" not in kept.stderr
+    for node in (memory, kept):
+        rc, _ = await stop(node)
+        assert rc == 0
 
 
 def test_version_prints_the_version_and_exits_0() -> None:

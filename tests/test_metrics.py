@@ -297,7 +297,7 @@ async def test_metrics_without_prometheus_client_is_a_clear_error(
 ) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     node = Node(LOOPBACK, 0, metrics_port=0)
-    with pytest.raises(ImportError, match=r"pip install 'aioparamsync\[metrics\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[metrics\]'"):
         await node.start()
 
 
