@@ -1,13 +1,16 @@
 """torch tensors and modules <-> a node: state dicts, gradients, in-place loads.
 
 Import it yourself (``from aioparamsync import torch as ps_torch``);
-``import aioparamsync`` never imports torch. Needs ``pip install
-'aioparamsync[torch]'``.
+``import aioparamsync`` never imports torch. Needs ``pip install '.[torch]'``
+(in the checkout).
 
 Every function here speaks in state-dict keys (``"0.weight"``,
-``"bn.running_mean"``); on the node each key is stored as ``prefix + key``, so
-one node can hold several models (``prefix="actor/"``). Answers are keyed by
-state-dict key, without the prefix.
+``"bn.running_mean"``); on the node each key is stored as ``prefix + key``
+(every function takes the same ``prefix=``, a str, ``""`` by default), so one
+node can hold several models whose keys are the same: ``prefix="encoder."``
+stores ``encoder.0.weight``, ``prefix="decoder."`` ``decoder.0.weight``. The
+prefix is put as it is, separator included. Answers are keyed by state-dict
+key, without the prefix.
 
 Tensors travel as numpy arrays (:func:`to_numpy`, :func:`from_numpy`): a CPU
 tensor in C order is sent without a copy, and a dtype and shape go with it,
@@ -184,6 +187,16 @@ def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+def _check_prefix(prefix: Any) -> str:
+    """``prefix`` itself, checked to be a str (before anything is sent)."""
+    if not isinstance(prefix, str):
+        raise TypeError(
+            f"prefix must be a str put before each state-dict key (e.g. 'encoder.'), "
+            f"not {type(prefix).__name__}"
+        )
+    return prefix
+
+
 def _unprefixed(versions: Mapping[str, int], prefix: str) -> dict[str, int]:
     return {
         (name[len(prefix) :] if name.startswith(prefix) else name): int(version)
@@ -224,7 +237,9 @@ async def push_state_dict(
     Args:
         client: the client to send with.
         module_or_state_dict: a module, or a mapping of key -> tensor.
-        prefix: put before each key to make the node's name.
+        prefix: put before each key to make the node's name (``"encoder."``
+            stores ``encoder.weight``), so that models with the same keys do
+            not overwrite each other.
         rule: the gradient rule (the IDL's ``Rule``, e.g.
             ``aioparamsync.rules.sgd(lr=0.1)``) that :func:`push_grads`
             folds gradients in by. One rule is set on a module's
@@ -238,11 +253,13 @@ async def push_state_dict(
         The version each key now has on the node.
 
     Raises:
-        TypeError: an entry is not a tensor, or has a dtype numpy cannot hold.
+        TypeError: an entry is not a tensor, or has a dtype numpy cannot
+            hold; ``prefix`` is not a str.
         KeyError: ``rule`` names a key the state dict does not have.
         RequestError: the node refused the update (nothing was stored).
         CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
     """
+    prefix = _check_prefix(prefix)
     tensors = _tensors(_state_dict(module_or_state_dict))
     if not tensors:
         return {}
@@ -295,7 +312,8 @@ async def pull_state_dict(
         client: the client to fetch with.
         names_or_module: state-dict keys, or a module (the keys of its
             ``state_dict()``).
-        prefix: put before each key to make the node's name.
+        prefix: put before each key to make the node's name: the one the
+            tensors were pushed with.
         timeout: the call's deadline (seconds; default: the client's).
 
     Returns:
@@ -304,10 +322,11 @@ async def pull_state_dict(
 
     Raises:
         TypeError: neither a module nor a list of keys; a stored dtype torch
-            has no tensors of.
+            has no tensors of; ``prefix`` is not a str.
         RequestError: the node refused the request (e.g. too many names).
         CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
     """
+    prefix = _check_prefix(prefix)
     pulled = await _pull(client, _keys(names_or_module), prefix, timeout)
     return {key: from_numpy(arr) for key, (arr, _) in pulled.items()}
 
@@ -331,7 +350,8 @@ async def load_into(
     Args:
         client: the client to fetch with.
         module: the module to load (every entry of its ``state_dict()``).
-        prefix: put before each key to make the node's name.
+        prefix: put before each key to make the node's name: the one the
+            module was pushed with.
         strict: raise if the node lacks a key; else leave that tensor as it is.
         timeout: the call's deadline (seconds; default: the client's).
 
@@ -341,10 +361,12 @@ async def load_into(
     Raises:
         KeyError: ``strict`` and the node lacks keys (all are listed).
         ValueError: a stored tensor's dtype or shape differs from the module's.
-        TypeError: not a module, or its state dict has an entry that is not a tensor.
+        TypeError: not a module, or its state dict has an entry that is not
+            a tensor; ``prefix`` is not a str.
         RequestError: the node refused the request (e.g. too many names).
         CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
     """
+    prefix = _check_prefix(prefix)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
     # keep_vars: the Parameter objects themselves, not detached aliases.
@@ -389,16 +411,20 @@ async def push_grads(
 ) -> dict[str, int]:
     """Send the gradients of a module's parameters; the node folds them in by each one's rule.
 
-    Every parameter whose ``.grad`` is set is sent, in one atomic
-    ``push_gradients`` call; a parameter shared under several keys (tied
-    weights) is sent under each, so every stored copy takes the same step.
-    The parameters must have been stored with a rule (``push_state_dict(...,
-    rule=...)``).
+    Every parameter that requires grad and whose ``.grad`` is set is sent,
+    in one atomic ``push_gradients`` call. A parameter whose ``.grad`` is
+    None (one this step's loss did not use) is left out, and so is a frozen
+    one (``requires_grad=False``), even with a ``.grad`` left from before it
+    was frozen. A parameter shared under several keys (tied weights) is sent
+    under each, so every stored copy takes the same step. The parameters
+    must have been stored with a rule (``push_state_dict(..., rule=...)``).
 
     Args:
         client: the client to send with.
         module: the module whose parameters' gradients to send.
-        prefix: put before each key to make the node's name.
+        prefix: put before each key to make the node's name: the one the
+            module was pushed with. Error feedback keeps its residuals by
+            that name too, so two models on one client keep theirs apart.
         encoding: how to compress the gradients on the wire (``"fp16"``,
             ``"bf16"``, ``"int8"``, ``"topk"``, ``"zlib"``; None: raw).
         ratio: for ``"topk"``, the fraction of elements sent.
@@ -410,24 +436,36 @@ async def push_grads(
         timeout: the call's deadline (seconds; default: the client's).
 
     Returns:
-        The version each key now has on the node (empty, with no call made,
-        when no parameter has a gradient).
+        The version each key sent now has on the node.
 
     Raises:
-        TypeError: not a module, or a gradient of a dtype numpy cannot hold.
+        ValueError: nothing to push (no call is made): no trainable
+            parameter has a gradient (call ``loss.backward()`` first), or the
+            module has no trainable parameter at all.
+        TypeError: not a module, a gradient of a dtype numpy cannot hold, or
+            ``prefix`` is not a str.
         RequestError: the node refused the push (unknown names, no rule,
             shape mismatch...); nothing was applied.
         CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
     """
+    prefix = _check_prefix(prefix)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
-    grads = {
-        prefix + name: to_numpy(p.grad)
-        for name, p in module.named_parameters(remove_duplicate=False)
-        if p.grad is not None
-    }
+    trainable = [
+        (name, p) for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
+    ]
+    if not trainable:
+        raise ValueError(
+            f"push_grads: the {type(module).__name__} has no parameter that requires grad, "
+            "so no gradient to push"
+        )
+    grads = {prefix + name: to_numpy(p.grad) for name, p in trainable if p.grad is not None}
     if not grads:
-        return {}
+        # Partly used models leave some .grad None; all None is a missed backward().
+        raise ValueError(
+            f"push_grads: no parameter of the {type(module).__name__} has a gradient "
+            "(every .grad is None): call loss.backward() first"
+        )
     versions = await client.push_gradients(
         grads,
         encoding=encoding,

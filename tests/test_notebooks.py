@@ -23,20 +23,29 @@ from nbclient import NotebookClient
 from traitlets.config import Config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NOTEBOOKS = ["quickstart.ipynb", "cluster.ipynb", "async_training.ipynb"]
+NOTEBOOKS = ["quickstart.ipynb", "cluster.ipynb", "async_training.ipynb", "training.ipynb"]
 # Notebooks whose last run must have drawn a figure (an image/png output).
-PLOTS = {"cluster.ipynb", "async_training.ipynb"}
+PLOTS = {"cluster.ipynb", "async_training.ipynb", "training.ipynb"}
+# Notebooks that need an optional dependency beyond the notebooks extra (skipped without it).
+REQUIRES = {"training.ipynb": "torch"}
 
 KERNEL = "python3"
 # Deadlines (seconds): starting the kernel, one cell, and the whole notebook (each
-# runs in a few seconds on 2 cores; the first import of matplotlib in a fresh venv
-# builds its font cache, which takes a few more).
+# runs in a few seconds on 2 cores, and training.ipynb, which imports torch, in 15 to
+# 25 s; the first import of matplotlib in a fresh venv builds its font cache, which
+# takes a few more).
 STARTUP_TIMEOUT = 60
 CELL_TIMEOUT = 60
 NOTEBOOK_TIMEOUT = 60
 
 # stderr that says nothing is wrong.
 HARMLESS_STDERR = re.compile(r"^Matplotlib is building the font cache; this may take a moment\.$")
+
+# training.ipynb prints a line per run: "<run>  held-out loss <at the start> -> <at the end> ...".
+TRAINING_RESULT = re.compile(r"^(\S+) +held-out loss (\d+\.\d+) -> (\d+\.\d+) ", re.MULTILINE)
+TRAINING_RUNS = 4
+# How much a run must have lowered the held-out loss (its floor, the noise, is 80x lower).
+TRAINING_GAIN = 10
 
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT + NOTEBOOK_TIMEOUT + 30)
 
@@ -85,9 +94,50 @@ def _problems(nb: nbformat.NotebookNode) -> list[str]:
     return found
 
 
+def _stdout(nb: nbformat.NotebookNode) -> str:
+    return "".join(
+        output.text
+        for cell in nb.cells
+        for output in cell.get("outputs", [])
+        if output.output_type == "stream" and output.name == "stdout"
+    )
+
+
+def check_training(nb: nbformat.NotebookNode) -> None:
+    """Each of training.ipynb's runs printed its result, and lowered the loss TRAINING_GAIN x."""
+    results = TRAINING_RESULT.findall(_stdout(nb))
+    assert len(results) == TRAINING_RUNS, f"expected {TRAINING_RUNS} results, got {results}"
+    for run, start, final in results:
+        assert float(final) < float(start) / TRAINING_GAIN, (
+            f"{run} did not converge: {start} -> {final}"
+        )
+
+
+# What a notebook's run must have printed, beyond running without an error.
+OUTPUT_CHECKS = {"training.ipynb": check_training}
+
+
+def test_the_training_check_refuses_a_run_that_did_not_converge() -> None:
+    def printed(text: str) -> nbformat.NotebookNode:
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell("")
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        nb.cells.append(cell)
+        return nb
+
+    good = [f"run{i}/  held-out loss 0.2000 -> 0.0080  version 301\n" for i in range(4)]
+    check_training(printed("".join(good)))
+    with pytest.raises(AssertionError, match=r"run3/ did not converge: 0\.2000 -> 0\.0500"):
+        check_training(printed("".join(good[:3]) + "run3/  held-out loss 0.2000 -> 0.0500 \n"))
+    with pytest.raises(AssertionError, match="expected 4 results"):
+        check_training(printed("".join(good[:3])))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_runs(name: str) -> None:
+    if name in REQUIRES:
+        pytest.importorskip(REQUIRES[name])
     nb = read(name)
     config = Config()
     # Only ipykernel's own python3 kernel spec, which runs sys.executable: not one that a
@@ -118,4 +168,6 @@ def test_runs(name: str) -> None:
             if "image/png" in output.get("data", {})
         ]
         assert images, f"{name} drew no figure"
+    if name in OUTPUT_CHECKS:
+        OUTPUT_CHECKS[name](nb)
     assert elapsed < NOTEBOOK_TIMEOUT, f"{name} took {elapsed:.1f} s"

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aioparamsync import ParameterClient, rules, thrift  # noqa: E402
+from aioparamsync import Node, ParameterClient, compression, rules, thrift  # noqa: E402
 from aioparamsync import torch as ps_torch  # noqa: E402
 
 
@@ -198,14 +198,14 @@ async def test_a_shape_or_dtype_mismatch_names_the_tensor_and_changes_nothing(
     client: ParameterClient,
 ) -> None:
     await ps_torch.push_state_dict(client, _trained_net(3))
-    await client.update_arrays({"fc.bias": np.zeros(4, np.float32)})  # Net's is (3,)
+    await client.update_arrays({"fc.bias": np.zeros(4, np.float32)}, replace=True)  # Net's: (3,)
     fresh = Net()
     before = {k: t.clone() for k, t in fresh.state_dict().items()}
     with pytest.raises(ValueError, match=r"'fc\.bias'.*\(4,\).*\(3,\)"):
         await ps_torch.load_into(client, fresh)
     assert all(torch.equal(t, before[k]) for k, t in fresh.state_dict().items())
 
-    await client.update_arrays({"fc.bias": np.zeros(3, np.float64)})
+    await client.update_arrays({"fc.bias": np.zeros(3, np.float64)}, replace=True)
     with pytest.raises(ValueError, match=r"'fc\.bias'.*torch\.float64.*torch\.float32"):
         await ps_torch.load_into(client, fresh)
     assert all(torch.equal(t, before[k]) for k, t in fresh.state_dict().items())
@@ -326,8 +326,6 @@ async def test_push_grads_takes_an_sgd_step_on_the_node(client: ParameterClient)
 
     # The same request_id again (a retry): applied once.
     assert await ps_torch.push_grads(client, net, prefix="g/", request_id="step-1") == versions
-    net.zero_grad(set_to_none=True)
-    assert await ps_torch.push_grads(client, net, prefix="g/") == {}
 
 
 async def test_push_grads_steps_every_key_of_a_tied_weight_and_passes_the_encoding_on(
@@ -345,3 +343,146 @@ async def test_push_grads_steps_every_key_of_a_tied_weight_and_passes_the_encodi
     assert versions == {"0.weight": 2, "1.weight": 2}
     assert await ps_torch.load_into(client, net) == versions
     assert torch.equal(net[0].weight.detach(), w + grad) and net[1].weight is net[0].weight
+
+
+class Branches(torch.nn.Module):
+    """Two heads; a step that uses one leaves the other's gradients None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = torch.nn.Linear(3, 2)
+        self.right = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, head: str = "left") -> torch.Tensor:
+        return getattr(self, head)(x)
+
+
+def _requests(node: Node) -> int:
+    """Calls the node has received (every method)."""
+    return node.server.counters["requests"]
+
+
+def _stored(node: Node) -> dict[str, tuple[int, bytes]]:
+    """name -> (version, bytes) of everything the node holds."""
+    return {
+        name: (entry.version, bytes(entry.data))
+        for name in node.table.names()
+        if (entry := node.table.entry(name)) is not None
+    }
+
+
+async def test_push_grads_before_backward_is_an_error_and_sends_nothing(
+    node: Node, client: ParameterClient
+) -> None:
+    torch.manual_seed(8)
+    net = Branches()
+    await ps_torch.push_state_dict(client, net, prefix="b/", rule=rules.sgd(lr=0.1))
+    before, calls = _stored(node), _requests(node)
+    with pytest.raises(ValueError, match=r"every \.grad is None.*loss\.backward\(\)"):
+        await ps_torch.push_grads(client, net, prefix="b/")
+    assert _requests(node) == calls and _stored(node) == before  # nothing was sent
+
+    net.requires_grad_(False)  # frozen whole: nothing it could ever push
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        await ps_torch.push_grads(client, net, prefix="b/")
+    with pytest.raises(ValueError, match="ReLU has no parameter"):
+        await ps_torch.push_grads(client, torch.nn.ReLU())
+    assert _requests(node) == calls and _stored(node) == before
+
+
+async def test_push_grads_sends_what_this_step_used_and_skips_frozen_parameters(
+    node: Node, client: ParameterClient
+) -> None:
+    torch.manual_seed(9)
+    net = Branches()
+    await ps_torch.push_state_dict(client, net, rule=rules.sgd(lr=0.1))
+    net(torch.randn(4, 3), head="right").sum().backward()  # left: .grad stays None
+    net.right.bias.requires_grad_(False)  # frozen after backward: its .grad is stale
+    assert net.right.bias.grad is not None and net.left.weight.grad is None
+    before = _stored(node)
+    assert await ps_torch.push_grads(client, net) == {"right.weight": 2}
+    after = _stored(node)
+    assert after["right.weight"][0] == 2
+    assert {k: v for k, v in after.items() if k != "right.weight"} == {
+        k: v for k, v in before.items() if k != "right.weight"
+    }
+
+
+async def test_two_models_with_the_same_keys_stay_apart_under_their_prefixes(
+    node: Node, client: ParameterClient
+) -> None:
+    lr = 0.5
+    encoder, decoder = _trained_net(10), _trained_net(11)
+    keys = list(encoder.state_dict())
+    assert list(decoder.state_dict()) == keys  # the same names: weight, bias, ...
+    for prefix, net in (("encoder.", encoder), ("decoder.", decoder)):
+        versions = await ps_torch.push_state_dict(client, net, prefix=prefix, rule=rules.sgd(lr))
+        assert versions == dict.fromkeys(keys, 1)  # its own parameters: each a first version
+    assert sorted(node.table.names()) == sorted(
+        [f"encoder.{k}" for k in keys] + [f"decoder.{k}" for k in keys]
+    )
+
+    loaded = {"encoder.": Net(), "decoder.": Net()}
+    for prefix, fresh in loaded.items():
+        assert await ps_torch.load_into(client, fresh, prefix=prefix) == dict.fromkeys(keys, 1)
+    for source, fresh in ((encoder, loaded["encoder."]), (decoder, loaded["decoder."])):
+        for key, tensor in source.state_dict().items():
+            assert _same_bits(fresh.state_dict()[key], tensor), key
+
+    # A step of the encoder moves the encoder's parameters only, and then the decoder's its own.
+    for prefix, net, other in (
+        ("encoder.", encoder, "decoder."),
+        ("decoder.", decoder, "encoder."),
+    ):
+        net.zero_grad(set_to_none=True)
+        net(torch.randn(8, 4)).pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        values = {k: t.clone() for k, t in net.state_dict().items()}
+        untouched = {n: v for n, v in _stored(node).items() if n.startswith(other)}
+        versions = await ps_torch.push_grads(client, net, prefix=prefix)
+        assert versions == dict.fromkeys(grads, 2)
+        pulled = await ps_torch.pull_state_dict(client, keys, prefix=prefix)
+        for name, grad in grads.items():
+            assert torch.equal(pulled[name], values[name] - lr * grad), (prefix, name)
+        assert {n: v for n, v in _stored(node).items() if n.startswith(other)} == untouched
+
+
+async def test_error_feedback_keeps_each_prefixed_models_residuals_apart(
+    node: Node, client: ParameterClient
+) -> None:
+    # w += g: what is stored is what was sent, so a residual carried from the
+    # other model's push would show.
+    torch.manual_seed(12)
+    models = {"a/": torch.nn.Linear(16, 8, bias=False), "b/": torch.nn.Linear(16, 8, bias=False)}
+    for prefix, model in models.items():
+        await ps_torch.push_state_dict(client, model, prefix=prefix, rule=rules.sum_rule())
+    for prefix, model in models.items():
+        w = model.weight.detach().clone()
+        model(torch.randn(4, 16)).pow(3).sum().backward()
+        grad = ps_torch.to_numpy(model.weight.grad)
+        sent = compression.decode(compression.encode("weight", grad, "int8"))
+        assert not np.array_equal(sent, grad)  # int8 left a residual
+        await ps_torch.push_grads(client, model, prefix=prefix, encoding="int8")
+        stored = (await ps_torch.pull_state_dict(client, ["weight"], prefix=prefix))["weight"]
+        assert torch.equal(stored, w + torch.from_numpy(sent)), prefix
+
+
+@pytest.mark.parametrize("prefix", [None, b"encoder.", 3, ["encoder."]], ids=repr)
+async def test_a_prefix_that_is_not_a_str_is_refused_by_every_helper_before_sending(
+    node: Node, client: ParameterClient, prefix
+) -> None:
+    net = _trained_net(13)
+    net(torch.randn(8, 4)).sum().backward()
+    calls = _requests(node)
+    message = r"prefix must be a str .*'encoder\.'.*, not " + type(prefix).__name__
+    with pytest.raises(TypeError, match=message):
+        await ps_torch.push_state_dict(client, net, prefix=prefix, rule=rules.sgd(0.1))
+    with pytest.raises(TypeError, match=message):
+        await ps_torch.push_state_dict(client, {}, prefix=prefix)
+    with pytest.raises(TypeError, match=message):
+        await ps_torch.pull_state_dict(client, net, prefix=prefix)
+    with pytest.raises(TypeError, match=message):
+        await ps_torch.load_into(client, net, prefix=prefix)
+    with pytest.raises(TypeError, match=message):
+        await ps_torch.push_grads(client, net, prefix=prefix)
+    assert _requests(node) == calls and node.table.names() == []
