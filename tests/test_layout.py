@@ -134,9 +134,7 @@ async def test_a_float_into_an_integer_parameter_is_refused(
     node: Node, client: ParameterClient
 ) -> None:
     await client.update_arrays({"step": np.array(3, np.int64)})
-    await refused(
-        client.update_arrays({"step": np.array(3.7)}), "stored as int64 ()", "float64 ()"
-    )
+    await refused(client.update_arrays({"step": np.array(3.7)}), "stored as int64 ()", "float64 ()")
     entry = node.table.entry("step")
     assert (entry.dtype, np.frombuffer(entry.data, np.int64).tolist()) == ("<i8", [3])
 
@@ -151,9 +149,10 @@ async def test_replace_changes_the_layout(node: Node, client: ParameterClient) -
     assert node.table.state("w") is None  # a new layout starts the optimizer over
     # replace names some: the others keep their layout as before
     await client.update_arrays({"x": np.zeros(2), "y": np.zeros(2)})
-    assert await client.update_arrays(
-        {"x": np.zeros(5), "y": np.ones(2)}, replace=["x"]
-    ) == {"x": 2, "y": 2}
+    assert await client.update_arrays({"x": np.zeros(5), "y": np.ones(2)}, replace=["x"]) == {
+        "x": 2,
+        "y": 2,
+    }
     await refused(client.update_arrays({"x": np.zeros(1), "y": np.zeros(1)}, replace={"x"}), "'y'")
     # An integer replaced by floats loses its sum rule only if it cannot keep it.
     await client.update_arrays({"n": np.zeros(2, np.int32)}, rules=sum_rule())
@@ -187,7 +186,7 @@ async def test_plain_bytes_of_the_stored_size_keep_the_layout(
     await client.update_arrays({"w": w}, rules=sgd(0.5))
     plain = thrift.Parameter(name="w", data=(w * 2).tobytes())
     await client.call("push_parameters", update=thrift.ParameterUpdate(params=[plain], timestamp=1))
-    version, dtype, shape, data, rule = snapshot(node, "w")
+    version, dtype, shape, _, rule = snapshot(node, "w")
     assert (version, dtype, shape, rule) == (2, "<f4", (2, 3), sgd(0.5))
     np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], w * 2)
     # other sizes are refused, saying why
@@ -256,9 +255,7 @@ async def test_float_gradients_are_not_truncated_into_integers(
     await refused(client.push_gradients({"count": np.array([2], np.int64)}), "int64")
 
 
-async def test_a_wider_gradient_needs_a_lossy_encoding(
-    node: Node, client: ParameterClient
-) -> None:
+async def test_a_wider_gradient_needs_a_lossy_encoding(node: Node, client: ParameterClient) -> None:
     await client.update_arrays({"w": np.zeros(4, np.float32), "b": np.zeros(1)}, rules=sgd(1.0))
     before = snapshot(node, "w"), snapshot(node, "b")
     error = await refused(
@@ -315,14 +312,16 @@ async def test_replicas_follow_the_layout_rule(cluster: LocalCluster) -> None:
 async def test_a_restarted_node_keeps_the_layout(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
-    async with Node("127.0.0.1", 0, data_dir=data_dir) as node:
-        async with ParameterClient(node.address, timeout=30) as client:
-            await client.update_arrays({"w": w})
-            plain = thrift.Parameter(name="w", data=(w + 1).tobytes())
-            await client.call(
-                "push_parameters", update=thrift.ParameterUpdate(params=[plain], timestamp=1)
-            )
-            await refused(client.update_arrays({"w": np.zeros(6)}))
+    async with (
+        Node("127.0.0.1", 0, data_dir=data_dir) as node,
+        ParameterClient(node.address, timeout=30) as client,
+    ):
+        await client.update_arrays({"w": w})
+        plain = thrift.Parameter(name="w", data=(w + 1).tobytes())
+        await client.call(
+            "push_parameters", update=thrift.ParameterUpdate(params=[plain], timestamp=1)
+        )
+        await refused(client.update_arrays({"w": np.zeros(6)}))
     async with Node("127.0.0.1", 0, data_dir=data_dir) as node:
         version, dtype, shape, data, _ = snapshot(node, "w")
         assert (version, dtype, shape) == (2, "<f4", (3, 2))
