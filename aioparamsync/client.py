@@ -14,6 +14,14 @@ next call opens a fresh one. Reads are retried once on a fresh connection;
 writes are not (their outcome is unknown: the error says so), except
 gradient pushes, which carry a request id the node applies once.
 
+Until its first reply, a connection checks that what comes begins a framed
+Thrift reply. A server that answers anything else is no node (an HTTP server
+such as a node's metrics port, a TLS one, a wrong port): every call on the
+connection fails at once with a
+:class:`~aioparamsync.errors.RemoteProtocolError` that quotes what it sent,
+and is not retried. (Each connection's first seqid reads as the end of an
+HTTP request's head, so an HTTP server answers rather than waits.)
+
 A call the node holds (a long poll, a barrier) goes on a connection of its
 own, so it never holds up the replies of the calls pipelined behind it.
 
@@ -26,8 +34,11 @@ copy: do not change an array until the call sending it has returned.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
+import math
+import numbers
 import socket
 import ssl as ssl_module
 import time
@@ -47,6 +58,7 @@ from .errors import (
     ConnectError,
     ConnectionLostError,
     ConnectTimeout,
+    ParamSyncError,
     RemoteProtocolError,
     RequestError,
     ServerError,
@@ -87,6 +99,16 @@ MAX_SPARE_CONNECTIONS = 4
 # A held call's deadline is its wait plus this (seconds), so that the node's
 # TIMEOUT, which says what never came, arrives before the client gives up.
 HOLD_MARGIN = 5.0
+# The seqid of each connection's first call. Its bytes are b"\r\n\r\n", which end
+# an HTTP request's head: an HTTP server reached by mistake (a node's metrics
+# port, say) answers that call at once, and the client fails with what it said
+# (see _reply_head) rather than at the call's deadline.
+FIRST_SEQID = 0x0D0A0D0A
+# How many of a connection's first bytes are kept until they show a framed
+# Thrift reply: what an error quotes of a server that speaks something else.
+HEAD_BYTES = 48
+# The most milliseconds a wait_ms field holds (an i32); nodes cap waits far lower.
+MAX_WAIT_MS = 2**31 - 1
 
 
 Address = str | tuple[str, int]
@@ -131,6 +153,32 @@ def parse_address(address: Address) -> tuple[str, int]:
     return str(host), int(port)
 
 
+def check_seconds(value: Any, what: str, *, zero: bool = False) -> Any:
+    """``value`` if it is a deadline or a wait in seconds: None, or a finite number above 0.
+
+    Every timeout the client takes goes through here, so that ``timeout=0``
+    (which would fail every call before it is sent), a negative or NaN
+    deadline, infinity (None says "no deadline") or ``True`` is refused where
+    it is given, not turned into a puzzling failure later.
+
+    Args:
+        value: the number of seconds, or None.
+        what: the argument's name, for the error.
+        zero: 0 is allowed too (a long poll's ``wait=0``: answer at once).
+
+    Raises:
+        ValueError: anything else (bools and non-numbers included).
+    """
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        seconds = float(value)
+        if math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0)):
+            return value
+    bound = "0 or more" if zero else "above 0"
+    raise ValueError(f"{what} must be a finite number of seconds {bound}, or None, not {value!r}")
+
+
 def _ping_method() -> Method:
     m = method("ping")
     assert m is not None, "the IDL has ping"
@@ -147,15 +195,66 @@ _CALL, _REPLY, _EXCEPTION, _ONEWAY = (
 )
 
 
+def _reply_head(head: bytes | bytearray, max_frame_bytes: int) -> bool | None:
+    """Whether a connection's first bytes can begin a framed Thrift reply; None: too few to tell.
+
+    A node answers in frames: a 4-byte big-endian length in
+    ``1..max_frame_bytes`` (empty frames are skipped), then the header of a
+    reply or an exception, binary (``80 01 .. TT``) or compact (``82``, then
+    the type and version 1 in one byte). An HTTP answer ("HTTP" reads as a
+    1.2 GB frame), a TLS alert or random bytes fail this within a few bytes.
+    """
+    start = 0
+    while head[start : start + 4] == b"\0\0\0\0":
+        start += 4
+    length = head[start : start + 4]
+    # The smallest length these bytes can begin is already too large?
+    if int.from_bytes(bytes(length).ljust(4, b"\0"), "big") > max_frame_bytes:
+        return False
+    message = head[start + 4 : start + 8]
+    if not message:
+        return None
+    if message[0] == 0x80:  # binary: 80 01, a byte, the message type
+        if len(message) > 1 and message[1] != 0x01:
+            return False
+        return message[3] in (_REPLY, _EXCEPTION) if len(message) == 4 else None
+    if message[0] == 0x82:  # compact: 82, then type << 5 | version
+        if len(message) < 2:
+            return None
+        return message[1] & 0x1F == 1 and message[1] >> 5 in (_REPLY, _EXCEPTION)
+    return False
+
+
+def _what_came(head: bytes | bytearray) -> str:
+    """The bytes a server answered, quoted, with a guess at what it speaks."""
+    shown = repr(bytes(head[:HEAD_BYTES]))
+    if len(head) > HEAD_BYTES:
+        shown = shown[:-1] + "..." + shown[-1]
+    lowered = bytes(head).lower()
+    if lowered.startswith(b"http/") or b"<html" in lowered or b"<!doctype" in lowered:
+        guess = ": it speaks HTTP (is this the node's metrics port?)"
+    elif head[:1] in (b"\x15", b"\x16") and head[1:2] == b"\x03":
+        guess = ": it speaks TLS (connect with ssl=, see aioparamsync.tls)"
+    else:
+        guess = ""
+    return f"{shown}, which is not a framed Thrift message{guess}"
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One connection: pipelined calls matched to replies by seqid."""
 
-    def __init__(self, max_frame_bytes: int, traffic: dict[str, int]) -> None:
+    def __init__(self, max_frame_bytes: int, traffic: dict[str, int], address: str = "") -> None:
         self.traffic = traffic  # the client's byte counters
+        self.address = address  # "host:port", for errors
         self.receiver = Receiver(max_frame_bytes, framed=True)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
-        self._seqids = itertools.count()
+        self._seqids = itertools.count(FIRST_SEQID - 1)  # (see FIRST_SEQID)
+        # The first bytes received, until they show a framed Thrift reply
+        # (then None): a server that speaks something else is told apart from
+        # a node, and quoted (see _check_head). The buffer they were read into:
+        self._head: bytearray | None = bytearray()
+        self._buffer: memoryview | None = None
         self._writable = asyncio.Event()
         self._writable.set()
         self._write_paused = False  # (self._writable cleared: a cheaper test of it)
@@ -178,6 +277,10 @@ class _Connection(asyncio.BufferedProtocol):
         return f"<Connection {state} [{len(self.pending)} calls in flight]>"
 
     @property
+    def _who(self) -> str:
+        return f"the node at {self.address}" if self.address else "the node"
+
+    @property
     def usable(self) -> bool:
         return self.lost is None and self.transport is not None and not self.transport.is_closing()
 
@@ -193,10 +296,15 @@ class _Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.receiver.get_buffer()
+        buffer = self.receiver.get_buffer()
+        if self._head is not None:
+            self._buffer = buffer
+        return buffer
 
     def buffer_updated(self, nbytes: int) -> None:
         self.traffic["bytes_received"] += nbytes
+        if self._head is not None and not self._check_head(nbytes):
+            return
         seqid, future = 0, None
         try:
             for frame in self.receiver.buffer_updated(nbytes):
@@ -222,13 +330,33 @@ class _Connection(asyncio.BufferedProtocol):
                 self.pending[seqid] = future  # its reply was the bad one: fail it too
             self._break(exc)
 
+    def _check_head(self, nbytes: int) -> bool:
+        """Until the first reply shows a framed Thrift message, look at what came.
+
+        Answers False once the connection is broken for it: the server at the
+        other end is no node (an HTTP server, a TLS one, something else), and
+        every call on the connection fails with a RemoteProtocolError quoting
+        what it sent, at once rather than at the call's deadline.
+        """
+        head, buffer = self._head, self._buffer
+        assert head is not None and buffer is not None
+        head += buffer[: min(nbytes, HEAD_BYTES + 1 - len(head))]  # (+1: more came?)
+        verdict = _reply_head(head, self.receiver.max_frame_bytes)
+        if verdict is False:
+            self._break(
+                RemoteProtocolError(f"the server at {self.address} answered " + _what_came(head))
+            )
+            return False
+        if verdict or len(head) > HEAD_BYTES:  # (only empty frames so far: let it be)
+            self._head = self._buffer = None
+        return True
+
     def eof_received(self) -> bool:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._break(
-            ConnectionLostError(f"the node closed the connection{f': {exc}' if exc else ''}")
-        )
+        why = f"{self._who} closed the connection{f': {exc}' if exc else ''}"
+        self._break(ConnectionLostError(why))
         self._write_paused = False
         self._writable.set()
         if not self.closed.done():
@@ -244,10 +372,22 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- calls --------------------------------------------------------------------
 
+    def _closed_error(self) -> ParamSyncError:
+        """What a call sent on this connection, closed, fails with."""
+        if self._head is not None and isinstance(self.lost, RemoteProtocolError):
+            return RemoteProtocolError(str(self.lost))  # (see _break)
+        # (Closing, not yet lost: the node's end of it came first.)
+        why = self.lost or f"{self._who} closed the connection"
+        return ConnectionLostError(f"the connection is closed: {why}")
+
     def _break(self, exc: BaseException) -> None:
+        # Before a first reply showed a node (see _check_head), a protocol error
+        # says the server is something else: the calls fail with it, as is.
+        # After, bytes that are not a valid message broke a node's connection.
+        not_a_node = self._head is not None and isinstance(exc, RemoteProtocolError)
         if self.lost is None:
             self.lost = exc
-            if isinstance(exc, RemoteProtocolError):
+            if isinstance(exc, RemoteProtocolError) and not not_a_node:
                 log.warning("closing a connection: the node sent an invalid message: %s", exc)
         pending, self.pending = self.pending, {}
         self._deadlines.clear()
@@ -256,10 +396,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._timer.cancel()
             self._timer = None
         for future in pending.values():
-            if not future.done():
+            if future.done():
+                continue
+            if not_a_node:
+                error: ParamSyncError = RemoteProtocolError(str(exc))
+            else:
                 error = ConnectionLostError(f"the connection broke during the call: {self.lost}")
                 error.__cause__ = self.lost
-                future.set_exception(error)
+            future.set_exception(error)
         if self.transport is not None:
             self.transport.close()
 
@@ -304,7 +448,7 @@ class _Connection(asyncio.BufferedProtocol):
                     await self._writable.wait()
         if m.oneway:
             if not self.usable:
-                raise ConnectionLostError(f"the connection is closed: {self.lost}")
+                raise self._closed_error()
             assert self.transport is not None
             seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
             parts, size = encode_message(m.name, _ONEWAY, seqid, args)
@@ -332,7 +476,7 @@ class _Connection(asyncio.BufferedProtocol):
         """
         transport = self.transport
         if self.lost is not None or transport is None or transport.is_closing():
-            raise ConnectionLostError(f"the connection is closed: {self.lost}")
+            raise self._closed_error()
         seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
         parts, size = encode_message(m.name, _CALL, seqid, args)
         self.traffic["bytes_sent"] += size
@@ -378,7 +522,7 @@ class ParameterClient:
         address: ``"host:port"``, ``(host, port)``, or several of them (a
             list, or ``"host:port,host:port"``).
         timeout: default deadline of each call in seconds (None: no deadline).
-        connect_timeout: deadline of opening a connection.
+        connect_timeout: deadline of opening a connection (seconds; None: none).
         max_connections: connections to keep to the node.
         max_frame_bytes: the largest reply accepted.
         max_inline_bytes: parameters larger than this travel in pieces of
@@ -386,6 +530,13 @@ class ParameterClient:
             parameter may be larger than a frame, or than 2 GiB.
         piece_bytes: the size of those pieces.
         ssl: an ``ssl.SSLContext`` to reach TLS nodes with (see :mod:`aioparamsync.tls`).
+
+    Every timeout, here and per call, is None or a finite number of seconds
+    above 0; anything else (0, a negative number, NaN, infinity, a bool) is a
+    ValueError where it is given.
+
+    Raises:
+        ValueError: an argument out of its range (see above for timeouts).
     """
 
     def __init__(
@@ -393,7 +544,7 @@ class ParameterClient:
         address: Address | Iterable[Address],
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_inline_bytes: int = pieces.INLINE_BYTES,
@@ -404,8 +555,8 @@ class ParameterClient:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self.addresses = parse_addresses(address)
         self._current = 0  # the node in use: self.addresses[self._current]
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
+        self.timeout = check_seconds(timeout, "timeout")
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
         self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
         if not 0 < piece_bytes < max_frame_bytes or max_inline_bytes < 0:
@@ -479,10 +630,11 @@ class ParameterClient:
         for attempt in range(len(self.addresses)):
             index = (self._current + attempt) % len(self.addresses)
             host, port = self.addresses[index]
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(self.max_frame_bytes, self.traffic),
+                        functools.partial(_Connection, self.max_frame_bytes, self.traffic, where),
                         host,
                         port,
                         ssl=self.ssl,
@@ -601,15 +753,21 @@ class ParameterClient:
         write is not (its outcome is then unknown).
 
         Raises:
-            ValueError: no such method.
+            ValueError: no such method, or a ``timeout`` that is neither None
+                nor a finite number of seconds above 0.
             RequestError: the node refused the call (its ``ParameterError``).
+            RemoteProtocolError: what came back is not a framed Thrift message
+                (the address is not a node's: an HTTP server, say).
             ServerError: the node failed, or does not know the method.
             CallTimeout, NetworkError, ClientClosedError: see :mod:`aioparamsync.errors`.
         """
         m = method(name)
         if m is None:
             raise ValueError(f"the IDL has no method {name!r}")
-        deadline = self.timeout if isinstance(timeout, EllipsisType) else timeout
+        if isinstance(timeout, EllipsisType):
+            deadline = self.timeout
+        else:
+            deadline = check_seconds(timeout, "timeout")
         message = m.args(**args)
         # A read is retried on a fresh connection; with several nodes, from the
         # second try on at the next node (the first may be dying).
@@ -653,7 +811,9 @@ class ParameterClient:
             return None
         if getattr(result, "error", None) is not None:
             raise RequestError(result.error.code, result.error.message)
-        if result.success is None and m.result is not None and 0 in m.result.thrift_spec:
+        if 0 not in result.thrift_spec:
+            return None  # a void method (update_parameters): its result has no success
+        if result.success is None:
             raise ServerError(f"{name}: the node sent no result")
         return result.success
 
@@ -679,7 +839,8 @@ class ParameterClient:
             min_version: leave out parameters older than this.
             wait: a long poll (stale-synchronous training): wait up to this
                 many seconds for every name to reach ``min_version``; the
-                call's deadline is extended by as much.
+                call's deadline is extended by as much. 0: answer at once,
+                or ``TIMEOUT`` naming what is not there yet.
             known_versions: a delta pull: the version held of each name, or
                 its ``(version, origin)`` as a response gave them; a parameter
                 comes back only if the node has a newer one. With the origin,
@@ -718,9 +879,8 @@ class ParameterClient:
             request.known_versions = versions
             request.known_origins = origins or None
         if wait is not None:
-            if wait < 0:
-                raise ValueError(f"wait must not be negative, not {wait}")
-            request.wait_ms = round(wait * 1000)
+            check_seconds(wait, "wait", zero=True)
+            request.wait_ms = min(round(wait * 1000), MAX_WAIT_MS)
             timeout = self._held_timeout(wait, timeout)
         request.max_inline_bytes = self.max_inline_bytes
         # (time.monotonic: no getpid() system call, as asyncio.get_running_loop() makes on 3.11)
@@ -951,12 +1111,14 @@ class ParameterClient:
                 f"a barrier's group and worker are names (str), e.g. worker=f'rank{{rank}}'; "
                 f"got {type(group).__name__} and {type(worker).__name__}"
             )
+        check_seconds(timeout, "timeout")
         request = thrift.BarrierRequest(
             group=group,
             worker=worker,
             step=step,
             world_size=world_size,
-            wait_ms=None if timeout is None else round(timeout * 1000),
+            # (at least 1 ms: 0 would be no wait at all)
+            wait_ms=None if timeout is None else min(max(round(timeout * 1000), 1), MAX_WAIT_MS),
         )
         deadline = None if timeout is None else timeout + HOLD_MARGIN
         return await self.call("barrier", timeout=deadline, request=request)
@@ -1033,7 +1195,27 @@ class ParameterClient:
         return await self.call("ping", timeout=timeout)
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
-        """The node's ``NodeInfo``: id, version, parameters, counters."""
+        """The node's ``NodeInfo`` (what ``aioparamsync-ctl stats`` shows).
+
+        Its fields: ``node_id``; ``version``, the aioparamsync release the
+        node runs (not a parameter's version); ``parameter_count`` and
+        ``parameter_bytes``, the parameters it holds and their bytes;
+        ``timestamp``, the largest update timestamp it has applied (0 before
+        any); ``uptime_seconds``, since the node was made; ``counters``, by
+        name, each there from the start (0 until it counts): the server's
+        ``requests`` (messages received), ``errors`` (calls answered with an
+        error), ``protocol_errors``, ``timeouts``, ``bytes_in`` and
+        ``bytes_out`` (of every connection to its port, framing included),
+        ``connections_total``, ``connections_refused``, ``idle_closed``,
+        ``budget_waits``, ``budget_overruns``; the store's
+        (``updates_applied``, ``updates_refused``, ``batches``, ``pending``,
+        ...), the waits' (``long_polls_waiting``, ``barrier_waiters``,
+        ``wait_timeouts``, ...), the uploads' and the gradient pushes';
+        ``peers``, a ``PeerInfo`` per peer link (state, outbox depth, updates
+        sent and coalesced, send failures, replication lag, last error,
+        parameters repaired); ``waiting``, a ``Waiter`` per long poll or
+        barrier held (what it waits for, whom, and for how many seconds).
+        """
         return await self.call("info", timeout=timeout)
 
     @staticmethod

@@ -6,12 +6,13 @@
     aioparamsync-ctl peers 127.0.0.1:9090        # the node's peer links, as a table
     aioparamsync-ctl waiting 127.0.0.1:9090      # long polls and barriers: who waits for whom
     aioparamsync-ctl get 127.0.0.1:9090 w b      # version, origin, dtype, shape, a preview
+    aioparamsync-ctl list 127.0.0.1:9090 layer1. # names (from a prefix), dtype, shape, size
     aioparamsync-ctl ping 127.0.0.1:9090         # the node's id and a round trip
     aioparamsync-ctl --json stats 127.0.0.1:9090 # any of them, as JSON
 
 Exit codes: 0 done; 1 the node could not be reached, did not answer in time,
-or refused (one line on stderr); 2 bad arguments; 3 ``get`` found some name
-not on the node (what it found is still shown).
+refused, or is no node (one line on stderr); 2 bad arguments; 3 ``get`` found
+some name not on the node (what it found is still shown).
 
 It only reads: no command changes the node.
 """
@@ -23,7 +24,6 @@ import asyncio
 import datetime
 import json
 import logging
-import math
 import os
 import ssl as ssl_module
 import sys
@@ -34,10 +34,11 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .arrays import from_parameter
-from .client import ParameterClient, parse_address
-from .errors import ParamSyncError, RequestError, ServerError
+from .arrays import BFLOAT16, from_parameter
+from .client import ParameterClient, check_seconds, parse_address
+from .errors import ParamSyncError, ProtocolError, RequestError, ServerError
 from .tls import client_context
+from .wire import thrift
 
 __all__ = ["build_parser", "main"]
 
@@ -66,9 +67,25 @@ def _timeout(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
+    try:
+        check_seconds(value, "--timeout")  # (the client's own rule)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a finite number of seconds > 0"
+        ) from None
     return value
+
+
+def _prefix(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out to list every name)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # (bytes the shell passed that are not UTF-8)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid UTF-8, so no parameter's name starts with it"
+        ) from None
+    return text
 
 
 # The options every command takes, before or after its name, and their defaults.
@@ -126,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Inspect a running aioparamsync node. No command changes it.",
         epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
-        "or refused; 2 bad arguments; 3 (get) some name is not on the node.",
+        "refused, or is no node; 2 bad arguments; 3 (get) some name is not on the node.",
     )
     _add_options(parser, defaults=True)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -143,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     command("waiting", "the long polls and barriers the node holds, and whom each waits for")
     get = command("get", "parameters: version, origin, dtype, shape and a preview of the value")
     get.add_argument("names", nargs="+", metavar="NAME", help="a parameter's name")
+    listing = command("list", "the parameters' names, dtypes, shapes, versions and sizes")
+    listing.add_argument(
+        "prefix",
+        nargs="?",
+        type=_prefix,
+        metavar="PREFIX",
+        help="only the names that start with it (plain text, not a pattern)",
+    )
     command("ping", "the node's id and the round trip of one call")
     return parser
 
@@ -377,6 +402,69 @@ def _print_parameter(item: dict[str, Any], array: np.ndarray) -> None:
     print(value + _preview(array, prefix=value))
 
 
+async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> int:
+    # max_inline_bytes=0: the node answers every parameter that holds any
+    # bytes without them, as a header (dtype, shape, version, total_bytes), so
+    # listing a node costs a few bytes a parameter, not its data.
+    request = thrift.ParameterRequest(param_names=[], all_names=True, max_inline_bytes=0)
+    response = await client.call("pull_parameters", request=request)
+    prefix = args.prefix or ""
+    params = sorted((p for p in response.params if p.name.startswith(prefix)), key=lambda p: p.name)
+    items = [_listed(p) for p in params]
+    total = sum(item["nbytes"] for item in items)
+    if args.json:
+        _print_json({"parameters": items, "count": len(items), "nbytes": total})
+        return OK
+    if not items:
+        where = f"{client.host}:{client.port}"
+        if not prefix:
+            print(f"{where} holds no parameters")
+            return OK
+        # (a name may hold "*": the prefix is matched as it is)
+        hint = " (PREFIX is plain text, not a pattern)" if any(c in prefix for c in "*?[") else ""
+        print(f"{where} holds no parameter whose name starts with {prefix!r}{hint}")
+        return OK
+    header = ["NAME", "DTYPE", "SHAPE", "VERSION", "BYTES"]
+    rows = [
+        [
+            item["name"],
+            _dtype_name(item["dtype"]),
+            "-" if item["shape"] is None else str(tuple(item["shape"])),
+            item["version"],
+            _size(item["nbytes"]),
+        ]
+        for item in items
+    ]
+    print(_table(header, rows, right={3, 4}))
+    print(f"{len(items)} parameter{'' if len(items) == 1 else 's'}, {_size(total)}")
+    return OK
+
+
+def _listed(p: Any) -> dict[str, Any]:
+    """What ``list`` shows of a parameter the node answered, with or without its data."""
+    return {
+        "name": p.name,
+        "version": p.version,
+        "origin": p.origin,
+        "dtype": p.dtype,  # None: plain bytes
+        "shape": list(p.shape) if p.shape is not None and p.dtype is not None else None,
+        "nbytes": p.total_bytes if p.total_bytes is not None else memoryview(p.data).nbytes,
+    }
+
+
+def _dtype_name(wire: str | None) -> str:
+    """``"<f4"`` -> ``"float32"``; no dtype -> ``"bytes"``."""
+    if wire is None:
+        return "bytes"
+    if wire == BFLOAT16:
+        return wire
+    try:
+        dtype = np.dtype(wire)
+    except TypeError:
+        return wire  # (a node's dtype string is numpy's; show it as it came)
+    return dtype.name if dtype.isnative else wire  # (">f4" is no float32 here)
+
+
 async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
     await client.ping()  # connects
     started = time.perf_counter()
@@ -396,6 +484,7 @@ COMMANDS: dict[str, Command] = {
     "peers": peers,
     "waiting": waiting,
     "get": get,
+    "list": list_parameters,
     "ping": ping,
 }
 
@@ -433,6 +522,9 @@ def _error(exc: BaseException) -> str:
         text = f"the node refused the request: {exc}"
     elif isinstance(exc, ServerError):
         text = f"the node failed: {exc}"
+    elif isinstance(exc, ProtocolError):
+        # (it may quote bytes: their spaces stay as they came)
+        return " ".join(str(exc).splitlines())
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from aioparamsync import (
     ParameterClient,
     RequestError,
     ServerError,
+    __version__,
+    thrift,
     to_parameter,
 )
 from aioparamsync import client as client_module
@@ -166,6 +170,65 @@ async def test_ping_and_info(client: ParameterClient, node: Node) -> None:
     assert info.counters["requests"] >= 3 and info.counters["updates_applied"] == 1
 
 
+def _readme_on_info() -> tuple[set[str], set[str]]:
+    """The README's bullet on ``info()``: (the NodeInfo fields it names, the counters it names)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    start = readme.index("- `ping()`, `info()`")
+    bullet = readme[start : readme.index("\n- ", start + 1)]
+    names = set(re.findall(r"`([a-z_]+)`", bullet))
+    fields = {spec[1] for spec in thrift.NodeInfo.thrift_spec.values()}
+    return names & fields, names - fields
+
+
+async def test_info_answers_what_the_readme_says(node: Node) -> None:
+    fields, counters = _readme_on_info()
+    assert fields == {
+        "node_id", "version", "parameter_count", "parameter_bytes", "timestamp",
+        "uptime_seconds", "counters", "peers", "waiting",
+    }  # fmt: skip
+    assert {"requests", "errors", "bytes_in", "bytes_out", "updates_applied"} <= counters
+    async with ParameterClient(node.address, timeout=30) as client:
+        first = await client.info()
+        # Every counter is there from the start, at 0 until it counts.
+        assert counters <= set(first.counters), counters - set(first.counters)
+        assert first.counters["errors"] == first.counters["protocol_errors"] == 0
+        assert first.counters["requests"] == 1  # this info call
+        assert (first.parameter_count, first.parameter_bytes, first.timestamp) == (0, 0, 0)
+        assert (first.peers, first.waiting) == ([], [])
+
+        await client.update_arrays({"w": np.zeros((3, 4), np.float32)}, timestamp=5000)
+        await client.update_arrays({"b": np.zeros(2)}, timestamp=4000)
+        with pytest.raises(RequestError):  # refused: counted as an error, not applied
+            await client.update_arrays({"w": np.zeros(2)}, timestamp=9000)
+        poll = asyncio.ensure_future(client.get_parameters(["w", "b"], 5, wait=30))
+        await _until(lambda: node.service.waiting.statistics()["long_polls_waiting"] == 1)
+        received = client.traffic["bytes_received"]
+        info = await client.info()
+
+        assert info.node_id == node.node_id
+        assert info.version == __version__  # the release the node runs
+        assert (info.parameter_count, info.parameter_bytes) == (2, 48 + 16)
+        assert info.timestamp == 5000  # the largest timestamp of the updates applied
+        assert 0 <= first.uptime_seconds <= info.uptime_seconds
+        c = info.counters
+        assert c["requests"] == 6  # every message: 2 infos, 3 updates, the poll
+        assert (c["errors"], c["updates_applied"], c["updates_refused"]) == (1, 2, 1)
+        assert c["bytes_in"] == client.traffic["bytes_sent"]  # the info call's included
+        assert c["bytes_out"] == received  # (the info's own reply comes after)
+        assert c["connections_total"] == client.connects == 2  # the pool's, the poll's
+        assert c["long_polls_waiting"] == 1
+        (waiter,) = info.waiting
+        assert (waiter.kind, sorted(waiter.waiting_for)) == ("pull", ["b", "w"])
+        assert waiter.seconds >= 0
+        poll.cancel()
+
+
+async def _until(condition) -> None:
+    async with asyncio.timeout(10):
+        while not condition():  # noqa: ASYNC110 (the node's state has no event to await)
+            await asyncio.sleep(0.001)
+
+
 # -- failures --------------------------------------------------------------------
 
 
@@ -232,13 +295,18 @@ async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
     tasks: set[asyncio.Future] = set()
     release_first = asyncio.Event()
     first_sent = asyncio.Event()
+    seqids: list[int] = []  # of the calls, in the order they came
 
     async def answer(writer, name, seqid):
+        seqids.append(seqid)
+        n = len(seqids)
+        first = n == 1
+
         async def later():
-            if seqid == 1:
+            if first:
                 await release_first.wait()
-            writer.writelines(_ping_reply(seqid, f"reply-to-{seqid}"))
-            if seqid == 1:
+            writer.writelines(_ping_reply(seqid, f"reply-to-{n}"))
+            if first:
                 first_sent.set()
 
         tasks.add(asyncio.ensure_future(later()))
@@ -253,6 +321,7 @@ async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
         release_first.set()  # the late reply to call 1 arrives, and is dropped
         await first_sent.wait()
         assert await client.ping() == "reply-to-3"
+    assert len(set(seqids)) == 3
 
 
 async def test_a_connection_lost_mid_call_fails_it_clearly() -> None:

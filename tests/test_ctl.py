@@ -9,6 +9,7 @@ Everything listens on 127.0.0.1 and a port the kernel picks; every wait is bound
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(60)
 RUN_TIMEOUT = 30.0
 # Bound of the wait for a cluster to form.
 SETTLE_TIMEOUT = 15.0
-COMMANDS = ["stats", "peers", "ping", "get"]
+COMMANDS = ["stats", "peers", "ping", "get", "list"]
 
 
 def text(address: tuple[str, int]) -> str:
@@ -240,6 +241,152 @@ async def test_a_request_the_node_refuses_exits_1_with_its_reason(capsys) -> Non
     assert_one_line_error(rc, out, err, "the node refused the request: LIMIT_EXCEEDED")
 
 
+# -- list ------------------------------------------------------------------------------------
+
+
+async def test_list_shows_each_parameter_sorted_by_name(node: Node, client, capsys) -> None:
+    await client.update_arrays(
+        {
+            "layer1.weight": np.zeros((768, 512), np.float32),  # 1.5 MiB
+            "layer1.bias": np.zeros(512, np.float32),
+            "step": np.int64(7),
+        }
+    )
+    await client.update_arrays({"layer1.bias": np.ones(512, np.float32)})
+    await client.update_parameters([thrift.Parameter(name="raw", data=b"hi!")])
+    rc, out, err = await ctl(capsys, "list", text(node.address))
+    assert (rc, err) == (0, "")
+    assert out.splitlines() == [
+        "NAME           DTYPE    SHAPE       VERSION    BYTES",
+        "layer1.bias    float32  (512,)            2  2.0 KiB",
+        "layer1.weight  float32  (768, 512)        1  1.5 MiB",
+        "raw            bytes    -                 1      3 B",
+        "step           int64    ()                1      8 B",
+        "4 parameters, 1.5 MiB",
+    ]
+
+
+async def test_list_shows_a_bfloat16_and_a_big_endian_dtype_as_they_are(
+    node: Node, client, capsys
+) -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    await client.update_arrays(
+        {"h": np.zeros(4, ml_dtypes.bfloat16), "be": np.zeros(2, ">i4"), "u": np.zeros(3, "u1")}
+    )
+    rc, out, _ = await ctl(capsys, "list", text(node.address))
+    assert rc == 0
+    dtypes = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:-1]}
+    assert dtypes == {"be": ">i4", "h": "bfloat16", "u": "uint8"}
+
+
+async def test_list_with_a_prefix_shows_the_names_that_start_with_it(
+    node: Node, client, capsys
+) -> None:
+    await client.update_arrays({n: np.zeros(2) for n in ["enc.w", "enc.b", "dec.w", "encore"]})
+    rc, out, err = await ctl(capsys, "list", text(node.address), "enc.")
+    assert (rc, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()] == ["NAME", "enc.b", "enc.w", "2"]
+    rc, out, err = await ctl(capsys, "list", text(node.address), "encore")
+    assert out.splitlines()[-1] == "1 parameter, 16 B"
+
+
+async def test_list_as_json(node: Node, client, capsys) -> None:
+    await client.update_arrays({"w": np.zeros((2, 3), np.float16), "v": np.zeros(0)})
+    await client.update_parameters([thrift.Parameter(name="raw", data=b"abcd")])
+    rc, out, err = await ctl(capsys, "list", "--json", text(node.address))
+    assert (rc, err) == (0, "")
+    origin = node.table.origin
+    assert json.loads(out) == {
+        "parameters": [
+            {"name": "raw", "version": 1, "origin": origin, "dtype": None, "shape": None,
+             "nbytes": 4},
+            {"name": "v", "version": 1, "origin": origin, "dtype": "<f8", "shape": [0],
+             "nbytes": 0},
+            {"name": "w", "version": 1, "origin": origin, "dtype": "<f2", "shape": [2, 3],
+             "nbytes": 12},
+        ],
+        "count": 3,
+        "nbytes": 16,
+    }  # fmt: skip
+
+
+async def test_list_does_not_download_the_data(node: Node, client, capsys) -> None:
+    big = 8 * 1024 * 1024
+    await client.update_arrays({f"p{i}": np.zeros(big, np.uint8) for i in range(4)})
+    sent = node.server.counters["bytes_out"]
+    rc, out, _ = await ctl(capsys, "list", text(node.address))
+    assert rc == 0 and out.splitlines()[-1] == "4 parameters, 32.0 MiB"
+    assert node.server.counters["bytes_out"] - sent < 4096  # headers only, not 32 MiB
+
+
+async def test_list_of_a_node_without_parameters_or_matches(node: Node, client, capsys) -> None:
+    address = text(node.address)
+    rc, out, err = await ctl(capsys, "list", address)
+    assert (rc, out, err) == (0, f"{address} holds no parameters\n", "")
+    await client.update_arrays({"w": np.zeros(2)})
+    rc, out, err = await ctl(capsys, "list", address, "x")
+    assert (rc, out, err) == (0, f"{address} holds no parameter whose name starts with 'x'\n", "")
+    rc, out, _ = await ctl(capsys, "list", address, "w*")
+    assert out == (
+        f"{address} holds no parameter whose name starts with 'w*' "
+        "(PREFIX is plain text, not a pattern)\n"
+    )
+    rc, out, _ = await ctl(capsys, "--json", "list", address, "x")
+    assert json.loads(out) == {"parameters": [], "count": 0, "nbytes": 0}
+
+
+async def test_list_matches_a_prefix_as_it_is(node: Node, client, capsys) -> None:
+    await client.update_arrays({"a*b": np.zeros(1), "ab": np.zeros(1), "é.w": np.zeros(1)})
+    for prefix, names in [("a*", ["a*b"]), ("é", ["é.w"]), ("A", [])]:
+        rc, out, _ = await ctl(capsys, "--json", "list", text(node.address), prefix)
+        assert rc == 0
+        assert [p["name"] for p in json.loads(out)["parameters"]] == names, prefix
+
+
+# -- a server that is no node ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def http_server() -> AsyncIterator[str]:
+    """An HTTP server on 127.0.0.1: a 400 once a request's head is in."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield text(server.sockets[0].getsockname())
+
+
+@pytest.mark.parametrize("command", ["ping", "stats", "list"])
+async def test_an_http_server_is_no_node_and_says_so(command, http_server, capsys) -> None:
+    # (A deadline far beyond the test's: it fails at once, from what came back.)
+    rc, out, err = await ctl(capsys, "--timeout", "600", command, http_server)
+    assert_one_line_error(
+        rc, out, err,
+        f"aioparamsync-ctl: the server at {http_server} answered "
+        "b'HTTP/1.1 400 Bad Request\\r\\nContent-Length: 0\\r\\n\\r\\n', which is not a "
+        "framed Thrift message: it speaks HTTP (is this the node's metrics port?)\n",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["ping", "stats"])
+async def test_a_nodes_metrics_port_is_no_node_and_says_so(command, capsys) -> None:
+    pytest.importorskip("prometheus_client")
+    async with Node("127.0.0.1", 0, metrics_port=0) as node:
+        assert node.metrics_address is not None
+        metrics = text(node.metrics_address)
+        rc, out, err = await ctl(capsys, "--timeout", "600", command, metrics)
+    assert_one_line_error(
+        rc, out, err, f"the server at {metrics} answered b'<!DOCTYPE HTML>", "metrics port?"
+    )
+    assert "\\n    <head>" in err  # (the quoted bytes as they came, spaces kept)
+
+
 # -- peers -----------------------------------------------------------------------------------
 
 
@@ -401,6 +548,12 @@ async def test_a_name_that_cannot_be_resolved_exits_1(capsys) -> None:
         (["stats", "127.0.0.1:70000"], "argument ADDRESS: port 70000 is out of range"),
         (["stats", ":9090"], "argument ADDRESS: ':9090' is not host:port"),
         (["get", "127.0.0.1:9090"], "the following arguments are required: NAME"),
+        (["list"], "the following arguments are required: ADDRESS"),
+        (["list", "127.0.0.1:9090", ""], "argument PREFIX: must not be empty (leave it out"),
+        (["list", "127.0.0.1:9090", "\udcff"], "argument PREFIX: '\\udcff' is not valid UTF-8"),
+        (["list", "127.0.0.1:9090", "a", "b"], "unrecognized arguments: b"),
+        (["--timeout", "inf", "list", "127.0.0.1:9090"], "argument --timeout: 'inf'"),
+        (["list", "127.0.0.1:9090", "--timeout", "-1"], "argument --timeout: '-1'"),
         (["--timeout", "0", "ping", "127.0.0.1:9090"], "argument --timeout: '0'"),
         (["ping", "127.0.0.1:9090", "--timeout", "nan"], "argument --timeout: 'nan'"),
         (["ping", "127.0.0.1:9090", "--timeout", "soon"], "argument --timeout: 'soon'"),
