@@ -3,38 +3,48 @@
 async with ParameterClient("127.0.0.1:9090") as client:
     await client.update_arrays({"w": np.zeros((3, 4), np.float32)})
     arrays = await client.get_arrays(["w"])
+
+The public API is imported lazily (PEP 562): ``import aioparamsync`` loads
+nothing but this file and the version, and ``aioparamsync.ParameterClient``
+imports the client when first used. So the sans-IO layers
+(``aioparamsync.wire``, ``aioparamsync.values``, ``aioparamsync.store.table``)
+import alone, without asyncio, the client or the server.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .arrays import from_parameter, to_parameter
-from .client import ParameterClient
-from .errors import (
-    CallTimeout,
-    ClientClosedError,
-    ConnectError,
-    ConnectionLostError,
-    ConnectTimeout,
-    ErrorCode,
-    LocalProtocolError,
-    NetworkError,
-    ParamSyncError,
-    ProtocolError,
-    RemoteProtocolError,
-    RequestError,
-    ServerError,
-)
-from .node import Node
-from .rules import adam, sgd, sum_rule
-from .wire import thrift
+from ._version import __version__ as __version__
 
-Parameter = thrift.Parameter
-ParameterUpdate = thrift.ParameterUpdate
-ParameterRequest = thrift.ParameterRequest
-ParameterResponse = thrift.ParameterResponse
-Rule = thrift.Rule
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from .client.api import ParameterClient
+    from .errors import (
+        CallTimeout,
+        ClientClosedError,
+        ConnectError,
+        ConnectionLostError,
+        ConnectTimeout,
+        ErrorCode,
+        LocalProtocolError,
+        NetworkError,
+        ParamSyncError,
+        ProtocolError,
+        RemoteProtocolError,
+        RequestError,
+        ServerError,
+    )
+    from .node import Node
+    from .values.arrays import from_parameter, to_parameter
+    from .values.rules import adam, sgd, sum_rule
+    from .wire import thrift
+
+    Parameter = thrift.Parameter
+    ParameterUpdate = thrift.ParameterUpdate
+    ParameterRequest = thrift.ParameterRequest
+    ParameterResponse = thrift.ParameterResponse
+    Rule = thrift.Rule
 
 __all__ = [
     "CallTimeout",
@@ -57,6 +67,7 @@ __all__ = [
     "RequestError",
     "Rule",
     "ServerError",
+    "__version__",
     "adam",
     "from_parameter",
     "sgd",
@@ -64,3 +75,61 @@ __all__ = [
     "thrift",
     "to_parameter",
 ]
+
+# Each public name: the module that defines it, and its name there.
+_ERRORS = (
+    "CallTimeout",
+    "ClientClosedError",
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionLostError",
+    "ErrorCode",
+    "LocalProtocolError",
+    "NetworkError",
+    "ParamSyncError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "RequestError",
+    "ServerError",
+)
+_PUBLIC: dict[str, tuple[str, str]] = {
+    **{name: (".errors", name) for name in _ERRORS},
+    "Node": (".node", "Node"),
+    "ParameterClient": (".client.api", "ParameterClient"),
+    "from_parameter": (".values.arrays", "from_parameter"),
+    "to_parameter": (".values.arrays", "to_parameter"),
+    "adam": (".values.rules", "adam"),
+    "sgd": (".values.rules", "sgd"),
+    "sum_rule": (".values.rules", "sum_rule"),
+    "thrift": (".wire", "thrift"),
+}
+# The IDL's main structs, as attributes of the package (thrift.Parameter, ...).
+_STRUCTS = ("Parameter", "ParameterUpdate", "ParameterRequest", "ParameterResponse", "Rule")
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use (and keep it, so this runs once per name)."""
+    if name in _STRUCTS:
+        from .wire import thrift
+
+        value: Any = getattr(thrift, name)
+        globals()[name] = value
+        return value
+    try:
+        module, attribute = _PUBLIC[name]
+    except KeyError:
+        # A subpackage or module (aioparamsync.torch, .tls, .metrics...) by attribute.
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        value = getattr(importlib.import_module(module, __name__), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC, *_STRUCTS})

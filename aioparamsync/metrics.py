@@ -66,9 +66,9 @@ import collections
 import logging
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from . import __version__
+from ._version import __version__
 from .errors import ErrorCode, RequestError
 from .wire import method, thrift
 
@@ -77,11 +77,27 @@ if TYPE_CHECKING:
 
     from prometheus_client.registry import CollectorRegistry
 
-    from .node import Node
+    from .cluster.links import Cluster
+    from .server.handlers import ParameterService
+    from .server.transport import Server
+    from .store.writer import ParameterStore
 
 __all__ = ["LATENCY_BUCKETS", "CallStats", "MetricsBindError", "NodeMetrics"]
 
 log = logging.getLogger(__name__)
+
+
+class Metered(Protocol):
+    """The parts of a node its metrics read (a :class:`~aioparamsync.node.Node` has them)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    server: Server
+    store: ParameterStore
+    service: ParameterService
+    cluster: Cluster
+
 
 # Upper bounds of the latency histograms' buckets (seconds).
 LATENCY_BUCKETS = (
@@ -170,7 +186,7 @@ class CallStats:
 class _NodeCollector:
     """Reads a node's live counters at scrape time (see the module's docstring)."""
 
-    def __init__(self, node: Node, calls: CallStats) -> None:
+    def __init__(self, node: Metered, calls: CallStats) -> None:
         self.node = node
         self.calls = calls
 
@@ -388,7 +404,7 @@ class NodeMetrics:
         ImportError: ``prometheus-client`` is not installed.
     """
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Metered) -> None:
         try:
             from prometheus_client import CollectorRegistry, ProcessCollector
         except ImportError as exc:

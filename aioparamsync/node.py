@@ -10,14 +10,15 @@ import ssl as ssl_module
 import time
 from collections.abc import Iterable
 
-from .client import Address, parse_address, parse_addresses
+from .client.api import Address, parse_address, parse_addresses
+from .cluster.links import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING, Cluster, member_name
 from .metrics import NodeMetrics
-from .peers import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING, Cluster, member_name
-from .persistence import DataDir
-from .pieces import MAX_UPLOAD_BYTES
-from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
-from .service import ParameterService
-from .store import Limits, ParameterStore, ParameterTable
+from .persistence.datadir import DataDir
+from .server.handlers import ParameterService
+from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
+from .store.table import Limits, ParameterTable
+from .store.writer import ParameterStore
+from .values.pieces import MAX_UPLOAD_BYTES
 from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, thrift
 
 __all__ = ["Node", "unspecified_host"]
@@ -80,7 +81,7 @@ class Node:
         request_timeout: seconds after which a call not yet answered fails.
         max_frame_bytes: the largest frame (message) accepted.
         max_upload_bytes: the most bytes held for parameters larger than one
-            message while their pieces arrive (see :mod:`aioparamsync.pieces`).
+            message while their pieces arrive (see :mod:`aioparamsync.values.pieces`).
         max_receiving_bytes: the most bytes that large frames being received may
             hold at once, all connections together (None: no limit; see
             :class:`~aioparamsync.wire.ReceiveBudget`).

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
-from .arrays import from_parameter, is_bfloat16
+from .values.arrays import from_parameter, is_bfloat16
 
 if TYPE_CHECKING:
-    from .client import ParameterClient
+    from .client.api import ParameterClient
 
 __all__ = [
     "from_numpy",
@@ -241,7 +241,7 @@ async def push_state_dict(
             stores ``encoder.weight``), so that models with the same keys do
             not overwrite each other.
         rule: the gradient rule (the IDL's ``Rule``, e.g.
-            ``aioparamsync.rules.sgd(lr=0.1)``) that :func:`push_grads`
+            ``aioparamsync.values.rules.sgd(lr=0.1)``) that :func:`push_grads`
             folds gradients in by. One rule is set on a module's
             floating-point parameters (not its buffers), or on every
             floating-point tensor of a state dict; a mapping of key ->

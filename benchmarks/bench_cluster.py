@@ -16,7 +16,7 @@ parameter ``w`` and through the public client (one
 0. warm-up: two untimed updates on node 0, each peer then holds the same bytes;
 1. update latency: up to ``--count`` sequential updates on node 0 (stopping at
    ``--seconds``): p50/p99 and calls/s. The reply never waits for a peer
-   (``aioparamsync/peers.py``), so this is what the fan-out costs the client
+   (``aioparamsync/cluster/links.py``), so this is what the fan-out costs the client
    (CPU, memory bandwidth), not a replication round trip;
 2. replication lag: up to ``--lag-count`` updates on node 0 (stopping at
    ``--seconds``), one at a time: after each ack, every peer is polled with

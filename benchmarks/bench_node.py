@@ -650,7 +650,7 @@ def serve_profiled(out: str, variant: str, *node_args: str) -> int:
     profiler.enable()
     try:
         if variant == "node":
-            from aioparamsync.cli import main as node_main
+            from aioparamsync.cli.node import main as node_main
 
             return node_main([*NODE_ARGS, *node_args])
         return serve(variant, HOST, 0)

@@ -7,7 +7,7 @@ when they are taken away: the Python work per call of each side, each driven
 by hand through transports that only count what is written.
 
 * ``server``: a :class:`~aioparamsync.node.Node` (its store's writer running)
-  and ``conns`` :class:`~aioparamsync.server.ServerConnection` objects; each
+  and ``conns`` :class:`~aioparamsync.server.transport.ServerConnection` objects; each
   round feeds one encoded request per connection, in pieces as a socket would
   hand them over, and waits until every reply has been written.
 * ``client``: ``conns`` :class:`~aioparamsync.ParameterClient` objects, each
@@ -27,7 +27,7 @@ per call on this machine. As ``bench_node.py`` does, the script runs with glibc
 malloc tuned (it re-executes itself once with ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set), so that large buffers are reused rather than
 page-faulted in afresh. The client side reaches into the client's private
-connection class (``aioparamsync.client._Connection``) to give it the fake
+connection class (``aioparamsync.client.api._Connection``) to give it the fake
 transport.
 
     python benchmarks/bench_percall.py                      # 4 KiB, 8 connections
@@ -53,10 +53,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aioparamsync import ParameterClient, to_parameter
-from aioparamsync import client as client_module
-from aioparamsync.cli import byte_size
+from aioparamsync.cli.node import byte_size
+from aioparamsync.client import api as client_module
 from aioparamsync.node import Node
-from aioparamsync.server import ServerConnection
+from aioparamsync.server.transport import ServerConnection
 from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method, thrift
 
 # As bench_node.py's MALLOC_TUNED: large buffers from the heap, kept for reuse.

@@ -80,6 +80,12 @@ struct Parameter {
 struct ParameterUpdate {
     1: required list<Parameter> params,
     2: required i64 timestamp
+    // Set by a node replicating to its peers (a broadcast_update): the
+    // sending node's id. The receiver merges such an update (each parameter
+    // keeps the version and origin it was given: last writer wins on
+    // (version, origin)) and sends it on to no one. Clients leave it out:
+    // their updates are applied as new versions, whatever origins they hold.
+    3: optional string from_peer,
 }
 
 struct ParameterRequest {

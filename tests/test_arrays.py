@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
-from aioparamsync.arrays import check_layout, parse_dtype, wire_dtype
+from aioparamsync.values.arrays import check_layout, parse_dtype, wire_dtype
 from aioparamsync.wire import thrift
 
 NUMERIC = st.one_of(
@@ -115,7 +115,7 @@ def test_bfloat16_checks_layout_and_reads_plain_bytes_as_asked() -> None:
 @pytest.mark.parametrize("encoding", [None, "fp16", "bf16", "int8", "topk", "zlib"])
 def test_a_shape_of_no_elements_but_too_large_for_numpy_is_refused(encoding) -> None:
     # Size 0 passes every size limit; numpy still refuses the array.
-    from aioparamsync.compression import decode
+    from aioparamsync.values.compression import decode
 
     param = thrift.Parameter(name="w", data=b"", dtype="<f4", shape=[0, 1 << 62])
     param.encoding = encoding

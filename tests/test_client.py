@@ -26,8 +26,8 @@ from aioparamsync import (
     thrift,
     to_parameter,
 )
-from aioparamsync import client as client_module
-from aioparamsync.client import parse_address
+from aioparamsync.client import api as client_module
+from aioparamsync.client.api import parse_address
 from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method
 
 
@@ -456,6 +456,6 @@ async def test_sending_back_what_a_get_answered_is_a_plain_update(client) -> Non
     await client.update_arrays({"w": np.zeros(2)})
     (param,) = (await client.get_parameters(["w"])).params
     assert param.origin  # the node says where the version was made...
-    await client.broadcast_update([param])  # ...and the client does not pass it on
+    await client.broadcast_update([param])  # ...and a client's update is applied anew
     assert (await client.get_parameters(["w"])).params[0].version == 2
     assert await client.update_parameters([param]) == {"w": 3}

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from aioparamsync import ParameterClient
 from aioparamsync.errors import CallTimeout, LocalProtocolError
-from aioparamsync.store import ParameterStore
+from aioparamsync.store.writer import ParameterStore
 from aioparamsync.wire import (
     MessageType,
     Protocol,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
-from aioparamsync.compression import (
+from aioparamsync.values.compression import (
     ENCODINGS,
     PULL_ENCODINGS,
     ZLIB_CHUNK,

@@ -24,8 +24,8 @@ import trustme
 from cluster_helpers import eventually, run_process
 
 from aioparamsync import Node, ParameterClient, __version__, thrift
-from aioparamsync.ctl import main
-from aioparamsync.store import Limits
+from aioparamsync.cli.ctl import main
+from aioparamsync.store.table import Limits
 from aioparamsync.tls import server_context
 
 pytestmark = pytest.mark.timeout(60)

@@ -38,18 +38,11 @@ import pytest
 import safetensors.numpy
 from cluster_helpers import CALL_TIMEOUT, NODE_COMMAND, START_TIMEOUT, NodeProcess, Spawn
 
-from aioparamsync import (
-    ErrorCode,
-    Node,
-    ParameterClient,
-    ParamSyncError,
-    RequestError,
-    persistence,
-    pieces,
-    thrift,
-)
-from aioparamsync.persistence import DataDir, PersistenceError
-from aioparamsync.store import ParameterTable
+from aioparamsync import ErrorCode, Node, ParameterClient, ParamSyncError, RequestError, thrift
+from aioparamsync.persistence import datadir as persistence
+from aioparamsync.persistence.datadir import DataDir, PersistenceError
+from aioparamsync.store.table import ParameterTable
+from aioparamsync.values import pieces
 
 pytestmark = pytest.mark.timeout(60)
 

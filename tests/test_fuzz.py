@@ -31,8 +31,8 @@ from thriftpy2.protocol.binary import TBinaryProtocol as PyTBinaryProtocol
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TMemoryBuffer
 
-from aioparamsync.arrays import check_layout
 from aioparamsync.errors import LocalProtocolError, RemoteProtocolError, RequestError
+from aioparamsync.values.arrays import check_layout
 from aioparamsync.wire import (
     MessageType,
     Protocol,

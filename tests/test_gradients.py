@@ -21,8 +21,8 @@ from aioparamsync import (
     sum_rule,
     thrift,
 )
-from aioparamsync import waiting as waiting_module
-from aioparamsync.compression import encode
+from aioparamsync.server import holds as waiting_module
+from aioparamsync.values.compression import encode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,7 +228,7 @@ async def test_topk_is_refused_for_updates(client: ParameterClient) -> None:
     with pytest.raises(ValueError, match="topk is for gradients"):
         await client.update_arrays({"w": values}, encoding="topk")
     # A client that encodes it anyway (another language, say) is refused by the node.
-    from aioparamsync import compression
+    from aioparamsync.values import compression
 
     update = thrift.ParameterUpdate(
         params=[compression.encode("w", values, "topk", ratio=0.1)], timestamp=1
@@ -295,7 +295,8 @@ async def test_a_delta_pull_with_origins_sees_a_writer_that_won_at_the_same_vers
 ) -> None:
     async def replicated(origin: str, data: bytes) -> None:  # as a peer sends it on
         p = thrift.Parameter(name="w", data=data, version=2, origin=origin)
-        await client.call("broadcast_update", update=thrift.ParameterUpdate([p], timestamp=1))
+        update = thrift.ParameterUpdate([p], timestamp=1, from_peer="node-x")
+        await client.call("broadcast_update", update=update)
 
     await replicated("node-a", b"aaaa")
     [held] = (await client.get_parameters(["w"])).params

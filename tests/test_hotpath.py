@@ -19,7 +19,7 @@ from thriftpy2.transport import TMemoryBuffer
 
 from aioparamsync import Node, ParameterClient, to_parameter
 from aioparamsync.errors import LocalProtocolError, RequestError
-from aioparamsync.store import ParameterStore
+from aioparamsync.store.writer import ParameterStore
 from aioparamsync.wire import (
     MessageType,
     Protocol,

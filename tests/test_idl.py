@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import thriftpy2
 
-from aioparamsync.wire import IDL_PATH, SEED_IDL_PATH, thrift
+from aioparamsync.errors import ErrorCode
+from aioparamsync.wire import IDL_PATH, METHODS, SEED_IDL_PATH, Methods, method, thrift
 
 seed = thriftpy2.load(str(SEED_IDL_PATH), module_name="seed_idl_thrift")
 
@@ -65,3 +67,32 @@ def test_new_methods_declare_the_typed_error() -> None:
 def test_the_idl_file_is_the_one_loaded() -> None:
     assert IDL_PATH.name == "aioparamsync.thrift"
     assert "ParameterSyncService" in IDL_PATH.read_text()
+
+
+def test_error_codes_are_the_idls() -> None:
+    # errors.py sits below the wire (it imports nothing of ours): its copy must match.
+    assert {c.name: c.value for c in ErrorCode} == dict(thrift.ErrorCode._NAMES_TO_VALUES)
+
+
+def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
+    assert [m.name for m in METHODS] == list(thrift.ParameterSyncService.thrift_services)
+    for m in METHODS:
+        assert getattr(METHODS, m.name) is m is method(m.name)
+    writes = {m.name for m in METHODS if m.writes}
+    assert writes == {"update_parameters", "push_parameters", "broadcast_update", "push_gradients"}
+    # never retried behind the caller's back: the writes a second delivery would apply twice
+    assert {m.name for m in METHODS if not m.idempotent} == writes - {"push_gradients"}
+    assert {m.name: m.held for m in METHODS if m.held != "never"} == {
+        "get_parameters": "wait_ms",
+        "pull_parameters": "wait_ms",
+        "barrier": "always",
+    }
+    assert METHODS.broadcast_update.oneway and not METHODS.push_parameters.oneway
+
+
+def test_a_method_table_that_differs_from_the_idl_fails() -> None:
+    table = {m.name: m for m in METHODS}
+    with pytest.raises(RuntimeError, match="differ"):
+        Methods({k: v for k, v in table.items() if k != "ping"})
+    with pytest.raises(RuntimeError, match="differ"):
+        Methods({**table, "extra": METHODS.ping})

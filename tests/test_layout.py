@@ -26,8 +26,8 @@ from aioparamsync import (
     sum_rule,
     thrift,
 )
-from aioparamsync.arrays import lossless_cast, same_kind_cast, to_parameter
-from aioparamsync.store import ParameterTable
+from aioparamsync.store.table import ParameterTable
+from aioparamsync.values.arrays import lossless_cast, same_kind_cast, to_parameter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from aioparamsync import ErrorCode, NetworkError, Node, ParameterClient, RequestError
-from aioparamsync.store import Limits
+from aioparamsync.store.table import Limits
 
 
 async def test_connections_over_the_limit_are_refused_and_the_others_served() -> None:

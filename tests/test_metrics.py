@@ -390,7 +390,7 @@ def test_the_cli_with_a_metrics_port_in_use_exits_1() -> None:
 def test_the_cli_without_prometheus_client_exits_1() -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None;"
-        "from aioparamsync.cli import main;"
+        "from aioparamsync.cli.node import main;"
         "sys.exit(main(['--port', '0', '--metrics-port', '0']))"
     )
     result = subprocess.run(

@@ -22,7 +22,7 @@ from cluster_helpers import (
 )
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule
-from aioparamsync.store import Limits
+from aioparamsync.store.table import Limits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,9 +19,10 @@ from aioparamsync import (
     sum_rule,
     thrift,
 )
-from aioparamsync import pieces as pieces_module
-from aioparamsync.arrays import from_parameter, to_parameter
-from aioparamsync.pieces import Uploads, fetch, split
+from aioparamsync.client.fetch import fetch
+from aioparamsync.values import pieces as pieces_module
+from aioparamsync.values.arrays import from_parameter, to_parameter
+from aioparamsync.values.pieces import Uploads, split
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,8 +235,8 @@ async def test_fetch_starts_over_when_the_parameter_changes_while_read(
 
         changed = False
 
-        async def call(self, name, **args):
-            result = await client.call(name, **args)
+        async def invoke(self, m, **args):
+            result = await client.invoke(m, **args)
             if args["request"].piece_offset is not None and not self.changed:
                 self.changed = True
                 await client.update_parameters([whole(n=50_000, seed=9)])
@@ -425,7 +426,7 @@ async def test_a_parameter_larger_than_2_gib(node: Node) -> None:
 
 
 def test_the_table_refuses_a_piece_that_was_not_put_together() -> None:
-    from aioparamsync.store import ParameterTable
+    from aioparamsync.store.table import ParameterTable
 
     table = ParameterTable("n")
     with pytest.raises(RequestError, match="piece"):

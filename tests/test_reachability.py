@@ -20,15 +20,15 @@ import pytest
 from cluster_helpers import CALL_TIMEOUT, LOOPBACK, NodeProcess, eventually
 
 from aioparamsync import Node, ParameterClient
+from aioparamsync.cluster.links import member_name
 from aioparamsync.node import unspecified_host
-from aioparamsync.peers import member_name
 
 pytestmark = pytest.mark.timeout(90)
 
 # The node's unreachable-peers warning, as the tests shorten it (seconds).
 WARN_AFTER = "0.3"
 NO_ANSWER = "no peer has answered for"
-RETRY = re.compile(r"DEBUG aioparamsync\.peers: peer \S+: .*; retrying in")
+RETRY = re.compile(r"DEBUG aioparamsync\.cluster\.links: peer \S+: .*; retrying in")
 # The bound of a wait for a handful of the node's retries (its backoff starts
 # at 50 ms and doubles: a few retries take a few seconds).
 RETRIES_TIMEOUT = 20.0
@@ -136,7 +136,7 @@ async def test_no_peer_answering_is_a_warning_once_not_at_every_retry(spawn, ref
     )
     await node.wait_stderr(NO_ANSWER)
     [warning] = lines_with(node, NO_ANSWER)
-    assert " WARNING aioparamsync.peers: " in warning
+    assert " WARNING aioparamsync.cluster.links: " in warning
     assert f"tried {text(refusing)} (ConnectError: " in warning
     assert "Connection refused" in warning
     # The node goes on retrying (and serving), and says nothing more of it for now.
@@ -187,7 +187,7 @@ async def test_the_warning_names_every_peer_tried_and_a_peer_answering_is_said(
     frozen.signal(signal.SIGCONT)
     await node.wait_stderr("answers")
     [answered] = lines_with(node, "answers")
-    assert " INFO aioparamsync.peers: " in answered
+    assert " INFO aioparamsync.cluster.links: " in answered
     assert f"peer b ({frozen.address_text}) answers, after " in answered
     assert len(lines_with(node, NO_ANSWER)) == 1
     assert await stop(node) == 0

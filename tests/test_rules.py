@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from aioparamsync import ErrorCode, RequestError, adam, sgd, sum_rule, thrift, to_parameter
-from aioparamsync.rules import State, check_rule, fold
-from aioparamsync.store import ParameterTable
+from aioparamsync.store.table import ParameterTable
+from aioparamsync.values.rules import State, check_rule, fold
 
 RNG = np.random.default_rng(7)
 STEPS = 25

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioparamsync import ErrorCode, RequestError, to_parameter
-from aioparamsync.store import MAX_VERSION, Limits, ParameterStore, ParameterTable
+from aioparamsync.store.table import MAX_VERSION, Limits, ParameterTable
+from aioparamsync.store.writer import ParameterStore
 from aioparamsync.wire import thrift
 
 

@@ -11,8 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aioparamsync import Node, ParameterClient, compression, rules, thrift  # noqa: E402
+from aioparamsync import Node, ParameterClient, thrift  # noqa: E402
 from aioparamsync import torch as ps_torch  # noqa: E402
+from aioparamsync.values import compression, rules  # noqa: E402
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -23,16 +23,18 @@ from .framing import (
     ReceiveBudget,
     Receiver,
 )
-from .idl import IDL_PATH, SEED_IDL_PATH, Method, method, thrift
+from .idl import IDL_PATH, METHODS, SEED_IDL_PATH, Method, Methods, method, thrift
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_MAX_RECEIVING_BYTES",
     "IDL_PATH",
+    "METHODS",
     "SEED_IDL_PATH",
     "Frame",
     "MessageType",
     "Method",
+    "Methods",
     "NeedData",
     "Protocol",
     "Reader",

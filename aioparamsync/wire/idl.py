@@ -1,15 +1,29 @@
-"""The IDL, loaded with thriftpy2, and what the codec needs to know of its methods."""
+"""The IDL, loaded with thriftpy2, and the method table: each method's structs and traits.
+
+The table is the one place that says what each method of the service does
+beyond its signature, for the client and the node alike:
+
+* ``writes``: it changes the node's state. The node answers a read only after
+  the writes sent before it on the same connection (read-your-writes), and
+  applies one connection's writes in the order they were sent.
+* ``idempotent``: sent twice, it is applied once (every read; ``push_gradients``
+  by its request id). The client retries an idempotent call on a fresh
+  connection when one breaks; never a write that is not.
+* ``held``: the node may hold it until something happens (``barrier``
+  always; a read whose request has ``wait_ms``: a long poll), so the client
+  sends it on a connection of its own, not one shared with quick calls.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import thriftpy2
 
-__all__ = ["IDL_PATH", "SEED_IDL_PATH", "Method", "method", "thrift"]
+__all__ = ["IDL_PATH", "METHODS", "SEED_IDL_PATH", "Method", "Methods", "method", "thrift"]
 
 
 def _find(name: str) -> Path:
@@ -36,6 +50,24 @@ class Method:
     oneway: bool
     #: whether the result declares the typed ``ParameterError`` (field ``error``)
     typed_errors: bool = False
+    #: it changes the node's state (see the module's docstring)
+    writes: bool = False
+    #: sent twice, it is applied once
+    idempotent: bool = True
+    #: "never", "always", or "wait_ms": held when its request has a ``wait_ms``
+    held: str = "never"
+
+
+# Each method's traits, where they are not a read's (no write, idempotent, never held).
+_TRAITS: dict[str, dict[str, Any]] = {
+    "update_parameters": {"writes": True, "idempotent": False},
+    "push_parameters": {"writes": True, "idempotent": False},
+    "broadcast_update": {"writes": True, "idempotent": False},
+    "push_gradients": {"writes": True},  # idempotent by its request id
+    "get_parameters": {"held": "wait_ms"},
+    "pull_parameters": {"held": "wait_ms"},
+    "barrier": {"held": "always"},
+}
 
 
 def _methods(service: Any) -> dict[str, Method]:
@@ -45,7 +77,11 @@ def _methods(service: Any) -> dict[str, Method]:
         result = getattr(service, f"{name}_result")
         oneway = bool(getattr(result, "oneway", False))
         typed = any(f[1] == "error" for f in result.thrift_spec.values())
-        found[name] = Method(name, args, None if oneway else result, oneway, typed)
+        found[name] = Method(
+            name, args, None if oneway else result, oneway, typed, **_TRAITS.get(name, {})
+        )
+    if unknown := set(_TRAITS) - set(found):
+        raise RuntimeError(f"traits of methods the IDL does not have: {sorted(unknown)}")
     return found
 
 
@@ -54,3 +90,37 @@ _METHODS = _methods(thrift.ParameterSyncService)
 #: method(name): the service's method called ``name``, or None. (The dict's own
 #: ``get``: looked up once or twice per call, on both sides.)
 method: Callable[[str], Method | None] = _METHODS.get
+
+
+class Methods:
+    """The service's methods as typed attributes: ``METHODS.push_parameters`` is its
+    :class:`Method`. Filled from the IDL at import; a method of the IDL missing
+    here, or one here the IDL lacks, fails the import."""
+
+    get_parameters: Method
+    update_parameters: Method
+    broadcast_update: Method
+    pull_parameters: Method
+    push_parameters: Method
+    ping: Method
+    info: Method
+    announce: Method
+    digest: Method
+    push_gradients: Method
+    barrier: Method
+
+    def __init__(self, methods: dict[str, Method]) -> None:
+        declared = set(type(self).__annotations__)
+        if declared != set(methods):
+            raise RuntimeError(
+                f"the method table and the IDL differ: {sorted(declared ^ set(methods))}"
+            )
+        for name, m in methods.items():
+            setattr(self, name, m)
+
+    def __iter__(self) -> Iterator[Method]:
+        return iter(_METHODS.values())
+
+
+#: The method table (see :class:`Methods`).
+METHODS = Methods(_METHODS)

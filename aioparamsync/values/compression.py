@@ -2,7 +2,7 @@
 
 A ``Parameter`` whose ``encoding`` is set carries its array in a smaller form;
 ``dtype`` and ``shape`` always describe the array it decodes to (the dtype
-string as :mod:`aioparamsync.arrays` writes it: numpy's ``dtype.str``, or
+string as :mod:`aioparamsync.values.arrays` writes it: numpy's ``dtype.str``, or
 ``"bfloat16"``). Every encoded payload is little-endian, whatever the dtype's
 byte order:
 
@@ -17,7 +17,7 @@ byte order:
 - ``"topk"``: the k = max(1, ceil(ratio * size)) values of largest magnitude,
   in the parameter's dtype, in ``data``; their flat (C-order) positions as
   int64, strictly ascending, in ``indices``. Every other element decodes to zero.
-- ``"zlib"``: the array's own bytes (as :func:`~aioparamsync.arrays.to_parameter`
+- ``"zlib"``: the array's own bytes (as :func:`~aioparamsync.values.arrays.to_parameter`
   sends them), deflated. Exact.
 
 fp16, bf16, int8 and topk are for floating arrays (float16, float32, float64,
@@ -48,6 +48,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..errors import ErrorCode, RequestError
+from ..wire import thrift
 from .arrays import (
     BFLOAT16,
     NUMERIC_KINDS,
@@ -59,8 +61,6 @@ from .arrays import (
     to_parameter,
     wire_dtype,
 )
-from .errors import ErrorCode, RequestError
-from .wire import thrift
 
 __all__ = [
     "ENCODINGS",
@@ -313,7 +313,7 @@ def decode(param: Any, *, max_nbytes: int | None = None) -> np.ndarray:
         A new, writable array of the parameter's dtype and shape (plain bytes:
         one dimension of uint8). A parameter without an encoding (``None`` or
         ``""``) is raw: the answer is then
-        :func:`~aioparamsync.arrays.from_parameter`'s view of its bytes
+        :func:`~aioparamsync.values.arrays.from_parameter`'s view of its bytes
         (read-only when they are), not a copy.
 
     Raises:

@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import __version__
-from .errors import ErrorCode, ParamSyncError, RequestError
-from .pieces import MAX_UPLOAD_BYTES, Uploads
-from .store import Applied, Entry, ParameterStore
-from .waiting import Waiting
-from .wire import DEFAULT_MAX_FRAME_BYTES, Method, thrift
+from .._version import __version__
+from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..store.table import Applied, Entry, lww_key
+from ..store.writer import ParameterStore
+from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
+from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
+from .holds import Waiting
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _inline_limit(request: Any) -> int:
 
 
 def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
-    """``params`` with every encoded one decoded (see :mod:`aioparamsync.compression`).
+    """``params`` with every encoded one decoded (see :mod:`aioparamsync.values.compression`).
 
     A decoded array may not be larger than ``max_nbytes`` (a few bytes of
     zlib or topk can claim any size).
@@ -59,8 +60,8 @@ def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
 
 def _decode(p: Any, max_nbytes: int) -> Any:
     """The raw ``Parameter`` of an encoded one; its data a read-only view of the decoded array."""
-    from .arrays import to_parameter
-    from .compression import LOSSY, decode
+    from ..values.arrays import to_parameter
+    from ..values.compression import LOSSY, decode
 
     array = decode(p, max_nbytes=max_nbytes)
     array.flags.writeable = False  # ours alone: the store keeps it, uncopied
@@ -80,9 +81,9 @@ def _newer(entry: Entry, version: int, origin: str | None) -> bool:
     At equal versions the larger origin has won (last-writer-wins, as the
     store merges): newer, if the caller holds the other.
     """
-    if entry.version != version:
+    if origin is None:
         return entry.version > version
-    return origin is not None and entry.origin > origin
+    return lww_key(entry) > (version, origin)
 
 
 def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
@@ -130,17 +131,16 @@ class ParameterService:
 
     Args:
         store: where parameters live; ``ping`` answers its table's node id.
-        cluster: the node's :class:`~aioparamsync.peers.Cluster` (membership calls).
+        cluster: the node's :class:`~aioparamsync.cluster.links.Cluster` (membership calls).
         counters: the server's counters, reported by ``info``.
         max_decoded_bytes: the largest array an encoded parameter may decode to,
             and the largest piece of a parameter answered.
         max_upload_bytes: the most bytes unfinished uploads of large
-            parameters may hold (see :mod:`aioparamsync.pieces`).
+            parameters may hold (see :mod:`aioparamsync.values.pieces`).
     """
 
-    writes = frozenset(
-        {"update_parameters", "push_parameters", "broadcast_update", "push_gradients"}
-    )
+    # The methods the server orders reads behind (see aioparamsync.wire.idl).
+    writes = frozenset(m.name for m in METHODS if m.writes)
 
     def __init__(
         self,
@@ -158,7 +158,23 @@ class ParameterService:
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
         self.waiting = Waiting(store)
-        self._handlers: dict[str, Callable[[Method, Any], Any]] = {}  # by method name
+        # Each method of the IDL's table and its handler, by the method's name.
+        handlers: dict[Method, Callable[[Method, Any], Any]] = {
+            METHODS.get_parameters: self._get_parameters,
+            METHODS.update_parameters: self._update_parameters,
+            METHODS.broadcast_update: self._broadcast_update,
+            METHODS.pull_parameters: self._pull_parameters,
+            METHODS.push_parameters: self._push_parameters,
+            METHODS.push_gradients: self._push_gradients,
+            METHODS.barrier: self._barrier,
+            METHODS.ping: self._ping,
+            METHODS.info: self._info,
+            METHODS.announce: self._announce,
+            METHODS.digest: self._digest,
+        }
+        if missing := [m.name for m in METHODS if m not in handlers]:
+            raise RuntimeError(f"IDL methods without a handler: {missing}")
+        self._handlers = {m.name: handler for m, handler in handlers.items()}
         # request id -> the future of that push's reply (kept while it succeeds)
         self._pushes: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
         # request id -> the names this node has folded under it, and the versions
@@ -177,10 +193,7 @@ class ParameterService:
         return self.store.table.node_id
 
     def handle(self, method: Method, args: Any) -> Any:
-        handler = self._handlers.get(method.name)
-        if handler is None:
-            handler = self._handlers[method.name] = getattr(self, "_" + method.name)
-        return handler(method, args)
+        return self._handlers[method.name](method, args)
 
     # -- the founding methods ----------------------------------------------------
 
@@ -252,7 +265,7 @@ class ParameterService:
         """An update's parameters as the store takes them: whole and decoded.
 
         The pieces of a large parameter are put aside until it is whole (see
-        :class:`~aioparamsync.pieces.Uploads`); the piece that completes it
+        :class:`~aioparamsync.values.pieces.Uploads`); the piece that completes it
         brings the whole in its place. Encoded ones are decoded.
         """
         if not any(p.encoding or p.total_bytes is not None for p in params):
@@ -261,7 +274,7 @@ class ParameterService:
         ready = []
         for p in params:
             if p.encoding == "topk":
-                from .compression import TOPK_IS_FOR_GRADIENTS
+                from ..values.compression import TOPK_IS_FOR_GRADIENTS
 
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{p.name!r}: {TOPK_IS_FOR_GRADIENTS}")
             if p.total_bytes is not None:
@@ -293,8 +306,8 @@ class ParameterService:
 
     @staticmethod
     def _encoded(entry: Entry, encoding: str) -> Any:
-        from . import compression
-        from .arrays import from_parameter
+        from ..values import compression
+        from ..values.arrays import from_parameter
 
         if not compression.encodable(entry.dtype, encoding):
             return entry.to_parameter()  # e.g. fp16 of integers: sent raw
@@ -313,7 +326,7 @@ class ParameterService:
         if request is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
         if request.encoding:
-            from .compression import PULL_ENCODINGS
+            from ..values.compression import PULL_ENCODINGS
 
             if request.encoding not in PULL_ENCODINGS:
                 raise RequestError(
@@ -342,10 +355,10 @@ class ParameterService:
         )
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
-        # From a peer, every parameter carries its origin: merge it, send it on
-        # to no one. From a client: an update like any other.
+        # From a peer (it says so: from_peer), replication: merged, sent on to
+        # no one. From a client: an update like any other.
         params, timestamp = _params(args.update)
-        replicated = bool(params) and all(p.origin for p in params)
+        replicated = args.update.from_peer is not None
         return self.store.submit(self._incoming(params), timestamp, replicated=replicated)
 
     # -- the typed methods --------------------------------------------------------

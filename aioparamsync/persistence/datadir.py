@@ -61,11 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import pieces
-from .errors import ParamSyncError
-from .store import Entry, ParameterTable
-from .wire import thrift
-from .wire.codec import BinaryReader, BinaryWriter
+from ..errors import ParamSyncError
+from ..store.table import Entry, ParameterTable, lww_key
+from ..values import pieces
+from ..wire import thrift
+from ..wire.codec import BinaryReader, BinaryWriter
 
 __all__ = ["DataDir", "FSYNC_MODES", "PersistenceError"]
 
@@ -175,13 +175,9 @@ def _latest(params: Iterable[Any]) -> list[Any]:
     latest: dict[str, Any] = {}
     for p in params:
         kept = latest.get(p.name)
-        if kept is None or _rank(p) > _rank(kept):
+        if kept is None or lww_key(p) > lww_key(kept):
             latest[p.name] = p
     return list(latest.values())
-
-
-def _rank(p: Any) -> tuple[int, str]:
-    return (p.version or 0, p.origin or "")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -45,8 +45,8 @@ from typing import Protocol as TypingProtocol
 
 from thriftpy2.thrift import TApplicationException
 
-from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
-from .wire import (
+from ..errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
+from ..wire import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_RECEIVING_BYTES,
     Frame,

@@ -1,13 +1,10 @@
-"""The parameter store: one writer owns every mutation; readers see consistent snapshots.
+"""The parameter table: every parameter and every rule of changing it (no asyncio).
 
 Theory of operation. :class:`ParameterTable` holds the parameters and every
-rule of changing them (validation, versions, timestamps); it has no asyncio in
-it and is tested without an event loop. :class:`ParameterStore` puts one
-coroutine, :meth:`ParameterStore.run`, in front of it: callers submit updates
-to a bounded queue and get a future; the writer takes whatever is queued (a
-batch, so that a durable store later commits a whole batch at once), applies
-each update with no ``await`` inside a mutation, then resolves the callers
-and hands the applied entries to its subscribers (the replication feed).
+rule of changing them (validation, layouts, casts, versions, timestamps,
+last-writer-wins); it has no asyncio in it and is tested without an event
+loop. One caller at a time changes it: the store's single writer
+(:mod:`aioparamsync.store.writer`).
 
 Reads need no lock and no copy. A read runs between two of the writer's
 steps on the same event loop, so it sees every update wholly or not at all,
@@ -18,17 +15,15 @@ bytes the update arrived in.
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import rules
-from .arrays import (
+from ..errors import ErrorCode, RequestError
+from ..values import rules
+from ..values.arrays import (
     BFLOAT16,
     check_layout,
     describe_layout,
@@ -39,24 +34,26 @@ from .arrays import (
     lossless_cast,
     same_kind_cast,
 )
-from .errors import ErrorCode, RequestError
-from .wire import thrift
+from ..wire import thrift
 
-__all__ = ["Answer", "Applied", "Entry", "Limits", "ParameterStore", "ParameterTable"]
+__all__ = ["Applied", "Entry", "Limits", "ParameterTable", "lww_key"]
 
-log = logging.getLogger(__name__)
-
-# Updates that may wait for the writer before submit() refuses more.
-MAX_PENDING = 10_000
-# Most updates the writer applies in one batch.
-MAX_BATCH = 256
 # The largest version a parameter may have (Thrift's i32).
 MAX_VERSION = 2**31 - 1
-# Batches larger than this are written to the log from a worker thread (bytes).
-INLINE_LOG_BYTES = 1024 * 1024
 # The one name a parameter may not have: a safetensors file (a snapshot) keeps
 # its own metadata under it.
 RESERVED_NAME = "__metadata__"
+
+
+def lww_key(item: Any) -> tuple[int, str]:
+    """What last-writer-wins compares, everywhere: ``(version, origin)``.
+
+    Of two values of one parameter, the one with the larger key wins (a
+    larger version; at equal versions, the larger origin), so that every
+    node, whatever order it sees them in, keeps the same one. ``item`` is an
+    :class:`Entry`, a ``Parameter`` or a ``DigestEntry``.
+    """
+    return (item.version or 0, item.origin or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,47 +147,6 @@ class Applied:
 
 _set_applied_entries = vars(Applied)["entries"].__set__
 _set_applied_timestamp = vars(Applied)["timestamp"].__set__
-
-
-# How a queued update is applied.
-_APPLY, _MERGE, _FOLD = 0, 1, 2
-
-
-class Answer(asyncio.Future[Any]):
-    """The future :meth:`ParameterStore.submit` answers with.
-
-    Attributes:
-        eager: None, or a quick callable that the writer calls with the future
-            the moment it answers it: one pass of the event loop before the
-            loop runs the future's done callbacks. (The server sets it to
-            write the reply in the writer's own step.) An exception it raises
-            is logged.
-    """
-
-    __slots__ = ("eager",)
-    eager: Callable[[Answer], Any] | None
-
-
-def _tell(future: Answer) -> None:
-    """Call the eager observer of a future just answered (see :class:`Answer`)."""
-    eager, future.eager = future.eager, None
-    if eager is None:
-        return
-    try:
-        eager(future)
-    except Exception:  # the observer's bug must not stop the writer
-        log.exception("the observer of an update's answer failed")
-
-
-def _fail(future: Answer, exc: BaseException) -> None:
-    future.set_exception(exc)
-    if future.eager is not None:
-        _tell(future)
-
-
-# An applied update awaiting its answer: (the caller's future, what was
-# applied, the caller's ``then`` or None).
-_Done = tuple[Answer, Applied, Callable[[Applied], Any] | None]
 
 
 def _readonly(data: Any) -> memoryview:
@@ -482,7 +438,7 @@ class ParameterTable:
         made = []
         for p in params:
             current = entries.get(p.name)
-            if current is not None and (current.version, current.origin) >= (p.version, p.origin):
+            if current is not None and lww_key(current) >= lww_key(p):
                 continue
             shape = tuple(p.shape) if p.shape is not None else None
             made.append(
@@ -572,318 +528,3 @@ def _check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
             f"{name!r}: rule {rule.kind} needs a "
             f"{'real' if rule.kind == 'sum' else 'floating point'} dtype, not {dtype}",
         )
-
-
-class ParameterStore:
-    """The single writer in front of a :class:`ParameterTable`.
-
-    Backpressure: at most ``max_pending`` updates wait for the writer;
-    :meth:`submit` refuses more with ``RequestError(UNAVAILABLE)`` at once
-    (the server's per-connection limits keep a well-behaved client far from
-    it), while :meth:`update` waits for room.
-
-    Args:
-        table: the table to own (a new, empty one by default).
-        max_pending: the queue's bound.
-        max_batch: the most updates applied in one batch.
-    """
-
-    def __init__(
-        self,
-        table: ParameterTable | None = None,
-        *,
-        max_pending: int = MAX_PENDING,
-        max_batch: int = MAX_BATCH,
-        data_dir: Any = None,
-    ) -> None:
-        self.table = table if table is not None else ParameterTable()
-        self.max_pending = max_pending
-        self.max_batch = max_batch
-        self.data_dir = data_dir  # a persistence.DataDir, or None: in memory only
-        self._failure: Exception | None = None  # the log could not be written
-        self._snapshots: set[asyncio.Future[Any]] = set()
-        self._queue: collections.deque[
-            tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None]
-        ] = collections.deque()
-        # The writer's loop, kept (on CPython 3.11 every asyncio.get_running_loop()
-        # makes a getpid() system call), and the future the idle writer awaits:
-        # the next submit (or close) resolves it.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Future[None] | None = None
-        self._room: asyncio.Event | None = None
-        self._closed = False
-        self._subscribers: list[Callable[[Sequence[Entry], bool], None]] = []
-        self.batches = 0
-        self.updates_applied = 0
-        self.updates_refused = 0
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return (
-            f"<ParameterStore {state} [{len(self._queue)} pending | "
-            f"{self.updates_applied} applied in {self.batches} batches] {self.table!r}>"
-        )
-
-    def statistics(self) -> dict[str, int]:
-        return {
-            "pending": len(self._queue),
-            "batches": self.batches,
-            "updates_applied": self.updates_applied,
-            "updates_refused": self.updates_refused,
-            "parameters": len(self.table),
-            "parameter_bytes": self.table.nbytes,
-        }
-
-    # -- reading ----------------------------------------------------------------
-
-    def read(self, names: Sequence[str], min_version: int = 0) -> list[Entry]:
-        """A consistent snapshot of ``names`` (see :meth:`ParameterTable.read`)."""
-        return self.table.read(names, min_version)
-
-    @property
-    def timestamp(self) -> int:
-        return self.table.timestamp
-
-    # -- writing ----------------------------------------------------------------
-
-    def subscribe(self, callback: Callable[[Sequence[Entry], bool], None]) -> None:
-        """Call ``callback(entries, replicated)`` after each batch, with the entries it applied.
-
-        ``replicated`` tells entries merged from peers from those this node
-        originated (called once for each kind the batch has).
-
-        The callback runs in the writer, so it must not block: it queues work.
-        """
-        self._subscribers.append(callback)
-
-    def submit(
-        self,
-        params: Sequence[Any],
-        timestamp: int,
-        *,
-        replicated: bool = False,
-        gradients: bool = False,
-        then: Callable[[Applied], Any] | None = None,
-    ) -> asyncio.Future[Any]:
-        """Queue an update; answer a future of its :class:`Applied`.
-
-        Updates are applied in the order they are submitted: with
-        :meth:`ParameterTable.apply`, :meth:`ParameterTable.merge` where
-        ``replicated`` (an update a peer sends on), or
-        :meth:`ParameterTable.fold` where ``gradients``.
-
-        With ``then``, the future is of ``then(applied)``, made by the writer
-        as it answers the batch: a caller that turns the outcome into a reply
-        gets the reply itself, one hop of the event loop sooner than through a
-        future chained to this one. ``then`` must be quick; its exception
-        fails that one future.
-
-        Raises:
-            RequestError: (UNAVAILABLE) the queue is full or the store is closed.
-        """
-        if self._closed:
-            raise RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
-        if self._failure is not None:
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"the node cannot write its log ({self._failure}); it takes no more "
-                "updates until restarted",
-            )
-        if len(self._queue) >= self.max_pending:
-            self.updates_refused += 1
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"the node has {len(self._queue)} updates waiting; try again",
-            )
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        future = Answer(loop=loop)
-        future.eager = None
-        mode = _MERGE if replicated else _FOLD if gradients else _APPLY
-        self._queue.append((params, timestamp, mode, future, then))
-        wakeup = self._wakeup  # (self._wake(), inlined)
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
-        return future
-
-    async def update(
-        self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
-    ) -> Applied:
-        """Apply an update (see :meth:`submit`), waiting for room in the queue if need be."""
-        while len(self._queue) >= self.max_pending and not self._closed:
-            if self._room is None:
-                self._room = asyncio.Event()
-            self._room.clear()
-            await self._room.wait()
-        return await self.submit(params, timestamp, replicated=replicated)
-
-    async def run(self) -> None:
-        """The writer. Runs until :meth:`close`, then applies what was queued and returns.
-
-        With a data directory, a batch is written to the log (and synced, as its
-        ``fsync`` mode says) before its callers are answered; at the end a
-        snapshot is written.
-        """
-        loop = self._loop = asyncio.get_running_loop()
-        syncer = None
-        if self.data_dir is not None and self.data_dir.fsync == "batch":
-            syncer = asyncio.ensure_future(self._sync_periodically())
-        while True:
-            if not self._queue:
-                if self._closed:
-                    break
-                self._wakeup = loop.create_future()
-                try:
-                    await self._wakeup
-                finally:
-                    self._wakeup = None
-                continue
-            if self._failure is not None:
-                self._refuse_queued()  # not applied: they could not be kept
-                continue
-            done, fed = self._apply_batch()
-            if self.data_dir is not None and (fed[0] or fed[1]):
-                await self._log(done, fed)
-            self._finish_batch(done, fed)
-            if self._queue:
-                # Let readers and the network run between batches (with
-                # nothing queued, waiting for the next update does that).
-                await asyncio.sleep(0)
-        if syncer is not None:
-            syncer.cancel()
-            await asyncio.wait({syncer})
-        if self._snapshots:
-            await asyncio.wait(self._snapshots)
-        if self.data_dir is not None and self._failure is None:
-            await self._snapshot()
-
-    async def _sync_periodically(self) -> None:
-        """With ``fsync=batch``: sync what was logged, also when no batch follows it."""
-        data_dir = self.data_dir
-        while True:
-            await asyncio.sleep(data_dir.sync_interval)
-            if data_dir.dirty and self._failure is None:
-                try:
-                    await asyncio.to_thread(data_dir.sync)
-                except OSError as exc:
-                    log.critical("cannot sync the log: %s; refusing further updates", exc)
-                    self._failure = exc
-
-    def _refuse_queued(self) -> None:
-        error = RequestError(
-            ErrorCode.UNAVAILABLE,
-            f"the node cannot write its log ({self._failure}); it takes no more updates "
-            "until restarted",
-        )
-        while self._queue:
-            future = self._queue.popleft()[3]
-            if not future.done():
-                _fail(future, error)
-
-    async def _log(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:
-        data_dir = self.data_dir
-        entries = fed[0] + fed[1]
-        try:
-            if sum(e.nbytes for e in entries) > INLINE_LOG_BYTES:
-                await asyncio.to_thread(data_dir.append, entries, self.table.timestamp)
-            else:
-                data_dir.append(entries, self.table.timestamp)
-            if data_dir.sync_due():
-                await asyncio.to_thread(data_dir.sync)
-        except OSError as exc:
-            # Applied in memory, not on disk: answer so, and take no more writes.
-            log.critical("cannot write the log: %s; refusing further updates", exc)
-            self._failure = exc
-            error = RequestError(ErrorCode.UNAVAILABLE, f"the update could not be logged: {exc}")
-            for future, _, _ in done:
-                if not future.done():
-                    _fail(future, error)
-            done.clear()
-            return
-        if data_dir.snapshot_due():
-            task = asyncio.ensure_future(self._snapshot())
-            self._snapshots.add(task)
-            task.add_done_callback(self._snapshots.discard)
-
-    async def _snapshot(self) -> None:
-        """Cut the log and write a snapshot of this moment (in a worker thread)."""
-        data_dir = self.data_dir
-        n = data_dir.start_snapshot()
-        entries = [e for name in self.table.names() if (e := self.table.entry(name))]
-        try:
-            await asyncio.to_thread(data_dir.write_snapshot, n, entries, self.table.timestamp)
-        except OSError as exc:
-            log.error("snapshot %d failed: %s (the log still holds everything)", n, exc)
-
-    def _apply_batch(self) -> tuple[list[_Done], tuple[list[Entry], list[Entry]]]:
-        queue = self._queue
-        batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
-        if self._room is not None:
-            self._room.set()
-        done: list[_Done] = []
-        fed: tuple[list[Entry], list[Entry]] = ([], [])  # originated here, replicated
-        table = self.table
-        for params, timestamp, mode, future, then in batch:
-            if future.cancelled():
-                continue  # its caller gave up before it was applied
-            try:
-                if mode == _APPLY:
-                    applied = table.apply(params, timestamp)
-                elif mode == _MERGE:
-                    applied = table.merge(params, timestamp)
-                else:
-                    applied = table.fold(params, timestamp)
-            except RequestError as exc:
-                self.updates_refused += 1
-                _fail(future, exc)
-                continue
-            except Exception as exc:  # a bug must fail one update, never stop the writer
-                log.exception("applying an update failed")
-                self.updates_refused += 1
-                _fail(future, exc)
-                continue
-            done.append((future, applied, then))
-            fed[mode == _MERGE].extend(applied.entries)
-        self.batches += 1
-        self.updates_applied += len(done)
-        return done, fed
-
-    def _finish_batch(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:
-        """Answer the batch's callers; hand its entries to the subscribers."""
-        for future, applied, then in done:
-            if future.done():
-                continue
-            if then is None:
-                future.set_result(applied)
-            else:
-                try:
-                    result = then(applied)
-                except Exception as exc:  # the caller's bug fails its own update only
-                    log.exception("answering an applied update failed")
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-            if future.eager is not None:
-                _tell(future)
-        for kind, entries in zip((False, True), fed, strict=True):
-            if not entries:
-                continue
-            for callback in self._subscribers:
-                try:
-                    callback(entries, kind)
-                except Exception:  # one subscriber's bug must not stop the writer
-                    log.exception("store subscriber %r failed", callback)
-
-    def _wake(self) -> None:
-        """Wake the writer if it waits for work."""
-        wakeup = self._wakeup
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
-
-    def close(self) -> None:
-        """Refuse new updates; :meth:`run` returns once the queued ones are applied."""
-        self._closed = True
-        self._wake()
-        if self._room is not None:
-            self._room.set()

@@ -50,9 +50,7 @@ from typing import Any, cast
 import numpy as np
 from thriftpy2.thrift import TApplicationException
 
-from . import pieces
-from .arrays import from_parameter, to_parameter, to_parameters
-from .errors import (
+from ..errors import (
     CallTimeout,
     ClientClosedError,
     ConnectError,
@@ -63,8 +61,11 @@ from .errors import (
     RequestError,
     ServerError,
 )
-from .wire import (
+from ..values import pieces
+from ..values.arrays import from_parameter, to_parameter, to_parameters
+from ..wire import (
     DEFAULT_MAX_FRAME_BYTES,
+    METHODS,
     MessageType,
     Method,
     Receiver,
@@ -73,6 +74,7 @@ from .wire import (
     method,
     thrift,
 )
+from .fetch import FETCH_CONCURRENCY, fetch, gather_or_stop
 
 __all__ = ["ParameterClient", "parse_address"]
 
@@ -91,9 +93,6 @@ WRITE_HIGH_BYTES = 1024 * 1024
 # A call's deadline may be met this early (seconds): the loop's timers are
 # not more precise than that.
 TIMER_SLACK = 0.001
-# Methods that change a node's state: never retried behind the caller's back
-# (push_gradients is, with its request id: the node applies it once).
-WRITES = frozenset({"update_parameters", "push_parameters", "broadcast_update"})
 # Idle connections kept for calls the node holds (long polls, barriers).
 MAX_SPARE_CONNECTIONS = 4
 # A held call's deadline is its wait plus this (seconds), so that the node's
@@ -526,7 +525,7 @@ class ParameterClient:
         max_connections: connections to keep to the node.
         max_frame_bytes: the largest reply accepted.
         max_inline_bytes: parameters larger than this travel in pieces of
-            ``piece_bytes``, both ways (see :mod:`aioparamsync.pieces`): so a
+            ``piece_bytes``, both ways (see :mod:`aioparamsync.values.pieces`): so a
             parameter may be larger than a frame, or than 2 GiB.
         piece_bytes: the size of those pieces.
         ssl: an ``ssl.SSLContext`` to reach TLS nodes with (see :mod:`aioparamsync.tls`).
@@ -764,19 +763,33 @@ class ParameterClient:
         m = method(name)
         if m is None:
             raise ValueError(f"the IDL has no method {name!r}")
+        return await self.invoke(m, timeout=timeout, **args)
+
+    async def invoke(
+        self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+    ) -> Any:
+        """:meth:`call` by the method's entry in the method table (``wire.METHODS.ping``).
+
+        How a call is sent and retried follows the method's traits (see
+        :mod:`aioparamsync.wire.idl`): a read is retried on a fresh connection
+        (with several nodes, from the second try on at the next node); an
+        idempotent write once, at the same node, which knows its request id;
+        any other write never. A held call gets a connection of its own.
+        """
         if isinstance(timeout, EllipsisType):
             deadline = self.timeout
         else:
             deadline = check_seconds(timeout, "timeout")
         message = m.args(**args)
         # A read is retried on a fresh connection; with several nodes, from the
-        # second try on at the next node (the first may be dying).
-        retries = 0 if name in WRITES else max(len(self.addresses), 2) - 1
-        if name == "push_gradients":
-            retries = 1  # at the same node, which knows the request id
+        # second try on at the next node (the first may be dying). An idempotent
+        # write once, at the same node (which knows its request id).
+        retries = int(m.idempotent) if m.writes else max(len(self.addresses), 2) - 1
         tries = 0
         oneway = m.oneway
-        held = name == "barrier" or getattr(args.get("request"), "wait_ms", None) is not None
+        held = m.held == "always" or (
+            m.held == "wait_ms" and getattr(args.get("request"), "wait_ms", None) is not None
+        )
         when = None if deadline is None else asyncio.get_running_loop().time() + deadline
         try:
             while True:
@@ -806,7 +819,7 @@ class ParameterClient:
                     if tries > 1:
                         self._move_on()
         except TimeoutError:
-            raise CallTimeout(f"{name} did not complete within {deadline} s") from None
+            raise CallTimeout(f"{m.name} did not complete within {deadline} s") from None
         if result is None:
             return None
         if getattr(result, "error", None) is not None:
@@ -814,7 +827,7 @@ class ParameterClient:
         if 0 not in result.thrift_spec:
             return None  # a void method (update_parameters): its result has no success
         if result.success is None:
-            raise ServerError(f"{name}: the node sent no result")
+            raise ServerError(f"{m.name}: the node sent no result")
         return result.success
 
     # -- the API --------------------------------------------------------------------
@@ -847,7 +860,7 @@ class ParameterClient:
                 also the same version from another writer that won (two
                 nodes wrote it at once: last-writer-wins).
             encoding: ask for the data encoded (``"fp16"``, ``"bf16"``,
-                ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.compression`).
+                ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.values.compression`).
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -885,7 +898,7 @@ class ParameterClient:
         request.max_inline_bytes = self.max_inline_bytes
         # (time.monotonic: no getpid() system call, as asyncio.get_running_loop() makes on 3.11)
         started = time.monotonic()
-        response = await self.call("pull_parameters", timeout=timeout, request=request)
+        response = await self.invoke(METHODS.pull_parameters, timeout=timeout, request=request)
         if any(p.total_bytes is not None for p in response.params):
             # Larger than one message: answered without data; read in pieces,
             # within what is left of this call's deadline.
@@ -896,7 +909,7 @@ class ParameterClient:
                     response.params = [
                         p
                         if p.total_bytes is None
-                        else await pieces.fetch(self, p, self.piece_bytes, timeout=timeout)
+                        else await fetch(self, p, self.piece_bytes, timeout=timeout)
                         for p in response.params
                     ]
             except TimeoutError:
@@ -933,7 +946,7 @@ class ParameterClient:
         Args:
             params: ``Parameter`` objects, or a mapping of name -> array.
             rules: the rule :meth:`push_gradients` folds gradients in by
-                (see :mod:`aioparamsync.rules`): one for every parameter, or
+                (see :mod:`aioparamsync.values.rules`): one for every parameter, or
                 a mapping of name -> rule. Parameters without one keep theirs.
             encoding: send arrays encoded (``"fp16"``, ``"bf16"``, ``"int8"``,
                 ``"zlib"``); the node stores them decoded. An array larger than
@@ -956,7 +969,7 @@ class ParameterClient:
         update = self._update(params, timestamp, rules=rules, encoding=encoding, replace=replace)
         large = [p for p in update.params if memoryview(p.data).nbytes > self.max_inline_bytes]
         if not large:
-            result = await self.call("push_parameters", timeout=timeout, update=update)
+            result = await self.invoke(METHODS.push_parameters, timeout=timeout, update=update)
             return dict(result.versions)
         # Larger than one message: each such parameter in pieces, applied once
         # whole; the others together, as one update.
@@ -964,14 +977,14 @@ class ParameterClient:
         small = [p for p in update.params if memoryview(p.data).nbytes <= self.max_inline_bytes]
         if small:
             update.params = small
-            result = await self.call("push_parameters", timeout=timeout, update=update)
+            result = await self.invoke(METHODS.push_parameters, timeout=timeout, update=update)
             versions.update(result.versions)
-        gate = asyncio.Semaphore(pieces.FETCH_CONCURRENCY)
+        gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
         async def send(piece: Any) -> dict[str, int]:
             async with gate:
                 message = thrift.ParameterUpdate(params=[piece], timestamp=update.timestamp)
-                result = await self.call("push_parameters", timeout=timeout, update=message)
+                result = await self.invoke(METHODS.push_parameters, timeout=timeout, update=message)
             return dict(result.versions)
 
         for p in large:
@@ -983,7 +996,7 @@ class ParameterClient:
                 p.rule, p.replace = rule, replaced
             # (A piece that fails stops the others: none is sent after the
             # caller is told, so the node never puts together a torn array.)
-            for done in await pieces.gather_or_stop(
+            for done in await gather_or_stop(
                 map(send, pieces.split(p, uuid.uuid4().hex, self.piece_bytes))
             ):
                 versions.update(done)
@@ -1017,7 +1030,7 @@ class ParameterClient:
             ratio: the share of elements ``"topk"`` sends.
             error_feedback: with a lossy encoding, keep what compression left
                 out of each gradient and add it to the next one (so nothing
-                is lost over time; see :class:`~aioparamsync.compression.ErrorFeedback`).
+                is lost over time; see :class:`~aioparamsync.values.compression.ErrorFeedback`).
             request_id: the push's id (default: a new UUID). With error
                 feedback, the last push sent under your id is sent again as
                 it was when you push under that id again (a retry after a
@@ -1045,7 +1058,7 @@ class ParameterClient:
             elif encoding is None:
                 params = [to_parameter(name, g) for name, g in grads.items()]
             else:
-                from . import compression
+                from ..values import compression
 
                 if encoding in compression.LOSSY and error_feedback:
                     if self._feedback is None:
@@ -1063,7 +1076,7 @@ class ParameterClient:
                 request_id=request_id or uuid.uuid4().hex,
                 timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
             )
-            result = await self.call("push_gradients", timeout=timeout, push=push)
+            result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
         except (RequestError, TypeError, ValueError):
             # Not applied (refused by the node, or never sent): error feedback
             # keeps the residuals it had, so what this push would have sent is
@@ -1121,7 +1134,7 @@ class ParameterClient:
             wait_ms=None if timeout is None else min(max(round(timeout * 1000), 1), MAX_WAIT_MS),
         )
         deadline = None if timeout is None else timeout + HOLD_MARGIN
-        return await self.call("barrier", timeout=deadline, request=request)
+        return await self.invoke(METHODS.barrier, timeout=deadline, request=request)
 
     async def broadcast_update(
         self,
@@ -1136,7 +1149,8 @@ class ParameterClient:
         the connection, and the node answers reads in order), so the arrays may
         change again and a later read on any client sees it.
         """
-        await self.call("broadcast_update", timeout=timeout, update=self._update(params, timestamp))
+        update = self._update(params, timestamp)
+        await self.invoke(METHODS.broadcast_update, timeout=timeout, update=update)
 
     async def get_arrays(
         self,
@@ -1192,7 +1206,7 @@ class ParameterClient:
 
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
-        return await self.call("ping", timeout=timeout)
+        return await self.invoke(METHODS.ping, timeout=timeout)
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo`` (what ``aioparamsync-ctl stats`` shows).
@@ -1216,7 +1230,7 @@ class ParameterClient:
         parameters repaired); ``waiting``, a ``Waiter`` per long poll or
         barrier held (what it waits for, whom, and for how many seconds).
         """
-        return await self.call("info", timeout=timeout)
+        return await self.invoke(METHODS.info, timeout=timeout)
 
     @staticmethod
     def _update(
@@ -1232,20 +1246,14 @@ class ParameterClient:
         if encoding is not None:
             if not isinstance(params, Mapping):
                 raise TypeError("an encoded update takes a mapping of name -> array")
-            from . import compression
+            from ..values import compression
 
             if encoding == "topk":
                 raise ValueError(compression.TOPK_IS_FOR_GRADIENTS)
 
             updates = [compression.encode(n, a, encoding) for n, a in params.items()]
         else:
-            updates = [
-                # An origin marks a peer's replication message (applied with its
-                # version, sent on to no one): a client's update never has one,
-                # even when it sends back what a get answered.
-                p if p.origin is None else _without_origin(p)
-                for p in to_parameters(params)
-            ]
+            updates = to_parameters(params)
         if rules is not None:
             for p in updates:
                 rule = rules.get(p.name) if isinstance(rules, Mapping) else rules
@@ -1280,21 +1288,6 @@ def _array(p: Any) -> np.ndarray:
     """The array of a received ``Parameter``, decoded if it is encoded."""
     if not p.encoding:
         return from_parameter(p)
-    from . import compression
+    from ..values import compression
 
     return compression.decode(p)
-
-
-def _without_origin(p: Any) -> Any:
-    return thrift.Parameter(
-        name=p.name,
-        data=p.data,
-        version=p.version,
-        dtype=p.dtype,
-        shape=p.shape,
-        encoding=p.encoding,
-        scale=p.scale,
-        indices=p.indices,
-        rule=p.rule,
-        replace=p.replace,
-    )

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ErrorCode, RequestError
-from .wire import thrift
+from ..errors import ErrorCode, RequestError
+from ..wire import thrift
 
 __all__ = ["KINDS", "State", "adam", "check_rule", "fold", "sgd", "sum_rule"]
 

@@ -47,11 +47,13 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import pieces
-from .client import ParameterClient
-from .errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, RequestError
-from .store import Entry, Limits, ParameterStore
-from .wire import DEFAULT_MAX_FRAME_BYTES, thrift
+from ..client.api import ParameterClient
+from ..client.fetch import fetch
+from ..errors import ClientClosedError, ConnectError, ErrorCode, ParamSyncError, RequestError
+from ..store.table import Entry, Limits, lww_key
+from ..store.writer import ParameterStore
+from ..values import pieces
+from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 
 __all__ = ["Cluster", "PeerLink", "member_name", "replicas"]
 
@@ -234,7 +236,7 @@ class PeerLink:
             old = outbox.get(entry.name)
             if old is not None:
                 self.updates_coalesced += 1
-                if (old.version, old.origin) > (entry.version, entry.origin):
+                if lww_key(old) > lww_key(entry):
                     continue  # keep the newer (a repair may have queued it)
             outbox[entry.name] = entry
         if outbox:
@@ -311,7 +313,7 @@ class PeerLink:
         client = self.client
         if client is None or self.state != "up":
             raise ConnectError(f"peer {self.node_id or self.address} is {self.state}")
-        return await client.call("push_gradients", push=push)
+        return await client.invoke(METHODS.push_gradients, push=push)
 
     def poke(self) -> None:
         """The peer is (back) up: cut short the wait before the next try."""
@@ -327,29 +329,29 @@ class PeerLink:
             self.cluster._links_changed()
 
     async def _join(self, client: ParameterClient) -> None:
-        members = await client.call("announce", member=self.cluster.me)
+        members = await client.invoke(METHODS.announce, member=self.cluster.me)
         if members:
             self.node_id = members[0].node_id  # a node answers itself first
         self.cluster.learn(members)
 
     async def _repair(self, client: ParameterClient) -> None:
         """Pull what the peer holds newer than this node (anti-entropy)."""
-        digest = await client.call("digest")
+        digest = await client.invoke(METHODS.digest)
         table = self.cluster.store.table
         wanted = []
         for item in digest:
             mine = table.entry(item.name)
-            if mine is None or (mine.version, mine.origin) < (item.version, item.origin):
+            if mine is None or lww_key(mine) < lww_key(item):
                 wanted.append(item)
         cluster = self.cluster
         for batch in _batches(wanted, cluster.batch_params, cluster.batch_bytes):
             request = thrift.ParameterRequest(
                 param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
             )
-            response = await client.call("pull_parameters", request=request)
+            response = await client.invoke(METHODS.pull_parameters, request=request)
             # A large parameter comes without its data: read it in pieces.
             params = [
-                p if p.total_bytes is None else await pieces.fetch(client, p, cluster.piece_bytes)
+                p if p.total_bytes is None else await fetch(client, p, cluster.piece_bytes)
                 for p in response.params
             ]
             if params:
@@ -393,8 +395,10 @@ class PeerLink:
         for i, batch in enumerate(batches):
             try:
                 for params in _messages(batch, cluster.inline_bytes, cluster.piece_bytes):
-                    update = thrift.ParameterUpdate(params=params, timestamp=timestamp)
-                    await client.call("broadcast_update", update=update)
+                    update = thrift.ParameterUpdate(
+                        params=params, timestamp=timestamp, from_peer=cluster.me.node_id
+                    )
+                    await client.invoke(METHODS.broadcast_update, update=update)
             except BaseException:
                 # Not sent (or maybe half): keep it for the next connection,
                 # unless a newer version of a name came meanwhile.
@@ -409,7 +413,7 @@ class PeerLink:
         outbox = self.outbox
         for entry in entries:
             old = outbox.get(entry.name)
-            if old is None or (old.version, old.origin) < (entry.version, entry.origin):
+            if old is None or lww_key(old) < lww_key(entry):
                 outbox[entry.name] = entry
         if outbox and self._oldest is None:
             self._oldest = time.monotonic()

@@ -21,9 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ErrorCode, RequestError
-from .store import Entry, ParameterStore
-from .wire import thrift
+from ..errors import ErrorCode, RequestError
+from ..store.table import Entry
+from ..store.writer import ParameterStore
+from ..wire import thrift
 
 __all__ = ["MAX_GROUPS", "MAX_WAIT_MS", "MAX_WORLD_SIZE", "Waiting"]
 

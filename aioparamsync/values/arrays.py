@@ -23,8 +23,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from .errors import ErrorCode, RequestError
-from .wire import thrift
+from ..errors import ErrorCode, RequestError
+from ..wire import thrift
 
 __all__ = [
     "BFLOAT16",
@@ -271,7 +271,7 @@ def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
     """The array a ``Parameter`` holds, as a view of its bytes (read-only when they are).
 
     The data is read as it is: an encoded parameter (``encoding`` set) needs
-    :func:`aioparamsync.compression.decode` instead.
+    :func:`aioparamsync.values.compression.decode` instead.
 
     Args:
         param: a ``Parameter``.

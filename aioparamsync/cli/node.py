@@ -12,18 +12,18 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from . import __version__
-from .client import parse_address, parse_addresses
-from .metrics import MetricsBindError
-from .node import Node, unspecified_host
-from .peers import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING
-from .persistence import FSYNC_MODES, PersistenceError
-from .pieces import MAX_UPLOAD_BYTES
-from .server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
-from .store import Limits
-from .tls import client_context, server_context
-from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
-from .wire.codec import MAX_I32
+from .._version import __version__
+from ..client.api import parse_address, parse_addresses
+from ..cluster.links import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING
+from ..metrics import MetricsBindError
+from ..node import Node, unspecified_host
+from ..persistence.datadir import FSYNC_MODES, PersistenceError
+from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from ..store.table import Limits
+from ..tls import client_context, server_context
+from ..values.pieces import MAX_UPLOAD_BYTES
+from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
+from ..wire.codec import MAX_I32
 
 __all__ = ["main"]
 

@@ -1,0 +1,1 @@
+"""The command lines: ``aioparamsync-node`` (:mod:`.node`), ``aioparamsync-ctl`` (:mod:`.ctl`)."""

@@ -1,0 +1,561 @@
+"""``aioparamsync-ctl``: inspect a running node from a shell.
+
+::
+
+    aioparamsync-ctl stats 127.0.0.1:9090        # id, version, parameters, uptime, counters
+    aioparamsync-ctl peers 127.0.0.1:9090        # the node's peer links, as a table
+    aioparamsync-ctl waiting 127.0.0.1:9090      # long polls and barriers: who waits for whom
+    aioparamsync-ctl get 127.0.0.1:9090 w b      # version, origin, dtype, shape, a preview
+    aioparamsync-ctl list 127.0.0.1:9090 layer1. # names (from a prefix), dtype, shape, size
+    aioparamsync-ctl ping 127.0.0.1:9090         # the node's id and a round trip
+    aioparamsync-ctl --json stats 127.0.0.1:9090 # any of them, as JSON
+
+Exit codes: 0 done; 1 the node could not be reached, did not answer in time,
+refused, or is no node (one line on stderr); 2 bad arguments; 3 ``get`` found
+some name not on the node (what it found is still shown).
+
+It only reads: no command changes the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import os
+import ssl as ssl_module
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+from ..client.api import ParameterClient, check_seconds, parse_address
+from ..errors import ParamSyncError, ProtocolError, RequestError, ServerError
+from ..tls import client_context
+from ..values.arrays import BFLOAT16, from_parameter
+from ..wire import METHODS, thrift
+
+__all__ = ["build_parser", "main"]
+
+PROG = "aioparamsync-ctl"
+# Default deadline of connecting, and of each call (seconds).
+DEFAULT_TIMEOUT = 5.0
+# Exit codes.
+OK, FAILED, NOT_FOUND = 0, 1, 3  # (2: bad arguments, as argparse exits)
+# How much of an array ``get`` shows: this many items at each end of each axis.
+PREVIEW_EDGE_ITEMS = 3
+
+
+# -- arguments ------------------------------------------------------------------------------
+
+
+def _address(text: str) -> str:
+    try:
+        host, port = parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    try:
+        check_seconds(value, "--timeout")  # (the client's own rule)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a finite number of seconds > 0"
+        ) from None
+    return value
+
+
+def _prefix(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out to list every name)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # (bytes the shell passed that are not UTF-8)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid UTF-8, so no parameter's name starts with it"
+        ) from None
+    return text
+
+
+# The options every command takes, before or after its name, and their defaults.
+DEFAULTS: dict[str, Any] = {
+    "json": False,
+    "timeout": DEFAULT_TIMEOUT,
+    "tls": False,
+    "tls_ca": None,
+    "tls_cert": None,
+    "tls_key": None,
+}
+
+
+def _add_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """Add the options every command takes; without ``defaults``, an option left
+    out leaves the value alone (so ``--json`` may come before the command or after it)."""
+
+    def default(name: str) -> Any:
+        return DEFAULTS[name] if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--json", action="store_true", default=default("json"), help="print one JSON document"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=default("timeout"),
+        metavar="SECONDS",
+        help=f"deadline of connecting and of each call (default: {DEFAULT_TIMEOUT:g})",
+    )
+    tls = parser.add_argument_group("TLS (for a node started with --tls-cert)")
+    tls.add_argument("--tls", action="store_true", default=default("tls"), help="connect with TLS")
+    tls.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=default("tls_ca"),
+        help="CA certificates to verify the node with (implies --tls; default: the system's)",
+    )
+    tls.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        default=default("tls_cert"),
+        help="a client certificate, for a node that requires one (implies --tls)",
+    )
+    tls.add_argument(
+        "--tls-key",
+        metavar="PEM",
+        default=default("tls_key"),
+        help="its private key (if not in --tls-cert)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect a running aioparamsync node. No command changes it.",
+        epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
+        "refused, or is no node; 2 bad arguments; 3 (get) some name is not on the node.",
+    )
+    _add_options(parser, defaults=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary, prog=f"{PROG} {name}")
+        _add_options(sub, defaults=False)
+        sub.add_argument("address", type=_address, metavar="ADDRESS", help="the node's host:port")
+        return sub
+
+    command("stats", "the node's id, version, parameters, timestamp, uptime and counters")
+    command("peers", "the node's peer links: state, outbox, updates sent, failures, lag")
+    command("waiting", "the long polls and barriers the node holds, and whom each waits for")
+    get = command("get", "parameters: version, origin, dtype, shape and a preview of the value")
+    get.add_argument("names", nargs="+", metavar="NAME", help="a parameter's name")
+    listing = command("list", "the parameters' names, dtypes, shapes, versions and sizes")
+    listing.add_argument(
+        "prefix",
+        nargs="?",
+        type=_prefix,
+        metavar="PREFIX",
+        help="only the names that start with it (plain text, not a pattern)",
+    )
+    command("ping", "the node's id and the round trip of one call")
+    return parser
+
+
+# -- formatting -----------------------------------------------------------------------------
+
+
+def _size(nbytes: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
+
+
+def _duration(seconds: float) -> str:
+    """``3725.2`` -> ``"1 h 2 min 5 s"``; under a minute, with a decimal."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    parts: list[str] = []
+    rest = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        count, rest = divmod(rest, size)
+        if count or parts:
+            parts.append(f"{count} {unit}")
+    return " ".join(parts)
+
+
+def _timestamp(ms: int, parameters: int) -> str:
+    """An update timestamp (milliseconds since the epoch, by convention), and its UTC time."""
+    if ms == 0:
+        # (updates may say 0 themselves: a node holding parameters has had some)
+        return "0" if parameters else "0 (no update yet)"
+    try:
+        when = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
+    except (OverflowError, ValueError, OSError):
+        return str(ms)  # a client's own timestamps need not be times
+    return f"{ms} ({when.isoformat(sep=' ', timespec='milliseconds').replace('+00:00', ' UTC')})"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int]) -> str:
+    """Columns padded to their widest cell; those in ``right`` aligned right."""
+    cells = [list(header), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        padded = [
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)
+        ]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def _fields(rows: Sequence[tuple[str, Any]], indent: str = "") -> str:
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"{indent}{key.ljust(width)}  {value}" for key, value in rows)
+
+
+def _preview(array: np.ndarray, prefix: str) -> str:
+    """A few values from each end of each axis; later lines indented under the first."""
+    return np.array2string(
+        array, threshold=2 * PREVIEW_EDGE_ITEMS, edgeitems=PREVIEW_EDGE_ITEMS, precision=4,
+        max_line_width=100, prefix=prefix,
+    )  # fmt: skip
+
+
+def _peer(p: Any) -> dict[str, Any]:
+    return {
+        "node_id": p.node_id,
+        "address": p.address,
+        "state": p.state,
+        "outbox_depth": p.outbox_depth,
+        "updates_sent": p.updates_sent,
+        "updates_coalesced": p.updates_coalesced,
+        "send_failures": p.send_failures,
+        "lag_seconds": p.lag_seconds,
+        "last_error": p.last_error or "",
+        "repaired": p.repaired,
+    }
+
+
+def _print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2, allow_nan=False))
+
+
+# -- the commands ---------------------------------------------------------------------------
+
+
+async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
+    info = await client.info()
+    peers = info.peers or []
+    if args.json:
+        _print_json(
+            {
+                "node_id": info.node_id,
+                "version": info.version,
+                "parameter_count": info.parameter_count,
+                "parameter_bytes": info.parameter_bytes,
+                "timestamp": info.timestamp,
+                "uptime_seconds": info.uptime_seconds,
+                "counters": dict(sorted(info.counters.items())),
+                "peers": [_peer(p) for p in peers],
+            }
+        )
+        return OK
+    up = sum(p.state == "up" for p in peers)
+    print(
+        _fields(
+            [
+                ("node", info.node_id),
+                ("version", info.version),
+                ("parameters", f"{info.parameter_count} ({_size(info.parameter_bytes)})"),
+                ("timestamp", _timestamp(info.timestamp, info.parameter_count)),
+                ("uptime", _duration(info.uptime_seconds)),
+                ("peers", f"{len(peers)} ({up} up)"),
+            ]
+        )
+    )
+    if info.counters:
+        print("counters")
+        print(_fields(sorted(info.counters.items()), indent="  "))
+    return OK
+
+
+async def peers(client: ParameterClient, args: argparse.Namespace) -> int:
+    info = await client.info()
+    links = sorted(info.peers or [], key=lambda p: (p.node_id, p.address))
+    if args.json:
+        _print_json({"node_id": info.node_id, "peers": [_peer(p) for p in links]})
+        return OK
+    if not links:
+        print(f"{info.node_id} has no peers")
+        return OK
+    header = ["NODE", "ADDRESS", "STATE", "OUTBOX", "SENT", "COALESCED", "FAILURES", "LAG"]
+    rows = [
+        [
+            p.node_id or "?",
+            p.address,
+            p.state,
+            p.outbox_depth,
+            p.updates_sent,
+            p.updates_coalesced,
+            p.send_failures,
+            f"{p.lag_seconds:.3f} s",
+        ]
+        for p in links
+    ]
+    print(_table(header, rows, right={3, 4, 5, 6, 7}))
+    for p in links:
+        if p.last_error:
+            print(f"{p.node_id or p.address}: last error: {p.last_error}")
+    return OK
+
+
+async def waiting(client: ParameterClient, args: argparse.Namespace) -> int:
+    info = await client.info()
+    held = sorted(info.waiting or [], key=lambda w: -w.seconds)
+    if args.json:
+        document = [
+            {
+                "kind": w.kind,
+                "what": w.what,
+                "who": w.who or "",
+                "seconds": w.seconds,
+                "waiting_for": list(w.waiting_for),
+            }
+            for w in held
+        ]
+        _print_json({"node_id": info.node_id, "waiting": document})
+        return OK
+    if not held:
+        print(f"{info.node_id} holds no long polls or barriers")
+        return OK
+    header = ["KIND", "WHO", "FOR", "WAITING", "WAITING FOR"]
+    rows = [
+        [w.kind, w.who or "-", w.what, _duration(w.seconds), ", ".join(w.waiting_for)] for w in held
+    ]
+    print(_table(header, rows, right={3}))
+    return OK
+
+
+async def get(client: ParameterClient, args: argparse.Namespace) -> int:
+    names = list(dict.fromkeys(args.names))  # each once, in the order given
+    response = await client.get_parameters(names)
+    found = {p.name: p for p in response.params}
+    missing = [name for name in names if name not in found]
+    shown = []
+    for name in names:
+        if name not in found:
+            continue
+        p = found[name]
+        array = from_parameter(p)  # a parameter sent without a dtype reads as bytes
+        item = {
+            "name": name,
+            "version": p.version,
+            "origin": p.origin,
+            "dtype": p.dtype,
+            "shape": list(p.shape) if p.shape is not None else None,
+            "nbytes": array.nbytes,
+        }
+        shown.append((item, array))
+    if args.json:
+        documents = [{**item, "preview": _preview(array, prefix="")} for item, array in shown]
+        _print_json({"parameters": documents, "missing": missing})
+    else:
+        for item, array in shown:
+            _print_parameter(item, array)
+    for name in missing:
+        print(f"{PROG}: no parameter {name!r} on {client.host}:{client.port}", file=sys.stderr)
+    return NOT_FOUND if missing else OK
+
+
+def _print_parameter(item: dict[str, Any], array: np.ndarray) -> None:
+    dtype = f"{array.dtype.name} ({item['dtype']})" if item["dtype"] else "none (plain bytes)"
+    shape = tuple(item["shape"]) if item["shape"] is not None else "-"
+    rows = [
+        ("version", item["version"]),
+        ("origin", item["origin"] or "-"),
+        ("dtype", dtype),
+        ("shape", shape),
+        ("bytes", _size(item["nbytes"])),
+        ("value", ""),
+    ]
+    print(item["name"])
+    # The preview goes in the last row; its later lines line up under its first.
+    *fields, value = _fields(rows, indent="  ").splitlines()
+    print("\n".join(fields))
+    print(value + _preview(array, prefix=value))
+
+
+async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> int:
+    # max_inline_bytes=0: the node answers every parameter that holds any
+    # bytes without them, as a header (dtype, shape, version, total_bytes), so
+    # listing a node costs a few bytes a parameter, not its data.
+    request = thrift.ParameterRequest(param_names=[], all_names=True, max_inline_bytes=0)
+    response = await client.invoke(METHODS.pull_parameters, request=request)
+    prefix = args.prefix or ""
+    params = sorted((p for p in response.params if p.name.startswith(prefix)), key=lambda p: p.name)
+    items = [_listed(p) for p in params]
+    total = sum(item["nbytes"] for item in items)
+    if args.json:
+        _print_json({"parameters": items, "count": len(items), "nbytes": total})
+        return OK
+    if not items:
+        where = f"{client.host}:{client.port}"
+        if not prefix:
+            print(f"{where} holds no parameters")
+            return OK
+        # (a name may hold "*": the prefix is matched as it is)
+        hint = " (PREFIX is plain text, not a pattern)" if any(c in prefix for c in "*?[") else ""
+        print(f"{where} holds no parameter whose name starts with {prefix!r}{hint}")
+        return OK
+    header = ["NAME", "DTYPE", "SHAPE", "VERSION", "BYTES"]
+    rows = [
+        [
+            item["name"],
+            _dtype_name(item["dtype"]),
+            "-" if item["shape"] is None else str(tuple(item["shape"])),
+            item["version"],
+            _size(item["nbytes"]),
+        ]
+        for item in items
+    ]
+    print(_table(header, rows, right={3, 4}))
+    print(f"{len(items)} parameter{'' if len(items) == 1 else 's'}, {_size(total)}")
+    return OK
+
+
+def _listed(p: Any) -> dict[str, Any]:
+    """What ``list`` shows of a parameter the node answered, with or without its data."""
+    return {
+        "name": p.name,
+        "version": p.version,
+        "origin": p.origin,
+        "dtype": p.dtype,  # None: plain bytes
+        "shape": list(p.shape) if p.shape is not None and p.dtype is not None else None,
+        "nbytes": p.total_bytes if p.total_bytes is not None else memoryview(p.data).nbytes,
+    }
+
+
+def _dtype_name(wire: str | None) -> str:
+    """``"<f4"`` -> ``"float32"``; no dtype -> ``"bytes"``."""
+    if wire is None:
+        return "bytes"
+    if wire == BFLOAT16:
+        return wire
+    try:
+        dtype = np.dtype(wire)
+    except TypeError:
+        return wire  # (a node's dtype string is numpy's; show it as it came)
+    return dtype.name if dtype.isnative else wire  # (">f4" is no float32 here)
+
+
+async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
+    await client.ping()  # connects
+    started = time.perf_counter()
+    node_id = await client.ping()  # one round trip on the open connection
+    rtt_ms = (time.perf_counter() - started) * 1000
+    address = f"{client.host}:{client.port}"
+    if args.json:
+        _print_json({"address": address, "node_id": node_id, "rtt_ms": round(rtt_ms, 3)})
+    else:
+        print(f"{address}: {node_id} answered in {rtt_ms:.2f} ms")
+    return OK
+
+
+Command = Callable[[ParameterClient, argparse.Namespace], Coroutine[Any, Any, int]]
+COMMANDS: dict[str, Command] = {
+    "stats": stats,
+    "peers": peers,
+    "waiting": waiting,
+    "get": get,
+    "list": list_parameters,
+    "ping": ping,
+}
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None) -> int:
+    """Run the command ``args`` names against its node; answer the exit code."""
+    client = ParameterClient(
+        args.address,
+        timeout=args.timeout,
+        connect_timeout=args.timeout,
+        max_connections=1,
+        ssl=ssl,
+    )
+    try:
+        return await COMMANDS[args.command](client, args)
+    finally:
+        await client.close()
+
+
+def _run(coroutine: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed, else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def _error(exc: BaseException) -> str:
+    """One line for what went wrong."""
+    if isinstance(exc, RequestError):
+        text = f"the node refused the request: {exc}"
+    elif isinstance(exc, ServerError):
+        text = f"the node failed: {exc}"
+    elif isinstance(exc, ProtocolError):
+        # (it may quote bytes: their spaces stay as they came)
+        return " ".join(str(exc).splitlines())
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # What the client logs (e.g. why it closed a connection), as our own lines.
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
+    ssl = None
+    if args.tls_key and not args.tls_cert:
+        parser.error("--tls-key needs --tls-cert")
+    if args.tls or args.tls_ca or args.tls_cert:
+        try:
+            ssl = client_context(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            parser.error(f"TLS: {exc}")
+    try:
+        return _run(run(args, ssl))
+    except ParamSyncError as exc:
+        print(f"{PROG}: {_error(exc)}", file=sys.stderr)
+        return FAILED
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): say nothing more, and let
+        # Python's exit not complain about flushing stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

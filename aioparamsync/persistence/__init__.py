@@ -1,0 +1,1 @@
+"""Durability: the write-ahead log, safetensors snapshots, and recovery from them."""

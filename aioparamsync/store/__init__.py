@@ -1,0 +1,5 @@
+"""The store: the pure table (:mod:`.table`: every mutation rule, no asyncio) and its
+single writer (:mod:`.writer`: asyncio queues and futures, no sockets).
+
+Import the module you need: ``aioparamsync.store.table`` loads no asyncio.
+"""
