@@ -5,7 +5,7 @@ async with ParameterClient("127.0.0.1:9090") as client:
     arrays = await client.get_arrays(["w"])
 
 The public API is imported lazily (PEP 562): ``import aioparamsync`` loads
-nothing but this file and the version, and ``aioparamsync.ParameterClient``
+nothing but this file, the version and the errors, and ``aioparamsync.ParameterClient``
 imports the client when first used. So the sans-IO layers
 (``aioparamsync.wire``, ``aioparamsync.values``, ``aioparamsync.store.table``)
 import alone, without asyncio, the client or the server.
@@ -18,23 +18,25 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 
+# The errors import nothing but the standard library's: loaded with the package.
+from .errors import (
+    CallTimeout,
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    ConnectTimeout,
+    ErrorCode,
+    LocalProtocolError,
+    NetworkError,
+    ParamSyncError,
+    ProtocolError,
+    RemoteProtocolError,
+    RequestError,
+    ServerError,
+)
+
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .client.api import ParameterClient
-    from .errors import (
-        CallTimeout,
-        ClientClosedError,
-        ConnectError,
-        ConnectionLostError,
-        ConnectTimeout,
-        ErrorCode,
-        LocalProtocolError,
-        NetworkError,
-        ParamSyncError,
-        ProtocolError,
-        RemoteProtocolError,
-        RequestError,
-        ServerError,
-    )
     from .node import Node
     from .values.arrays import from_parameter, to_parameter
     from .values.rules import adam, sgd, sum_rule
@@ -76,24 +78,8 @@ __all__ = [
     "to_parameter",
 ]
 
-# Each public name: the module that defines it, and its name there.
-_ERRORS = (
-    "CallTimeout",
-    "ClientClosedError",
-    "ConnectError",
-    "ConnectTimeout",
-    "ConnectionLostError",
-    "ErrorCode",
-    "LocalProtocolError",
-    "NetworkError",
-    "ParamSyncError",
-    "ProtocolError",
-    "RemoteProtocolError",
-    "RequestError",
-    "ServerError",
-)
+# Each lazy name: the module that defines it, and its name there.
 _PUBLIC: dict[str, tuple[str, str]] = {
-    **{name: (".errors", name) for name in _ERRORS},
     "Node": (".node", "Node"),
     "ParameterClient": (".client.api", "ParameterClient"),
     "from_parameter": (".values.arrays", "from_parameter"),
