@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Asynchronous SGD on a local aioparamsync cluster: the whole job in one command.
 
-    python examples/train_async_sgd.py           # 3 nodes, 6 workers: about 10 s
-    python examples/train_async_sgd.py --help    # the knobs
+    python examples/train_async_sgd.py                    # 3 nodes, 6 workers: 10-30 s
+    python examples/train_async_sgd.py --mode overwrite   # workers write weights instead
+    python examples/train_async_sgd.py --help             # the knobs
 
 What it does, step by step:
 
@@ -19,21 +20,34 @@ What it does, step by step:
 3. **Workers.** ``--workers`` coroutines in this process, each with its own
    :class:`~aioparamsync.ParameterClient` pointed at a different node (the
    other nodes are its failover addresses). Each step, a worker pulls the
-   weights (``get_arrays``), computes the gradient of the loss on a mini-batch
-   of its shard, and pushes the updated weights (``update_arrays``). No worker
-   waits for another: asynchronous SGD. A push may overwrite another worker's
-   push, or start from weights a replica has not caught up on yet; SGD
-   converges all the same.
-4. **The result.** Prints the loss before and after training (on the held-out
-   set, with the weights the cluster agrees on), the throughput, and stops every
-   node it started, by PID, always: also on an error, Ctrl-C or SIGTERM.
+   weights (``get_arrays``) and computes the gradient of the loss on a
+   mini-batch of its shard. No worker waits for another: asynchronous SGD.
+   What it sends depends on ``--mode``:
+
+   - ``gradients`` (the default): the gradient itself (``push_gradients``).
+     The parameters were stored with the rule ``sgd(lr)``, so the cluster
+     applies the step: each parameter's gradients are folded in at one node,
+     whichever node they were pushed to, and every gradient counts (the
+     weight's version grows by one for each).
+   - ``overwrite``: the updated weights, computed by the worker
+     (``update_arrays``). The node only stores them, so a write replaces
+     whatever other workers wrote since this worker's pull: concurrent steps
+     overwrite each other, and SGD converges all the same, in more steps.
+
+   A step may start from weights a replica has not caught up on yet; SGD
+   tolerates that too.
+4. **The result.** Prints the loss before and after training, with the
+   weights the cluster agrees on: on the workers' training data and on the
+   held-out set (the one that says how well the model learned), the
+   throughput, and stops every node it started, by PID, always: also on an
+   error, Ctrl-C or SIGTERM.
 
 Try ``kill <pid>`` on one node while it trains (the PIDs are printed): the
 workers using it move to another node and carry on.
 
-Progress shows as a tqdm bar when tqdm is installed (``pip install
-'aioparamsync[examples]'``) and the output is a terminal, else as a plain line
-every second.
+Progress (the running training loss) shows as a tqdm bar when tqdm is
+installed (``pip install '.[examples]'`` in the checkout) and the output is a
+terminal, else as a plain line every second, on stderr.
 """
 
 from __future__ import annotations
@@ -62,11 +76,21 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-from aioparamsync import ConnectionLostError, NetworkError, ParameterClient  # noqa: E402
+from aioparamsync import ConnectionLostError, NetworkError, ParameterClient, sgd  # noqa: E402
 
 # The parameters of the model, as the cluster stores them.
 WEIGHT, BIAS = "linear.weight", "linear.bias"
 NAMES = [WEIGHT, BIAS]
+
+# What a worker sends each step (--mode): its gradient, folded in by the
+# cluster, or the new weights it computed, which overwrite the stored ones.
+GRADIENTS, OVERWRITE = "gradients", "overwrite"
+MODES = {
+    GRADIENTS: "push the gradient (push_gradients); the nodes fold every one in by the "
+    "parameters' sgd rule, so no step is lost",
+    OVERWRITE: "compute the new weights and write them (update_arrays); concurrent "
+    "steps overwrite each other (last writer wins)",
+}
 
 # Training samples each worker holds, and held-out samples the loss is measured on.
 SHARD_SAMPLES = 4096
@@ -236,8 +260,8 @@ def loss_of(weights: dict[str, np.ndarray], data: tuple[np.ndarray, np.ndarray])
 
 
 class Progress:
-    """Steps done and a running loss: tqdm's bar on a terminal if tqdm is installed,
-    else a plain line every second (both on stderr)."""
+    """Steps done and the running training loss (of the mini-batches): tqdm's bar on
+    a terminal if tqdm is installed, else a plain line every second (both on stderr)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -257,13 +281,14 @@ class Progress:
         if loss is not None:
             self.loss = loss if math.isnan(self.loss) else 0.95 * self.loss + 0.05 * loss
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {self.loss:.4f}", refresh=False)
+            self._bar.set_postfix_str(f"train loss {self.loss:.4f}", refresh=False)
             self._bar.update(1)
         elif time.monotonic() - self._last_line >= 1.0 or self.done == self.total:
             self._last_line = time.monotonic()
             rate = self.done / (self._last_line - self.started)
             print(
-                f"  step {self.done:>6}/{self.total}  loss {self.loss:9.4f}  {rate:7.0f} steps/s",
+                f"  step {self.done:>6}/{self.total}  train loss {self.loss:9.4f}  "
+                f"{rate:7.0f} steps/s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -289,8 +314,12 @@ async def sgd_step(
     rng: np.random.Generator,
     batch: int,
     lr: float,
+    mode: str,
+    rule_lr: float,
 ) -> tuple[float, int]:
-    """Pull the weights, compute the gradient on a mini-batch, push the updated weights.
+    """Pull the weights, compute the gradient on a mini-batch, and push: the gradient
+    (``mode`` GRADIENTS; the nodes step by the rule ``sgd(rule_lr)``) or the updated
+    weights (OVERWRITE). Either way, a step of learning rate ``lr``.
 
     Answers the mini-batch's loss and the bytes pulled and pushed.
     """
@@ -299,12 +328,19 @@ async def sgd_step(
     loss, grad_weight, grad_bias = loss_and_gradients(
         weights[WEIGHT], weights[BIAS], x[rows], y[rows]
     )
-    update = {
-        WEIGHT: weights[WEIGHT] - lr * grad_weight,
-        BIAS: weights[BIAS] - lr * grad_bias,
-    }
-    await client.update_arrays(update)  # both parameters, atomically
-    return loss, sum(array.nbytes for array in [*weights.values(), *update.values()])
+    if mode == GRADIENTS:
+        # The node steps by w -= rule_lr * g: a gradient scaled by lr / rule_lr
+        # makes the step of this learning rate (which decays; the rule's is fixed).
+        scale = np.float32(lr / rule_lr)
+        pushed = {WEIGHT: scale * grad_weight, BIAS: scale * grad_bias}
+        await client.push_gradients(pushed)  # both folded in, together
+    else:
+        pushed = {
+            WEIGHT: weights[WEIGHT] - lr * grad_weight,
+            BIAS: weights[BIAS] - lr * grad_bias,
+        }
+        await client.update_arrays(pushed)  # both parameters, atomically
+    return loss, sum(array.nbytes for array in [*weights.values(), *pushed.values()])
 
 
 async def worker(
@@ -327,7 +363,9 @@ async def worker(
             # ones that average out the noise of the mini-batches.
             lr = args.lr * (1 - step / args.steps)
             try:
-                loss, nbytes = await sgd_step(client, x, y, rng, args.batch, lr)
+                loss, nbytes = await sgd_step(
+                    client, x, y, rng, args.batch, lr, args.mode, rule_lr=args.lr
+                )
             except ConnectionLostError:
                 # The node went away during the step (its push may or may not have
                 # landed). To SGD that is one lost step; the next call moves to
@@ -393,10 +431,15 @@ async def until_all(
 
 @dataclass
 class Result:
+    # The loss of the initial and of the final weights, on the workers' training
+    # data (all the shards) and on the held-out set.
+    initial_train_loss: float
+    final_train_loss: float
     initial_loss: float
     final_loss: float
     nodes_agreeing: int  # the nodes still up at the end
-    version: int  # of the weight, which they agree on
+    initial_version: int  # of the weight, once stored at zero
+    version: int  # of the weight, which they agree on at the end
     seconds: float
     traffic: Traffic
 
@@ -409,8 +452,10 @@ async def train(addresses: Sequence[str], problem: Problem, args: argparse.Names
         WEIGHT: np.zeros((args.dim, args.outputs), np.float32),
         BIAS: np.zeros(args.outputs, np.float32),
     }
+    # In GRADIENTS mode, with the rule the nodes fold the gradients in by.
+    rules = sgd(args.lr) if args.mode == GRADIENTS else None
     async with ParameterClient(addresses[0], timeout=CALL_TIMEOUT) as client:
-        versions = await client.update_arrays(initial)
+        versions = await client.update_arrays(initial, rules=rules)
     await wait_for_agreement(addresses, min_version=versions[WEIGHT])
     print(f"the cluster is ready: {len(addresses)} nodes in a full mesh; training", flush=True)
 
@@ -432,10 +477,18 @@ async def train(addresses: Sequence[str], problem: Problem, args: argparse.Names
     version = await wait_for_agreement(up)
     async with ParameterClient(up[0], timeout=CALL_TIMEOUT) as client:
         final = await client.get_arrays(NAMES)
+
+    def train_loss(weights: dict[str, np.ndarray]) -> float:
+        # The shards have one size: the mean of their losses is the loss on them all.
+        return float(np.mean([loss_of(weights, shard) for shard in problem.shards]))
+
     return Result(
+        initial_train_loss=train_loss(initial),
+        final_train_loss=train_loss(final),
         initial_loss=loss_of(initial, problem.test),
         final_loss=loss_of(final, problem.test),
         nodes_agreeing=len(up),
+        initial_version=versions[WEIGHT],
         version=version,
         seconds=seconds,
         traffic=traffic,
@@ -497,6 +550,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="learning rate at the start (it decays linearly to 0)",
     )
     knob("--seed", type=int, default=0, help="seed of the data and of the mini-batches")
+    knob(
+        "--mode",
+        choices=list(MODES),
+        default=GRADIENTS,
+        help="what a worker sends each step: "
+        + "; ".join(f"{mode}: {what}" for mode, what in MODES.items()),
+    )
     return parser.parse_args(argv)
 
 
@@ -546,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{4 * size / 1024:.0f} KiB); {args.workers} workers x {args.steps} steps, "
         f"batch {args.batch}, lr {args.lr}"
     )
+    print(f"mode: {args.mode}: {MODES[args.mode]}")
     try:
         problem = make_problem(args.dim, args.outputs, args.workers, args.seed)
         print(f"starting {args.nodes} nodes ...", flush=True)
@@ -571,8 +632,22 @@ def report(result: Result, problem: Problem, args: argparse.Namespace) -> None:
     which = f"{result.nodes_agreeing} nodes still up" if down else f"{args.nodes} nodes"
     went = f"; {down} went down" if down else ""
     print(f"the {which} agree on the model (version {result.version}){went}")
+    advanced = result.version - result.initial_version
+    cut = f", and {t.lost_steps} cut off by a lost connection" if t.lost_steps else ""
+    if args.mode == GRADIENTS:
+        # Each gradient folded in adds one to the version.
+        print(f"gradients folded in: {advanced} of {t.steps} pushed{cut}")
+    else:
+        print(
+            f"weights written: {t.steps}{cut}; the version advanced by {advanced} "
+            "(concurrent writes overwrite each other)"
+        )
     print(
-        f"loss: initial {result.initial_loss:.4f} -> final {result.final_loss:.4f} "
+        f"training loss: initial {result.initial_train_loss:.4f} -> "
+        f"final {result.final_train_loss:.4f} (the workers' shards)"
+    )
+    print(
+        f"held-out loss: initial {result.initial_loss:.4f} -> final {result.final_loss:.4f} "
         f"(noise floor {problem.noise_floor:.4f})"
     )
     lost = f" ({t.lost_steps} steps lost)" if t.lost_steps else ""
