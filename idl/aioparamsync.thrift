@@ -73,7 +73,8 @@ struct Parameter {
     // shape. Once a parameter has a dtype and shape, an update with another
     // layout is refused (SHAPE_MISMATCH) unless it sets this. Plain bytes
     // (no dtype) of the stored size, and data of the stored dtype and size
-    // without a shape, keep the stored layout.
+    // without a shape, keep the stored layout; a lossy encoding's data (fp16,
+    // bf16, int8) of a wider float dtype is stored in the parameter's.
     14: optional bool replace,
 }
 

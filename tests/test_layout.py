@@ -222,6 +222,16 @@ async def test_an_encoded_update_keeps_the_layout_rule(node: Node, client: Param
     await refused(client.update_arrays({"w": np.ones(64, np.float32)}, encoding="int8"), "(64,)")
     await refused(client.update_arrays({"w": np.ones((8, 8))}, encoding="zlib"), "float64 (8, 8)")
     assert snapshot(node, "w")[:3] == (2, "<f4", (8, 8))
+    # A wider float sent in a lossy encoding: the precision given up was asked for, so its
+    # values narrow to the stored dtype; a kind is never changed.
+    await client.update_arrays({"w": np.full((8, 8), 0.5)}, encoding="fp16")
+    version, dtype, shape, data, _ = snapshot(node, "w")
+    assert (version, dtype, shape) == (3, "<f4", (8, 8))
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), 0.5)
+    np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], np.full((8, 8), 0.5))
+    await client.update_arrays({"n": np.zeros(4, np.int32)})
+    await refused(client.update_arrays({"n": np.ones(4)}, encoding="fp16"), "int32 (4,)")
+    assert snapshot(node, "n")[:3] == (1, "<i4", (4,))
 
 
 async def test_a_parameter_in_pieces_keeps_the_layout_rule(node: Node) -> None:

@@ -32,6 +32,7 @@ from ..values.arrays import (
     is_bfloat16,
     layout,
     lossless_cast,
+    parse_dtype,
     same_kind_cast,
 )
 from ..wire import thrift
@@ -270,7 +271,9 @@ class ParameterTable:
                     ErrorCode.LIMIT_EXCEEDED, f"{name!r} has reached the largest version"
                 )
             if current.dtype is not None and not p.replace:
-                _check_keeps_layout(current, nbytes, p.dtype, p.shape)
+                _check_keeps_layout(
+                    current, nbytes, p.dtype, p.shape, lossy=getattr(p, "lossy", False)
+                )
 
     def apply(self, params: Sequence[Any], timestamp: int) -> Applied:
         """Apply one update wholly, or raise :class:`RequestError` and change nothing.
@@ -287,10 +290,14 @@ class ParameterTable:
             given = p.version or 0
             dtype = p.dtype
             shape = tuple(p.shape) if p.shape is not None else None
+            data = p.data
             if current is not None and current.dtype is not None and not p.replace:
                 # An update keeps the layout (check() saw that it fits): plain
                 # bytes (a founding client's) of the stored size take it whole,
-                # an array given without a shape takes the stored shape.
+                # an array given without a shape takes the stored shape, and a
+                # lossy-encoded one of a wider dtype is cast to the stored one.
+                if dtype is not None and dtype != current.dtype:
+                    data = _cast(p, current)
                 dtype, shape = current.dtype, current.shape
             rule = p.rule if p.rule is not None else (current.rule if current else None)
             if rule is not None and p.rule is None:
@@ -301,7 +308,7 @@ class ParameterTable:
             made.append(
                 Entry(
                     p.name,
-                    _readonly(p.data),
+                    _readonly(data),
                     max(stored + 1, given),
                     dtype,
                     shape,
@@ -463,12 +470,20 @@ class ParameterTable:
 
 
 def _check_keeps_layout(
-    current: Entry, nbytes: int, dtype: str | None, shape: Sequence[int] | None
+    current: Entry,
+    nbytes: int,
+    dtype: str | None,
+    shape: Sequence[int] | None,
+    *,
+    lossy: bool = False,
 ) -> None:
     """Check that an update of ``current`` keeps its layout (it was not asked to replace it).
 
     Plain bytes keep the stored layout if they are its size; an array must
     have the stored dtype, and the stored shape or none (and the stored size).
+    An array the caller sent in a lossy encoding (``lossy``: the node's
+    decoder says so) may be of a wider dtype of the same kind: its values are
+    cast to the stored one (see :meth:`ParameterTable.apply`).
     """
     stored = current.nbytes, current.dtype, current.shape
     if dtype is None:
@@ -482,8 +497,11 @@ def _check_keeps_layout(
         )
     if shape is None and nbytes == current.nbytes:
         shape = current.shape or None  # no shape given: the stored one, if the size is its
-    if layout(nbytes, dtype, shape) == layout(*stored):
+    given, kept = layout(nbytes, dtype, shape), layout(*stored)
+    if given == kept:
         return
+    if lossy and given[1] == kept[1] and same_kind_cast(given[0], kept[0]):
+        return  # precision the caller chose to lose: cast to the stored dtype
     raise RequestError(
         ErrorCode.SHAPE_MISMATCH,
         f"{current.name!r} is stored as {describe_layout(*stored)}; the update has "
@@ -491,6 +509,17 @@ def _check_keeps_layout(
         "and shape: convert the array to the stored layout, or replace the parameter "
         "(replace=True; on the wire, Parameter.replace)",
     )
+
+
+def _cast(p: Any, current: Entry) -> Any:
+    """The values of update ``p`` in ``current``'s dtype (and shape): its data, cast."""
+    target = parse_dtype(current.dtype) if current.dtype is not None else None
+    value = from_parameter(p)
+    if value.dtype == target:
+        return p.data  # the same dtype, spelt another way ("<f4", "float32")
+    cast = value.astype(target).reshape(current.shape or -1)
+    cast.flags.writeable = False  # ours alone: the entry keeps it, uncopied
+    return cast.reshape(-1).view(np.uint8)
 
 
 def _check_cast(name: str, source: np.dtype, target: np.dtype, *, lossy: bool) -> None:
