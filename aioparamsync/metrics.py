@@ -69,6 +69,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._version import __version__
+from .cluster.links import LinkState
 from .errors import ErrorCode, RequestError
 from .wire import method, thrift
 
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.registry import CollectorRegistry
 
-    from .cluster.links import Cluster
+    from .cluster.membership import Cluster
     from .server.handlers import ParameterService
     from .server.transport import Server
     from .store.writer import ParameterStore
@@ -119,7 +120,7 @@ LATENCY_BUCKETS = (
     10.0,
 )
 # Every state a peer link can be in (see PeerLink).
-PEER_STATES = ("connecting", "up", "backoff")
+PEER_STATES = (LinkState.CONNECTING, LinkState.UP, LinkState.BACKOFF)
 PREFIX = "aioparamsync_"
 
 MISSING = (

@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterable
 
 from .client.api import Address, parse_address, parse_addresses
-from .cluster.links import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING, Cluster, member_name
+from .cluster.links import DEFAULT_REPAIR_INTERVAL, member_name
+from .cluster.membership import UNREACHABLE_WARNING, Cluster
 from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
 from .server.handlers import ParameterService

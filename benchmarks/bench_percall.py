@@ -27,7 +27,7 @@ per call on this machine. As ``bench_node.py`` does, the script runs with glibc
 malloc tuned (it re-executes itself once with ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set), so that large buffers are reused rather than
 page-faulted in afresh. The client side reaches into the client's private
-connection class (``aioparamsync.client.api._Connection``) to give it the fake
+connection class (``aioparamsync.client.connection._Connection``) to give it the fake
 transport.
 
     python benchmarks/bench_percall.py                      # 4 KiB, 8 connections
@@ -53,8 +53,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aioparamsync import ParameterClient, to_parameter
-from aioparamsync.cli.node import byte_size
-from aioparamsync.client import api as client_module
+from aioparamsync.cli.options import byte_size
+from aioparamsync.client import connection as client_module
 from aioparamsync.node import Node
 from aioparamsync.server.transport import ServerConnection
 from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method, thrift

@@ -75,7 +75,7 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from aioparamsync import ParameterClient  # noqa: E402
-from aioparamsync.client.api import parse_addresses  # noqa: E402
+from aioparamsync.client.addresses import parse_addresses  # noqa: E402
 from aioparamsync.values import rules  # noqa: E402
 from aioparamsync.values.arrays import from_parameter  # noqa: E402
 

@@ -7,7 +7,9 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 
 from aioparamsync.errors import RemoteProtocolError
-from aioparamsync.wire import codec
+from aioparamsync.wire import NeedData
+from aioparamsync.wire.binary import BinaryReader
+from aioparamsync.wire.plan import _plan
 
 # How hard the codec's property tests try.
 PROPERTY = settings(
@@ -17,13 +19,13 @@ PROPERTY = settings(
 )
 
 
-class GeneralReader(codec.BinaryReader):
+class GeneralReader(BinaryReader):
     """The binary protocol with the general walk only: the reference."""
 
     __slots__ = ()
 
     def read_struct(self, cls: Any) -> Any:
-        plan = codec._plan(cls)
+        plan = _plan(cls)
         self._enter()
         values: dict[str, Any] = {}
         self._read_fields(plan.by_id, values)
@@ -66,6 +68,6 @@ def outcome(reader_cls: type, data: bytes, cls: type, stream: bool) -> Any:
         body = reader.read_body(cls)
     except RemoteProtocolError as exc:
         return ("RemoteProtocolError", str(exc))
-    except codec.NeedData as exc:
+    except NeedData as exc:
         return ("NeedData", exc.needed)
     return plain(body), reader.pos, reader.elements

@@ -35,7 +35,8 @@ from aioparamsync import (
     __version__,
     from_parameter,
 )
-from aioparamsync.cli.node import build_parser, byte_size, human_size
+from aioparamsync.cli.node import build_parser
+from aioparamsync.cli.options import byte_size, human_size
 from aioparamsync.wire import MessageType, Protocol, decode_header, encode_message, method, thrift
 
 pytestmark = pytest.mark.timeout(90)

@@ -26,8 +26,8 @@ from aioparamsync import (
     thrift,
     to_parameter,
 )
-from aioparamsync.client import api as client_module
-from aioparamsync.client.api import parse_address
+from aioparamsync.client import connection as client_module
+from aioparamsync.client.addresses import parse_address
 from aioparamsync.wire import MessageType, Receiver, decode_header, encode_message, method
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from aioparamsync import Node, ParameterClient, sgd, thrift
-from aioparamsync.client.api import check_seconds
+from aioparamsync.client.addresses import check_seconds
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -34,12 +34,12 @@ from aioparamsync.wire import (
     MessageType,
     Protocol,
     Receiver,
-    codec,
     decode_header,
     encode_message,
     method,
     thrift,
 )
+from aioparamsync.wire import binary as codec
 
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)

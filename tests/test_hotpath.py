@@ -24,12 +24,12 @@ from aioparamsync.wire import (
     MessageType,
     Protocol,
     Receiver,
-    codec,
     decode_header,
     encode_message,
     method,
     thrift,
 )
+from aioparamsync.wire import binary as codec
 
 
 class RecordingTransport:

@@ -32,7 +32,7 @@ from aioparamsync import (
     RemoteProtocolError,
     thrift,
 )
-from aioparamsync.client.api import HEAD_BYTES, _reply_head
+from aioparamsync.client.connection import HEAD_BYTES, _reply_head
 from aioparamsync.wire import MessageType, Protocol, method
 
 pytestmark = pytest.mark.timeout(60)

@@ -136,7 +136,7 @@ async def test_no_peer_answering_is_a_warning_once_not_at_every_retry(spawn, ref
     )
     await node.wait_stderr(NO_ANSWER)
     [warning] = lines_with(node, NO_ANSWER)
-    assert " WARNING aioparamsync.cluster.links: " in warning
+    assert " WARNING aioparamsync.cluster.membership: " in warning
     assert f"tried {text(refusing)} (ConnectError: " in warning
     assert "Connection refused" in warning
     # The node goes on retrying (and serving), and says nothing more of it for now.
@@ -187,7 +187,7 @@ async def test_the_warning_names_every_peer_tried_and_a_peer_answering_is_said(
     frozen.signal(signal.SIGCONT)
     await node.wait_stderr("answers")
     [answered] = lines_with(node, "answers")
-    assert " INFO aioparamsync.cluster.links: " in answered
+    assert " INFO aioparamsync.cluster.membership: " in answered
     assert f"peer b ({frozen.address_text}) answers, after " in answered
     assert len(lines_with(node, NO_ANSWER)) == 1
     assert await stop(node) == 0

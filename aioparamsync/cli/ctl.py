@@ -15,14 +15,16 @@ refused, or is no node (one line on stderr); 2 bad arguments; 3 ``get`` found
 some name not on the node (what it found is still shown).
 
 It only reads: no command changes the node.
+
+Here are its parser (the flags' values read by :mod:`.options`), its
+commands (each asks the node, then prints with :mod:`.output`), and the
+running of one, with what goes wrong said in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import logging
 import os
 import ssl as ssl_module
@@ -31,14 +33,25 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import numpy as np
-
 from .._version import __version__
-from ..client.api import ParameterClient, check_seconds, parse_address
+from ..client.api import ParameterClient
+from ..cluster.links import LinkState
 from ..errors import ParamSyncError, ProtocolError, RequestError, ServerError
 from ..tls import client_context
-from ..values.arrays import BFLOAT16, from_parameter
+from ..values.arrays import from_parameter
 from ..wire import METHODS, thrift
+from .options import TLS_ERRORS, address, positive_seconds
+from .output import (
+    dtype_name,
+    format_duration,
+    format_fields,
+    format_preview,
+    format_size,
+    format_table,
+    format_timestamp,
+    print_json,
+    print_parameter,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -47,33 +60,14 @@ PROG = "aioparamsync-ctl"
 DEFAULT_TIMEOUT = 5.0
 # Exit codes.
 OK, FAILED, NOT_FOUND = 0, 1, 3  # (2: bad arguments, as argparse exits)
-# How much of an array ``get`` shows: this many items at each end of each axis.
-PREVIEW_EDGE_ITEMS = 3
 
 
 # -- arguments ------------------------------------------------------------------------------
 
 
 def _address(text: str) -> str:
-    try:
-        host, port = parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    host, port = address(text)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    try:
-        check_seconds(value, "--timeout")  # (the client's own rule)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: must be a finite number of seconds > 0"
-        ) from None
-    return value
 
 
 def _prefix(text: str) -> str:
@@ -111,7 +105,7 @@ def _add_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=_timeout,
+        type=positive_seconds,
         default=default("timeout"),
         metavar="SECONDS",
         help=f"deadline of connecting and of each call (default: {DEFAULT_TIMEOUT:g})",
@@ -172,73 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- formatting -----------------------------------------------------------------------------
-
-
-def _size(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    value = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} TiB"
-
-
-def _duration(seconds: float) -> str:
-    """``3725.2`` -> ``"1 h 2 min 5 s"``; under a minute, with a decimal."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    parts: list[str] = []
-    rest = int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
-        count, rest = divmod(rest, size)
-        if count or parts:
-            parts.append(f"{count} {unit}")
-    return " ".join(parts)
-
-
-def _timestamp(ms: int, parameters: int) -> str:
-    """An update timestamp (milliseconds since the epoch, by convention), and its UTC time."""
-    if ms == 0:
-        # (updates may say 0 themselves: a node holding parameters has had some)
-        return "0" if parameters else "0 (no update yet)"
-    try:
-        when = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
-    except (OverflowError, ValueError, OSError):
-        return str(ms)  # a client's own timestamps need not be times
-    return f"{ms} ({when.isoformat(sep=' ', timespec='milliseconds').replace('+00:00', ' UTC')})"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int]) -> str:
-    """Columns padded to their widest cell; those in ``right`` aligned right."""
-    cells = [list(header), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = []
-    for row in cells:
-        padded = [
-            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)
-        ]
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines)
-
-
-def _fields(rows: Sequence[tuple[str, Any]], indent: str = "") -> str:
-    width = max(len(key) for key, _ in rows)
-    return "\n".join(f"{indent}{key.ljust(width)}  {value}" for key, value in rows)
-
-
-def _preview(array: np.ndarray, prefix: str) -> str:
-    """A few values from each end of each axis; later lines indented under the first."""
-    return np.array2string(
-        array, threshold=2 * PREVIEW_EDGE_ITEMS, edgeitems=PREVIEW_EDGE_ITEMS, precision=4,
-        max_line_width=100, prefix=prefix,
-    )  # fmt: skip
+# -- the commands ---------------------------------------------------------------------------
 
 
 def _peer(p: Any) -> dict[str, Any]:
+    """What ``stats`` and ``peers`` show of a peer link in JSON."""
     return {
         "node_id": p.node_id,
         "address": p.address,
@@ -253,18 +185,11 @@ def _peer(p: Any) -> dict[str, Any]:
     }
 
 
-def _print_json(document: Any) -> None:
-    print(json.dumps(document, indent=2, allow_nan=False))
-
-
-# -- the commands ---------------------------------------------------------------------------
-
-
 async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
     info = await client.info()
     peers = info.peers or []
     if args.json:
-        _print_json(
+        print_json(
             {
                 "node_id": info.node_id,
                 "version": info.version,
@@ -277,22 +202,22 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
             }
         )
         return OK
-    up = sum(p.state == "up" for p in peers)
+    up = sum(p.state == LinkState.UP for p in peers)
     print(
-        _fields(
+        format_fields(
             [
                 ("node", info.node_id),
                 ("version", info.version),
-                ("parameters", f"{info.parameter_count} ({_size(info.parameter_bytes)})"),
-                ("timestamp", _timestamp(info.timestamp, info.parameter_count)),
-                ("uptime", _duration(info.uptime_seconds)),
+                ("parameters", f"{info.parameter_count} ({format_size(info.parameter_bytes)})"),
+                ("timestamp", format_timestamp(info.timestamp, info.parameter_count)),
+                ("uptime", format_duration(info.uptime_seconds)),
                 ("peers", f"{len(peers)} ({up} up)"),
             ]
         )
     )
     if info.counters:
         print("counters")
-        print(_fields(sorted(info.counters.items()), indent="  "))
+        print(format_fields(sorted(info.counters.items()), indent="  "))
     return OK
 
 
@@ -300,7 +225,7 @@ async def peers(client: ParameterClient, args: argparse.Namespace) -> int:
     info = await client.info()
     links = sorted(info.peers or [], key=lambda p: (p.node_id, p.address))
     if args.json:
-        _print_json({"node_id": info.node_id, "peers": [_peer(p) for p in links]})
+        print_json({"node_id": info.node_id, "peers": [_peer(p) for p in links]})
         return OK
     if not links:
         print(f"{info.node_id} has no peers")
@@ -319,7 +244,7 @@ async def peers(client: ParameterClient, args: argparse.Namespace) -> int:
         ]
         for p in links
     ]
-    print(_table(header, rows, right={3, 4, 5, 6, 7}))
+    print(format_table(header, rows, right={3, 4, 5, 6, 7}))
     for p in links:
         if p.last_error:
             print(f"{p.node_id or p.address}: last error: {p.last_error}")
@@ -340,16 +265,17 @@ async def waiting(client: ParameterClient, args: argparse.Namespace) -> int:
             }
             for w in held
         ]
-        _print_json({"node_id": info.node_id, "waiting": document})
+        print_json({"node_id": info.node_id, "waiting": document})
         return OK
     if not held:
         print(f"{info.node_id} holds no long polls or barriers")
         return OK
     header = ["KIND", "WHO", "FOR", "WAITING", "WAITING FOR"]
     rows = [
-        [w.kind, w.who or "-", w.what, _duration(w.seconds), ", ".join(w.waiting_for)] for w in held
+        [w.kind, w.who or "-", w.what, format_duration(w.seconds), ", ".join(w.waiting_for)]
+        for w in held
     ]
-    print(_table(header, rows, right={3}))
+    print(format_table(header, rows, right={3}))
     return OK
 
 
@@ -374,32 +300,14 @@ async def get(client: ParameterClient, args: argparse.Namespace) -> int:
         }
         shown.append((item, array))
     if args.json:
-        documents = [{**item, "preview": _preview(array, prefix="")} for item, array in shown]
-        _print_json({"parameters": documents, "missing": missing})
+        documents = [{**item, "preview": format_preview(array, prefix="")} for item, array in shown]
+        print_json({"parameters": documents, "missing": missing})
     else:
         for item, array in shown:
-            _print_parameter(item, array)
+            print_parameter(item, array)
     for name in missing:
         print(f"{PROG}: no parameter {name!r} on {client.host}:{client.port}", file=sys.stderr)
     return NOT_FOUND if missing else OK
-
-
-def _print_parameter(item: dict[str, Any], array: np.ndarray) -> None:
-    dtype = f"{array.dtype.name} ({item['dtype']})" if item["dtype"] else "none (plain bytes)"
-    shape = tuple(item["shape"]) if item["shape"] is not None else "-"
-    rows = [
-        ("version", item["version"]),
-        ("origin", item["origin"] or "-"),
-        ("dtype", dtype),
-        ("shape", shape),
-        ("bytes", _size(item["nbytes"])),
-        ("value", ""),
-    ]
-    print(item["name"])
-    # The preview goes in the last row; its later lines line up under its first.
-    *fields, value = _fields(rows, indent="  ").splitlines()
-    print("\n".join(fields))
-    print(value + _preview(array, prefix=value))
 
 
 async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> int:
@@ -413,7 +321,7 @@ async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> 
     items = [_listed(p) for p in params]
     total = sum(item["nbytes"] for item in items)
     if args.json:
-        _print_json({"parameters": items, "count": len(items), "nbytes": total})
+        print_json({"parameters": items, "count": len(items), "nbytes": total})
         return OK
     if not items:
         where = f"{client.host}:{client.port}"
@@ -428,15 +336,15 @@ async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> 
     rows = [
         [
             item["name"],
-            _dtype_name(item["dtype"]),
+            dtype_name(item["dtype"]),
             "-" if item["shape"] is None else str(tuple(item["shape"])),
             item["version"],
-            _size(item["nbytes"]),
+            format_size(item["nbytes"]),
         ]
         for item in items
     ]
-    print(_table(header, rows, right={3, 4}))
-    print(f"{len(items)} parameter{'' if len(items) == 1 else 's'}, {_size(total)}")
+    print(format_table(header, rows, right={3, 4}))
+    print(f"{len(items)} parameter{'' if len(items) == 1 else 's'}, {format_size(total)}")
     return OK
 
 
@@ -452,19 +360,6 @@ def _listed(p: Any) -> dict[str, Any]:
     }
 
 
-def _dtype_name(wire: str | None) -> str:
-    """``"<f4"`` -> ``"float32"``; no dtype -> ``"bytes"``."""
-    if wire is None:
-        return "bytes"
-    if wire == BFLOAT16:
-        return wire
-    try:
-        dtype = np.dtype(wire)
-    except TypeError:
-        return wire  # (a node's dtype string is numpy's; show it as it came)
-    return dtype.name if dtype.isnative else wire  # (">f4" is no float32 here)
-
-
 async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
     await client.ping()  # connects
     started = time.perf_counter()
@@ -472,7 +367,7 @@ async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
     rtt_ms = (time.perf_counter() - started) * 1000
     address = f"{client.host}:{client.port}"
     if args.json:
-        _print_json({"address": address, "node_id": node_id, "rtt_ms": round(rtt_ms, 3)})
+        print_json({"address": address, "node_id": node_id, "rtt_ms": round(rtt_ms, 3)})
     else:
         print(f"{address}: {node_id} answered in {rtt_ms:.2f} ms")
     return OK
@@ -541,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tls or args.tls_ca or args.tls_cert:
         try:
             ssl = client_context(args.tls_ca, args.tls_cert, args.tls_key)
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        except TLS_ERRORS as exc:
             parser.error(f"TLS: {exc}")
     try:
         return _run(run(args, ssl))

@@ -1,20 +1,23 @@
-"""``aioparamsync-node``: run a node until SIGINT or SIGTERM."""
+"""``aioparamsync-node``: run a node until SIGINT or SIGTERM.
+
+Its flags read sizes, seconds, ports and addresses with :mod:`.options`; the rules only a
+node has (a frame size, a receive budget, a data directory, an address peers are told) are
+here, and :func:`main` refuses the flags that do not go together before it serves.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import math
-import re
 import signal
 import ssl
 import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from ..client.api import parse_address, parse_addresses
-from ..cluster.links import DEFAULT_REPAIR_INTERVAL, UNREACHABLE_WARNING
+from ..cluster.links import DEFAULT_REPAIR_INTERVAL
+from ..cluster.membership import UNREACHABLE_WARNING
 from ..metrics import MetricsBindError
 from ..node import Node, unspecified_host
 from ..persistence.datadir import FSYNC_MODES, PersistenceError
@@ -23,39 +26,26 @@ from ..store.table import Limits
 from ..tls import client_context, server_context
 from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
-from ..wire.codec import MAX_I32
+from ..wire.protocol import MAX_I32
+from .options import (
+    TLS_ERRORS,
+    address,
+    addresses,
+    byte_size,
+    human_size,
+    port_number,
+    positive_int,
+    positive_seconds,
+    seconds,
+)
 
 __all__ = ["main"]
 
 log = logging.getLogger("aioparamsync")
 
-# A size: a number and an optional unit; k, m and g count in powers of 1024,
-# written alone or with "iB" or "B" (64k = 64KiB = 64KB = 65536).
-_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 DEFAULT_LIMITS = Limits()
 # The smallest --max-frame-bytes worth running with.
 MIN_FRAME_BYTES = 1024
-
-
-def byte_size(text: str) -> int:
-    """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)")
-    return int(match[1]) * _UNITS[match[2].lower()]
-
-
-def human_size(value: int) -> str:
-    """Bytes as :func:`byte_size` reads them: ``268435456`` -> ``"256MiB"``.
-
-    The largest unit that divides ``value`` exactly, or bytes.
-    """
-    for unit in ("g", "m", "k"):
-        factor = _UNITS[unit]
-        if value and value % factor == 0:
-            return f"{value // factor}{unit.upper()}iB"
-    return str(value)
 
 
 def frame_size(text: str) -> int:
@@ -73,45 +63,11 @@ def receiving_size(text: str) -> int | None:
     return value or None
 
 
-def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
-    return port
-
-
-def seconds(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number >= 0")
-    return value or None
-
-
-def positive_seconds(text: str) -> float:
-    value = seconds(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
-    return value
-
-
 def directory(text: str) -> str:
     if not text.strip():
         # (say, --data-dir "$UNSET": the node's files would go where it was started)
         raise argparse.ArgumentTypeError("an empty path: give the directory")
     return text
-
-
-def address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def advertised_address(text: str) -> tuple[str, int]:
@@ -123,23 +79,6 @@ def advertised_address(text: str) -> tuple[str, int]:
             "give this node's address on their network"
         )
     return host, port
-
-
-def addresses(text: str) -> list[tuple[str, int]]:
-    try:
-        return parse_addresses(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +264,7 @@ def tls_contexts(
 async def serve(args: argparse.Namespace) -> int:
     try:
         server_ssl, peer_ssl = tls_contexts(args)
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+    except TLS_ERRORS as exc:
         print(f"aioparamsync-node: TLS: {exc}", file=sys.stderr)
         return 1
     node = Node(

@@ -7,15 +7,7 @@ messages' types.
 
 from __future__ import annotations
 
-from .codec import (
-    MessageType,
-    NeedData,
-    Protocol,
-    Reader,
-    StreamMeasure,
-    decode_header,
-    encode_message,
-)
+from .codec import decode_header, encode_message
 from .framing import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_RECEIVING_BYTES,
@@ -24,6 +16,9 @@ from .framing import (
     Receiver,
 )
 from .idl import IDL_PATH, METHODS, SEED_IDL_PATH, Method, Methods, method, thrift
+from .protocol import MessageType, Protocol
+from .reader import NeedData, Reader
+from .stream import StreamMeasure
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

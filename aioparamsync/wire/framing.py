@@ -26,7 +26,7 @@ Receivers may share a :class:`ReceiveBudget`, which bounds the bytes that
 large frames being received hold at once, all connections together.
 
 Unframed messages have no length: a
-:class:`~aioparamsync.wire.codec.StreamMeasure` walks each one as its bytes
+:class:`~aioparamsync.wire.stream.StreamMeasure` walks each one as its bytes
 arrive, resuming where it stopped, to find where it ends.
 """
 
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RemoteProtocolError
-from .codec import Protocol, StreamMeasure
+from .protocol import Protocol
+from .stream import StreamMeasure
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

@@ -1,0 +1,346 @@
+"""The pool: a client's connections to its node, and how each call goes over them.
+
+Theory of operation. A client keeps up to ``max_connections`` connections
+(:class:`~aioparamsync.client.connection._Connection`) to its node and sends
+each call on the one with the fewest calls in flight, opening another while
+every open one is busy. Given several addresses (nodes of one cluster), it
+uses one node at a time and moves to the next when that one cannot be
+reached, or keeps breaking connections.
+
+A connection that breaks fails its calls in flight with
+:class:`~aioparamsync.errors.ConnectionLostError` and leaves the pool; the
+next call opens a fresh one. How a call is retried follows its method's
+traits in the method table (see :mod:`aioparamsync.wire.idl`): reads are
+retried on a fresh connection; writes are not (their outcome is unknown: the
+error says so), except idempotent ones such as gradient pushes, which carry
+a request id the node applies once. A call that fails because the server is
+no node (a :class:`~aioparamsync.errors.RemoteProtocolError`) is not retried.
+
+A call the node holds (a long poll, a barrier) goes on a connection of its
+own, so it never holds up the replies of the calls pipelined behind it.
+Such connections are kept, idle, for the next held call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import ssl as ssl_module
+from collections.abc import Iterable
+from types import EllipsisType
+from typing import Any, Self
+
+from ..errors import (
+    CallTimeout,
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    ConnectTimeout,
+    RequestError,
+    ServerError,
+)
+from ..wire import Method, method
+from .addresses import Address, check_seconds, parse_addresses
+from .connection import _Connection
+
+__all__ = ["ConnectionPool"]
+
+log = logging.getLogger(__name__)
+
+# How long close() waits for its connections to finish closing (seconds).
+CLOSE_TIMEOUT = 1.0
+# Idle connections kept for calls the node holds (long polls, barriers).
+MAX_SPARE_CONNECTIONS = 4
+
+
+class ConnectionPool:
+    """A client's connections to its node, and :meth:`invoke`, which sends a call on them.
+
+    The base of :class:`~aioparamsync.client.ParameterClient`, which adds the
+    numpy API; its docstring says what the arguments are.
+
+    Raises:
+        ValueError: ``max_connections`` below 1, no address or one that is
+            not ``host:port``, or a timeout out of its range (see
+            :func:`~aioparamsync.client.addresses.check_seconds`).
+    """
+
+    def __init__(
+        self,
+        address: Address | Iterable[Address],
+        *,
+        timeout: float | None,
+        connect_timeout: float | None,
+        max_connections: int,
+        max_frame_bytes: int,
+        ssl: ssl_module.SSLContext | None,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        self.addresses = parse_addresses(address)
+        self._current = 0  # the node in use: self.addresses[self._current]
+        self.timeout = check_seconds(timeout, "timeout")
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
+        self.max_connections = max_connections
+        self.max_frame_bytes = max_frame_bytes
+        self.ssl = ssl
+        self._connections: list[_Connection] = []
+        self._connecting: asyncio.Future[_Connection] | None = None
+        self._spare: list[_Connection] = []  # idle connections for held calls
+        self._holding: set[_Connection] = set()  # connections a held call is on
+        self._closed = False
+        self.connects = 0  # connections opened so far (a new one means a new session)
+        #: bytes sent and received on every connection, framing included
+        self.traffic: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0}
+
+    @property
+    def host(self) -> str:
+        return self.addresses[self._current][0]
+
+    @property
+    def port(self) -> int:
+        return self.addresses[self._current][1]
+
+    def __repr__(self) -> str:
+        active = sum(1 for c in self._connections if c.pending)
+        in_flight = sum(len(c.pending) for c in self._connections)
+        state = "closed" if self._closed else f"{self.host}:{self.port}"
+        return (
+            f"<ParameterClient {state} [Calls: {in_flight} in flight | Connections: "
+            f"{active} active, {len(self._connections) - active} idle]>"
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every connection; calls in flight fail with ConnectionLostError.
+
+        Returns once the connections have closed (a TLS connection takes a round
+        trip to shut down), or after ``CLOSE_TIMEOUT`` seconds.
+        """
+        self._closed = True
+        connections, self._connections = self._connections, []
+        connections += [*self._spare, *self._holding]
+        self._spare.clear()
+        for conn in connections:
+            conn.close()
+        if connections:
+            await asyncio.wait([conn.closed for conn in connections], timeout=CLOSE_TIMEOUT)
+
+    # -- the pool -------------------------------------------------------------------
+
+    async def _connect(self, *, pooled: bool = True) -> _Connection:
+        """Connect to the node in use, or else to the next that answers, in turn.
+
+        The connection joins the pool, unless not ``pooled`` (a held call's).
+        """
+        loop = asyncio.get_running_loop()
+        failures: list[ConnectError | ConnectTimeout] = []
+        for attempt in range(len(self.addresses)):
+            index = (self._current + attempt) % len(self.addresses)
+            host, port = self.addresses[index]
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    _, conn = await loop.create_connection(
+                        functools.partial(_Connection, self.max_frame_bytes, self.traffic, where),
+                        host,
+                        port,
+                        ssl=self.ssl,
+                    )
+            except TimeoutError:
+                failures.append(
+                    ConnectTimeout(
+                        f"no connection to {host}:{port} within {self.connect_timeout} s"
+                    )
+                )
+                continue
+            except OSError as exc:
+                failures.append(ConnectError(f"cannot connect to {host}:{port}: {exc}"))
+                continue
+            if index != self._current:
+                log.warning("moving to node %s:%d (%s)", host, port, failures[-1])
+                for old in self._connections:
+                    old.close()  # keep one node per client: reads see one node's state
+                self._connections.clear()
+                self._current = index
+            break
+        else:
+            if len(failures) == 1:
+                raise failures[0]
+            raise ConnectError(
+                "no node is reachable: " + "; ".join(str(f) for f in failures)
+            ) from failures[-1]
+        if self._closed:
+            conn.close()
+            raise ClientClosedError("the client was closed")
+        if pooled:
+            self._connections.append(conn)
+        self.connects += 1
+        return conn
+
+    async def _call_held(self, m: Method, message: Any, when: float | None) -> Any:
+        """Send a call the node holds on a connection of its own."""
+        conn = None
+        while self._spare:
+            candidate = self._spare.pop()
+            if candidate.usable:
+                conn = candidate
+                break
+        if conn is None:
+            async with asyncio.timeout_at(when):
+                conn = await self._connect(pooled=False)
+        self._holding.add(conn)
+        answered = False
+        try:
+            result = await conn.call(m, message, when)
+            answered = True
+            return result
+        finally:
+            self._holding.discard(conn)
+            # A connection whose call timed out may yet carry its late reply:
+            # never reuse it.
+            if answered and conn.usable and not self._closed:
+                if len(self._spare) < MAX_SPARE_CONNECTIONS:
+                    self._spare.append(conn)
+                else:
+                    conn.close()
+            else:
+                conn.close()
+
+    async def _acquire(self) -> _Connection:
+        conn = self._acquire_now()
+        if conn is not None:
+            return conn
+        assert self._connecting is not None
+        return await asyncio.shield(self._connecting)
+
+    def _acquire_now(self) -> _Connection | None:
+        """The connection to send on, or None to wait for ``_connecting``.
+
+        Opens another connection while every open one is busy (and the pool has room).
+        """
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        connections = self._connections
+        best: _Connection | None
+        if len(connections) == 1:  # the common case, without a new list
+            best = connections[0] if connections[0].usable else None
+            if best is None:
+                connections.clear()
+        else:
+            connections = self._connections = [c for c in connections if c.usable]
+            best = min(connections, key=lambda c: len(c.pending), default=None)
+        if best is not None and (not best.pending or len(connections) >= self.max_connections):
+            return best
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting.add_done_callback(self._connected)
+        return best  # a busy one: pipeline on it while another opens
+
+    def _move_on(self) -> None:
+        """Use the next node: the one in use keeps breaking connections."""
+        if len(self.addresses) > 1:
+            self._current = (self._current + 1) % len(self.addresses)
+            log.warning("moving to node %s:%d", self.host, self.port)
+            for conn in self._connections:
+                conn.close()
+            self._connections = []
+
+    def _connected(self, future: asyncio.Future) -> None:
+        self._connecting = None
+        if not future.cancelled():
+            future.exception()  # retrieved here; raised to the callers that await it
+
+    async def call(
+        self, name: str, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+    ) -> Any:
+        """Call the IDL method ``name`` with its arguments; answer its result.
+
+        The arguments and the result are the IDL's structs (``aioparamsync.thrift``).
+        A read is retried once on a fresh connection if its connection breaks; a
+        write is not (its outcome is then unknown).
+
+        Raises:
+            ValueError: no such method, or a ``timeout`` that is neither None
+                nor a finite number of seconds above 0.
+            RequestError: the node refused the call (its ``ParameterError``).
+            RemoteProtocolError: what came back is not a framed Thrift message
+                (the address is not a node's: an HTTP server, say).
+            ServerError: the node failed, or does not know the method.
+            CallTimeout, NetworkError, ClientClosedError: see :mod:`aioparamsync.errors`.
+        """
+        m = method(name)
+        if m is None:
+            raise ValueError(f"the IDL has no method {name!r}")
+        return await self.invoke(m, timeout=timeout, **args)
+
+    async def invoke(
+        self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+    ) -> Any:
+        """:meth:`call` by the method's entry in the method table (``wire.METHODS.ping``).
+
+        How a call is sent and retried follows the method's traits (see
+        :mod:`aioparamsync.wire.idl`): a read is retried on a fresh connection
+        (with several nodes, from the second try on at the next node); an
+        idempotent write once, at the same node, which knows its request id;
+        any other write never. A held call gets a connection of its own.
+        """
+        if isinstance(timeout, EllipsisType):
+            deadline = self.timeout
+        else:
+            deadline = check_seconds(timeout, "timeout")
+        message = m.args(**args)
+        # A read is retried on a fresh connection; with several nodes, from the
+        # second try on at the next node (the first may be dying). An idempotent
+        # write once, at the same node (which knows its request id).
+        retries = int(m.idempotent) if m.writes else max(len(self.addresses), 2) - 1
+        tries = 0
+        oneway = m.oneway
+        held = m.held == "always" or (
+            m.held == "wait_ms" and getattr(args.get("request"), "wait_ms", None) is not None
+        )
+        when = None if deadline is None else asyncio.get_running_loop().time() + deadline
+        try:
+            while True:
+                try:
+                    if held:
+                        result = await self._call_held(m, message, when)
+                        break
+                    conn = self._acquire_now()
+                    if conn is None:  # none open: wait for one, within the deadline
+                        async with asyncio.timeout_at(when):
+                            conn = await self._acquire()
+                    if oneway or conn._write_paused:
+                        result = await conn.call(m, message, when)
+                        break
+                    # conn.call's common case, without a coroutine of its own
+                    seqid, future = conn.send(m, message, when)
+                    try:
+                        result = await future
+                    finally:
+                        conn.forget(seqid, when)
+                    break
+                except ConnectionLostError:
+                    if retries == 0 or self._closed:
+                        raise
+                    retries -= 1
+                    tries += 1
+                    if tries > 1:
+                        self._move_on()
+        except TimeoutError:
+            raise CallTimeout(f"{m.name} did not complete within {deadline} s") from None
+        if result is None:
+            return None
+        if getattr(result, "error", None) is not None:
+            raise RequestError(result.error.code, result.error.message)
+        if 0 not in result.thrift_spec:
+            return None  # a void method (update_parameters): its result has no success
+        if result.success is None:
+            raise ServerError(f"{m.name}: the node sent no result")
+        return result.success
