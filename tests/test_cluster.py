@@ -13,7 +13,7 @@ import signal
 import statistics
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -37,6 +37,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aioparamsync import ConnectError, Node, ParameterClient, to_parameter
+from aioparamsync.cluster.links import PeerLink
+from aioparamsync.store.table import Entry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -589,3 +591,14 @@ async def test_a_node_stopped_gracefully_first_sends_its_outboxes(cluster: Local
         if (e := b.table.entry(name))
     }
     assert got == expected
+
+
+async def test_entries_a_link_takes_back_leave_its_outbox_undrained() -> None:
+    # A member's new link takes its old link's outbox (or a failed send puts its
+    # batch back): a drain at shutdown must wait for them.
+    link = PeerLink(cast(Any, None), "127.0.0.1", 9)  # never started: nothing is sent
+    assert link.drained.is_set()
+    entry = Entry("w", memoryview(b"x"), 1, None, None, "a@1")
+    link.offer([entry], taken_back=True)
+    assert link.outbox == {"w": entry}
+    assert not link.drained.is_set()

@@ -260,7 +260,8 @@ class PeerLink:
             taken_back: the entries were queued once already (a send that
                 failed took them, or a member's old link held them): a tie
                 keeps the entry waiting, nothing counts as coalesced, and the
-                sender is neither woken nor told the outbox is not drained.
+                sender is not woken (it sends them when it is up again). The
+                outbox is not drained either way.
         """
         # (Hot: the writer offers each update to each link; a keyword-only
         # flag would slow every call.)
@@ -277,8 +278,8 @@ class PeerLink:
         if outbox:
             if self._oldest is None:
                 self._oldest = time.monotonic()
+            self.drained.clear()
             if not taken_back:
-                self.drained.clear()
                 self._wakeup.set()
 
     def start(self) -> None:
