@@ -18,7 +18,8 @@ HEAVY = ("asyncio", "uvloop", "torch", "ray", "matplotlib")
 LAYERS_ABOVE = (
     "aioparamsync.client",
     "aioparamsync.server",
-    "aioparamsync.cluster",
+    "aioparamsync.cluster.links",
+    "aioparamsync.cluster.membership",
     "aioparamsync.node",
     "aioparamsync.persistence",
     "aioparamsync.store.writer",
@@ -52,6 +53,7 @@ def roots(modules: set[str]) -> set[str]:
         "aioparamsync.values.rules",
         "aioparamsync.values.pieces",
         "aioparamsync.store.table",
+        "aioparamsync.cluster.placement",
     ],
 )
 def test_a_sans_io_layer_imports_alone(module: str) -> None:
