@@ -2,9 +2,9 @@
 
 Theory of operation. :class:`ParameterTable` holds the parameters and every
 rule of changing them (validation, layouts, casts, versions, timestamps,
-last-writer-wins); it has no asyncio in it and is tested without an event
-loop. One caller at a time changes it: the store's single writer
-(:mod:`aioparamsync.store.writer`).
+last-writer-wins; what each parameter must be, :mod:`.checks`); it has no
+asyncio in it and is tested without an event loop. One caller at a time
+changes it: the store's single writer (:mod:`aioparamsync.store.writer`).
 
 Reads need no lock and no copy. A read runs between two of the writer's
 steps on the same event loop, so it sees every update wholly or not at all,
@@ -23,19 +23,9 @@ import numpy as np
 
 from ..errors import ErrorCode, RequestError
 from ..values import rules
-from ..values.arrays import (
-    BFLOAT16,
-    check_layout,
-    describe_layout,
-    dtype_name,
-    from_parameter,
-    is_bfloat16,
-    layout,
-    lossless_cast,
-    parse_dtype,
-    same_kind_cast,
-)
+from ..values.arrays import check_layout, dtype_name, from_parameter, is_bfloat16
 from ..wire import thrift
+from .checks import cast_to, check_cast, check_keeps_layout, check_rule_fits
 
 __all__ = ["Applied", "Entry", "Limits", "ParameterTable", "lww_key"]
 
@@ -255,7 +245,7 @@ class ParameterTable:
             nbytes = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
             check_layout(name, nbytes, p.dtype, p.shape)
             if p.rule is not None:
-                _check_rule_fits(name, p.rule, p.dtype)
+                check_rule_fits(name, p.rule, p.dtype)
             if replicated:
                 if not p.origin or not p.version or p.version < 1:
                     raise RequestError(
@@ -271,7 +261,7 @@ class ParameterTable:
                     ErrorCode.LIMIT_EXCEEDED, f"{name!r} has reached the largest version"
                 )
             if current.dtype is not None and not p.replace:
-                _check_keeps_layout(
+                check_keeps_layout(
                     current, nbytes, p.dtype, p.shape, lossy=getattr(p, "lossy", False)
                 )
 
@@ -297,12 +287,12 @@ class ParameterTable:
                 # an array given without a shape takes the stored shape, and a
                 # lossy-encoded one of a wider dtype is cast to the stored one.
                 if dtype is not None and dtype != current.dtype:
-                    data = _cast(p, current)
+                    data = cast_to(p, current)
                 dtype, shape = current.dtype, current.shape
             rule = p.rule if p.rule is not None else (current.rule if current else None)
             if rule is not None and p.rule is None:
                 try:  # the stored rule must fit the new layout
-                    _check_rule_fits(p.name, rule, dtype)
+                    check_rule_fits(p.name, rule, dtype)
                 except RequestError:
                     rule = None  # e.g. floats replaced by bytes: no rule applies
             made.append(
@@ -392,7 +382,7 @@ class ParameterTable:
                     f"gradient {g.name!r} has shape {grad.shape}; the parameter has "
                     f"{weights.shape}",
                 )
-            _check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
+            check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
             work.append((current, weights, grad))
         return work
 
@@ -467,93 +457,3 @@ class ParameterTable:
         if timestamp > self.timestamp:
             self.timestamp = timestamp
         return Applied(tuple(made), self.timestamp)
-
-
-def _check_keeps_layout(
-    current: Entry,
-    nbytes: int,
-    dtype: str | None,
-    shape: Sequence[int] | None,
-    *,
-    lossy: bool = False,
-) -> None:
-    """Check that an update of ``current`` keeps its layout (it was not asked to replace it).
-
-    Plain bytes keep the stored layout if they are its size; an array must
-    have the stored dtype, and the stored shape or none (and the stored size).
-    An array the caller sent in a lossy encoding (``lossy``: the node's
-    decoder says so) may be of a wider dtype of the same kind: its values are
-    cast to the stored one (see :meth:`ParameterTable.apply`).
-    """
-    stored = current.nbytes, current.dtype, current.shape
-    if dtype is None:
-        if nbytes == current.nbytes:
-            return
-        raise RequestError(
-            ErrorCode.SHAPE_MISMATCH,
-            f"{current.name!r} is stored as {describe_layout(*stored)} ({current.nbytes} "
-            f"bytes); an update of {nbytes} plain bytes does not fit it. Send "
-            f"{current.nbytes} bytes, or replace the parameter (Parameter.replace)",
-        )
-    if shape is None and nbytes == current.nbytes:
-        shape = current.shape or None  # no shape given: the stored one, if the size is its
-    given, kept = layout(nbytes, dtype, shape), layout(*stored)
-    if given == kept:
-        return
-    if lossy and given[1] == kept[1] and same_kind_cast(given[0], kept[0]):
-        return  # precision the caller chose to lose: cast to the stored dtype
-    raise RequestError(
-        ErrorCode.SHAPE_MISMATCH,
-        f"{current.name!r} is stored as {describe_layout(*stored)}; the update has "
-        f"{describe_layout(nbytes, dtype, shape)}. An update keeps a parameter's dtype "
-        "and shape: convert the array to the stored layout, or replace the parameter "
-        "(replace=True; on the wire, Parameter.replace)",
-    )
-
-
-def _cast(p: Any, current: Entry) -> Any:
-    """The values of update ``p`` in ``current``'s dtype (and shape): its data, cast."""
-    target = parse_dtype(current.dtype) if current.dtype is not None else None
-    value = from_parameter(p)
-    if value.dtype == target:
-        return p.data  # the same dtype, spelt another way ("<f4", "float32")
-    cast = value.astype(target).reshape(current.shape or -1)
-    cast.flags.writeable = False  # ours alone: the entry keeps it, uncopied
-    return cast.reshape(-1).view(np.uint8)
-
-
-def _check_cast(name: str, source: np.dtype, target: np.dtype, *, lossy: bool) -> None:
-    """Check that a gradient of dtype ``source`` folds into a parameter of ``target``.
-
-    Without loss only (numpy's "safe" casting: a float64 gradient does not
-    fold into float32 weights, a float into integers, complex into reals);
-    a gradient the caller sent in a lossy encoding may lose precision but
-    not its kind ("same_kind": floats into narrower floats).
-    """
-    if lossless_cast(source, target) or (lossy and same_kind_cast(source, target)):
-        return
-    what, given = dtype_name(target), dtype_name(source)
-    kind_lost = not same_kind_cast(source, target)
-    raise RequestError(
-        ErrorCode.SHAPE_MISMATCH,
-        f"gradient {name!r} of {given} cannot fold into a parameter of {what} without "
-        + (
-            f"loss ({given} values are not {what} values): send it as {what}"
-            if kind_lost
-            else f"losing precision: send it as {what}, or ask for a lossy encoding "
-            "(fp16, bf16, int8, topk)"
-        ),
-    )
-
-
-def _check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
-    """Check a rule, and that it can fold gradients into an array of ``dtype``."""
-    rules.check_rule(name, rule)
-    # (check_layout has checked that dtype is a numeric one)
-    kind = "f" if dtype == BFLOAT16 else np.dtype(dtype).kind if dtype else ""
-    if kind not in ("iuf" if rule.kind == "sum" else "f") or not kind:
-        raise RequestError(
-            ErrorCode.BAD_REQUEST,
-            f"{name!r}: rule {rule.kind} needs a "
-            f"{'real' if rule.kind == 'sum' else 'floating point'} dtype, not {dtype}",
-        )
