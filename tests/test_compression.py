@@ -18,7 +18,6 @@ from aioparamsync.values.compression import (
     ENCODINGS,
     PULL_ENCODINGS,
     ZLIB_CHUNK,
-    ErrorFeedback,
     decode,
     decode_parameter,
     decoded_nbytes,
@@ -26,6 +25,7 @@ from aioparamsync.values.compression import (
     encode,
     encoded_nbytes,
 )
+from aioparamsync.values.feedback import ErrorFeedback
 from aioparamsync.wire import thrift
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -108,7 +108,7 @@ class ParameterClient(ConnectionPool):
             )
         self.max_inline_bytes = max_inline_bytes
         self.piece_bytes = piece_bytes
-        self._feedback: Any = None  # compression.ErrorFeedback, made when first needed
+        self._feedback: Any = None  # a values.feedback.ErrorFeedback, made when first needed
         # The last push with error feedback under a caller's request id, and what
         # it sent: sent again under that id, it goes as it went (see push_gradients).
         self._last_push: tuple[str, list[Any]] | None = None
@@ -284,7 +284,7 @@ class ParameterClient(ConnectionPool):
             ratio: the share of elements ``"topk"`` sends.
             error_feedback: with a lossy encoding, keep what compression left
                 out of each gradient and add it to the next one (so nothing
-                is lost over time; see :class:`~aioparamsync.values.compression.ErrorFeedback`).
+                is lost over time; see :class:`~aioparamsync.values.feedback.ErrorFeedback`).
             request_id: the push's id (default: a new UUID). With error
                 feedback, the last push sent under your id is sent again as
                 it was when you push under that id again (a retry after a
@@ -316,7 +316,9 @@ class ParameterClient(ConnectionPool):
 
                 if encoding in compression.LOSSY and error_feedback:
                     if self._feedback is None:
-                        self._feedback = compression.ErrorFeedback()
+                        from ..values.feedback import ErrorFeedback
+
+                        self._feedback = ErrorFeedback()
                     feedback = self._feedback
                     kept = feedback.kept(grads)
                     encode = feedback.encode
