@@ -1,1 +1,5 @@
-"""The node's server side: the asyncio transport, the IDL's handlers, gradients, long polls."""
+"""The node's server side.
+
+The asyncio transport, call dispatch and reply order, the IDL's handlers, gradient pushes, long
+polls and barriers.
+"""

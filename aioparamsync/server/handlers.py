@@ -1,28 +1,33 @@
-"""The service: each IDL method of ``ParameterSyncService``, served from the store."""
+"""The service: each IDL method of ``ParameterSyncService``, served from the store.
+
+Reads (long polls too), updates (whole or in pieces), barriers and the node's
+own methods (ping, info, announce, digest) are answered here; gradient pushes
+by :mod:`aioparamsync.server.gradients`. What long polls and barriers wait for
+is kept by :mod:`aioparamsync.server.holds`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._version import __version__
-from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..errors import ErrorCode, RequestError
 from ..store.table import Applied, Entry, lww_key
 from ..store.writer import ParameterStore
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
+from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 
-log = logging.getLogger(__name__)
+__all__ = ["ParameterService"]
 
 # The largest parameter answered in one message: a Thrift binary holds less
 # than 2 GiB (and the message has a little more than the data).
 MAX_INLINE_BYTES = 2**31 - 1 - 64 * 1024
-# The server's counters (see server.py), in info's counters from the start:
+# The server's counters (see transport.py), in info's counters from the start:
 # 0 until they count something, so a reader need not guess what is missing.
 SERVER_COUNTERS = (
     "requests", "errors", "protocol_errors", "timeouts", "bytes_in", "bytes_out",
@@ -30,49 +35,11 @@ SERVER_COUNTERS = (
     "budget_overruns",
 )  # fmt: skip
 
-# Request ids of gradient pushes remembered (with their outcome) for retries.
-MAX_REQUEST_IDS = 100_000
-MAX_REQUEST_ID_BYTES = 256
-# After a push folded by another node, how long its reply waits for the
-# results to replicate here, so the pusher's next read here sees them (ms).
-ARRIVAL_WAIT_MS = 2_000
-# Waits before asking an owner again to fold gradients of a parameter it does
-# not hold yet (seconds).
-FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
-
 
 def _inline_limit(request: Any) -> int:
     """The largest parameter a read answers with its data (larger: a header)."""
     limit = request.max_inline_bytes
     return MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
-
-
-def _decoded(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
-    """``params`` with every encoded one decoded (see :mod:`aioparamsync.values.compression`).
-
-    A decoded array may not be larger than ``max_nbytes`` (a few bytes of
-    zlib or topk can claim any size).
-    """
-    if not any(p.encoding for p in params):
-        return params
-    return [_decode(p, max_nbytes) if p.encoding else p for p in params]
-
-
-def _decode(p: Any, max_nbytes: int) -> Any:
-    """The raw ``Parameter`` of an encoded one; its data a read-only view of the decoded array."""
-    from ..values.arrays import to_parameter
-    from ..values.compression import LOSSY, decode
-
-    array = decode(p, max_nbytes=max_nbytes)
-    array.flags.writeable = False  # ours alone: the store keeps it, uncopied
-    decoded = to_parameter(p.name, array, p.version or 0)
-    decoded.origin, decoded.rule, decoded.replace = p.origin, p.rule, p.replace
-    if p.dtype is None:  # plain bytes stay plain bytes
-        decoded.dtype = decoded.shape = None
-    # The caller chose to lose precision: its gradient may fold into a
-    # narrower float (see ParameterTable.check_gradients). Not on the wire.
-    decoded.lossy = p.encoding in LOSSY
-    return decoded
 
 
 def _newer(entry: Entry, version: int, origin: str | None) -> bool:
@@ -111,15 +78,6 @@ def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
     return answer
 
 
-__all__ = ["ParameterService"]
-
-
-def _update_result(applied: Applied) -> Any:
-    """What an update or a push answers: each parameter's new version, and the timestamp."""
-    versions = {e.name: e.version for e in applied.entries}
-    return thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
-
-
 def _params(update: Any) -> tuple[Sequence[Any], int]:
     if update is None:
         raise RequestError(ErrorCode.BAD_REQUEST, "the update is missing")
@@ -131,7 +89,7 @@ class ParameterService:
 
     Args:
         store: where parameters live; ``ping`` answers its table's node id.
-        cluster: the node's :class:`~aioparamsync.cluster.links.Cluster` (membership calls).
+        cluster: the node's :class:`~aioparamsync.cluster.membership.Cluster` (membership calls).
         counters: the server's counters, reported by ``info``.
         max_decoded_bytes: the largest array an encoded parameter may decode to,
             and the largest piece of a parameter answered.
@@ -158,6 +116,7 @@ class ParameterService:
         self.counters: Mapping[str, int] = counters if counters is not None else {}
         self.started = time.monotonic()
         self.waiting = Waiting(store)
+        self.gradients = GradientPushes(store, cluster, self.waiting, max_decoded_bytes)
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -165,7 +124,7 @@ class ParameterService:
             METHODS.broadcast_update: self._broadcast_update,
             METHODS.pull_parameters: self._pull_parameters,
             METHODS.push_parameters: self._push_parameters,
-            METHODS.push_gradients: self._push_gradients,
+            METHODS.push_gradients: self.gradients.push,
             METHODS.barrier: self._barrier,
             METHODS.ping: self._ping,
             METHODS.info: self._info,
@@ -175,22 +134,27 @@ class ParameterService:
         if missing := [m.name for m in METHODS if m not in handlers]:
             raise RuntimeError(f"IDL methods without a handler: {missing}")
         self._handlers = {m.name: handler for m, handler in handlers.items()}
-        # request id -> the future of that push's reply (kept while it succeeds)
-        self._pushes: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
-        # request id -> the names this node has folded under it, and the versions
-        # made: in a cluster a push is folded in parts, at each name's owner, and
-        # a push sent again (after one part failed, or at another node) folds
-        # only what no part has folded yet.
-        self._folded: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
-        self.pushes_repeated = 0
-        self.pushes_forwarded = 0  # gradient pushes folded by their owner, another node
-        self.forward_failures = 0  # ... that could not reach it, and were folded here
         # While uploads are open: the timer that drops those abandoned (see _sweep).
         self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def node_id(self) -> str:
         return self.store.table.node_id
+
+    @property
+    def pushes_repeated(self) -> int:
+        """Gradient pushes sent again, whole or in part, under a request id seen before."""
+        return self.gradients.ledger.repeated
+
+    @property
+    def pushes_forwarded(self) -> int:
+        """Gradient pushes (parts of them) folded by their owner, another node."""
+        return self.gradients.forwarded
+
+    @property
+    def forward_failures(self) -> int:
+        """Gradient pushes (parts of them) that could not reach their owner, folded here."""
+        return self.gradients.forward_failures
 
     def handle(self, method: Method, args: Any) -> Any:
         return self._handlers[method.name](method, args)
@@ -283,7 +247,7 @@ class ParameterService:
                 elif self._sweeper is None:
                     self._sweep_later()
             else:
-                ready.append(_decode(p, max_nbytes) if p.encoding else p)
+                ready.append(decode_parameter(p, max_nbytes) if p.encoding else p)
         return ready
 
     def _sweep_later(self) -> None:
@@ -368,183 +332,10 @@ class ParameterService:
 
     def _push_parameters(self, method: Method, args: Any) -> asyncio.Future:
         def result(applied: Applied) -> Any:
-            return method.result(success=_update_result(applied))
+            return method.result(success=update_result(applied))
 
         params, timestamp = _params(args.update)
         return self.store.submit(self._incoming(params), timestamp, then=result)
-
-    def _push_gradients(self, method: Method, args: Any) -> asyncio.Future:
-        push = args.push
-        if push is None:
-            raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
-        request_id = push.request_id
-        if request_id is not None:
-            if not request_id or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-                raise RequestError(
-                    ErrorCode.BAD_REQUEST,
-                    f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
-                )
-            # A part forwarded here by another node is told apart from a whole
-            # push sent here under the same id (its names differ).
-            key = request_id
-            if push.forwarded:
-                key += "\0" + "\0".join(sorted(g.name for g in push.grads))
-            first = self._pushes.get(key)
-            if first is not None:  # a retry: the first push's outcome
-                self.pushes_repeated += 1
-                self._pushes.move_to_end(key)
-                return first
-        folded = self._folded.get(request_id) if request_id is not None else None
-        grads = push.grads
-        if folded:  # parts of it were folded before: not again
-            grads = [g for g in grads if g.name not in folded]
-            self.pushes_repeated += 1
-        before = {g.name: folded[g.name] for g in push.grads if folded and g.name in folded}
-
-        def result(applied: Applied) -> Any:
-            made = _update_result(applied)
-            if push.forwarded:  # (a whole push here is remembered whole, in _pushes)
-                self._remember_folded(request_id, made.versions)
-            made.versions = {**before, **made.versions}
-            return method.result(success=made)
-
-        timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
-        cluster = self.cluster
-        parts: dict[Any, list[Any]] = {}
-        if cluster is not None and cluster.links and not push.forwarded:
-            for g in grads:
-                parts.setdefault(cluster.owner(g.name), []).append(g)
-        future: asyncio.Future
-        if not grads:  # every part was folded already
-            future = asyncio.get_running_loop().create_future()
-            future.set_result(
-                method.result(
-                    success=thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
-                )
-            )
-        elif any(owner is not None for owner in parts):
-            # Checked here first (this node holds every parameter too): a push
-            # that cannot be folded is refused before any part of it is. This
-            # node's own part is decoded once, for the check and its fold; an
-            # encoded part another node folds is left to it to decode and check.
-            # (One not here yet may be at its owner, just made elsewhere: the
-            # owner decides.)
-            if None in parts:
-                parts[None] = list(_decoded(parts[None], self.max_decoded_bytes))
-            checked = [g for gs in parts.values() for g in gs if not g.encoding]
-            try:
-                self.store.table.check_gradients(checked)
-            except RequestError as exc:
-                if exc.code != ErrorCode.UNKNOWN_PARAMETER:
-                    raise
-            future = asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
-        else:
-            future = self.store.submit(
-                _decoded(grads, self.max_decoded_bytes), timestamp, gradients=True, then=result
-            )
-        if request_id is not None:
-            pushes = self._pushes
-            pushes[key] = future
-            if len(pushes) > MAX_REQUEST_IDS:
-                pushes.popitem(last=False)
-
-            def forget_failure(done: asyncio.Future) -> None:
-                # A retry may try again (what was folded of it, it folds no more).
-                if (done.cancelled() or done.exception()) and pushes.get(key) is done:
-                    del pushes[key]
-
-            future.add_done_callback(forget_failure)
-        return future
-
-    def _remember_folded(self, request_id: str | None, versions: Mapping[str, int]) -> None:
-        """Note that the names of ``versions`` were folded under ``request_id``."""
-        if request_id is None or not versions:
-            return
-        folded = self._folded
-        folded.setdefault(request_id, {}).update(versions)
-        folded.move_to_end(request_id)
-        if len(folded) > MAX_REQUEST_IDS:
-            folded.popitem(last=False)
-
-    async def _forward(
-        self,
-        method: Method,
-        push: Any,
-        parts: dict[Any, list[Any]],
-        timestamp: int,
-        before: Mapping[str, int],
-    ) -> Any:
-        """Fold each part of a push at its owner (None: here); answer the versions made.
-
-        The parts are applied concurrently, each atomically at its owner. An
-        owner that cannot be reached has its part folded here instead. If a
-        part fails, the push fails once every part has ended, and what the
-        others folded is remembered under the push's id (see ``_folded``):
-        sent again, the push folds only the rest. ``before``: the versions of
-        the names folded by earlier tries.
-        """
-
-        async def fold(owner: Any, grads: list[Any]) -> Any:
-            if owner is not None:
-                forwarded = thrift.GradientPush(
-                    grads=grads, request_id=push.request_id, timestamp=timestamp, forwarded=True
-                )
-                try:
-                    result = await self._forward_to(owner, forwarded)
-                except RequestError:
-                    raise
-                except ParamSyncError as exc:
-                    self.forward_failures += 1
-                    log.warning(
-                        "gradients of %d parameters not passed on to %s (%s): folded here",
-                        len(grads),
-                        owner.node_id or owner.address,
-                        exc,
-                    )
-                else:
-                    self.pushes_forwarded += 1
-                    await self._arrival(result.versions)
-                    return result
-            applied = await self.store.submit(
-                _decoded(grads, self.max_decoded_bytes), timestamp, gradients=True
-            )
-            return _update_result(applied)
-
-        results = await asyncio.gather(
-            *(fold(o, g) for o, g in parts.items()), return_exceptions=True
-        )
-        versions: dict[str, int] = dict(before)
-        for r in results:
-            if not isinstance(r, BaseException):
-                versions.update(r.versions)
-                self._remember_folded(push.request_id, r.versions)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        stamp = max(r.timestamp for r in results if not isinstance(r, BaseException))
-        return method.result(success=thrift.UpdateResult(versions=versions, timestamp=stamp))
-
-    async def _forward_to(self, owner: Any, push: Any) -> Any:
-        """``owner.forward(push)``, again a few times while the owner lacks a parameter.
-
-        A parameter just created here may not have reached its owner yet.
-        """
-        table = self.store.table
-        for delay in FORWARD_RETRY_DELAYS:
-            try:
-                return await owner.forward(push)
-            except RequestError as exc:
-                if exc.code != ErrorCode.UNKNOWN_PARAMETER or not all(
-                    g.name in table for g in push.grads
-                ):
-                    raise
-            await asyncio.sleep(delay)
-        return await owner.forward(push)
-
-    async def _arrival(self, versions: Mapping[str, int]) -> None:
-        """Wait (a little) until this node holds ``versions``, replicated from their owner."""
-        polls = [self.waiting.poll([n], v, ARRIVAL_WAIT_MS) for n, v in versions.items()]
-        await asyncio.gather(*polls, return_exceptions=True)
 
     def _barrier(self, method: Method, args: Any) -> asyncio.Future:
         return _then(self.waiting.barrier(args.request), lambda r: method.result(success=r))

@@ -1,22 +1,17 @@
-"""The asyncio server: connections -> wire -> handler, with limits and a clean shutdown.
+"""The asyncio server at the edge: the listening socket and each connection's protocol.
 
 Theory of operation. Each connection is a :class:`ServerConnection`, an
 ``asyncio.BufferedProtocol`` whose receiving side is a sans-IO
 :class:`~aioparamsync.wire.Receiver` (the socket writes straight into its
-buffers). Every complete message is decoded at once, in the event loop's
-callback, and handed to the handler, which answers either the reply or a
-future of it. A connection carries many calls at a time (pipelining), and
-its replies go out in the order of its requests, so clients that match
-replies by seqid and clients that do not both work. A read on a connection
-waits for the writes sent before it on that connection (read-your-writes);
-writes from one connection are applied in the order they were sent.
-
-A handler's :class:`~aioparamsync.errors.RequestError` becomes the method's
-declared ``ParameterError`` where it has one, else a
-``TApplicationException``; any other error becomes a
-``TApplicationException`` (INTERNAL_ERROR) and is logged. A connection is
-closed only for bytes that are not valid messages (after a protocol error
-reply), for idleness, or at shutdown; never because a handler failed.
+buffers). Every complete message is handed on at once, in the event loop's
+callback: to the handler (see :mod:`aioparamsync.server.dispatch`), its reply
+in the order of the requests, each read after the writes sent before it on
+the connection (see :mod:`aioparamsync.server.ordering`). This module holds
+what touches the socket: the asyncio callbacks, flow control, the ends of a
+connection, and the :class:`Server` that accepts connections and shuts them
+down. A connection is closed only for bytes that are not valid messages
+(after a protocol error reply), for idleness, or at shutdown; never because
+a handler failed.
 
 Backpressure: a connection stops reading while its transport's write buffer
 is over ``WRITE_HIGH_BYTES`` or while ``MAX_PIPELINE`` of its calls await
@@ -37,36 +32,30 @@ import collections
 import logging
 import socket
 import ssl as ssl_module
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
-from typing import Protocol as TypingProtocol
 
 from thriftpy2.thrift import TApplicationException
 
-from ..errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
+from ..errors import ErrorCode, RemoteProtocolError, RequestError
 from ..wire import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_RECEIVING_BYTES,
     Frame,
     MessageType,
-    Method,
     Protocol,
     ReceiveBudget,
     Receiver,
-    decode_header,
     encode_message,
-    method,
-    thrift,
 )
+from .dispatch import CallDispatch, Handler, app_error
+from .ordering import MAX_PIPELINE
 
 __all__ = ["Handler", "Server", "ServerConfig", "ServerConnection"]
 
 log = logging.getLogger(__name__)
 
-# Calls one connection may have awaiting replies before it stops reading.
-MAX_PIPELINE = 256
 # Write buffer size above which a connection stops reading (bytes).
 WRITE_HIGH_BYTES = 8 * 1024 * 1024
 # A connection with nothing in flight and silent this long is closed (seconds).
@@ -81,20 +70,6 @@ LINGER_SECONDS = 5.0
 # and the next waiting frame is let in beyond the budget (bytes per second).
 BUDGET_CHECK_SECONDS = 0.5
 STALLED_BYTES_PER_SECOND = 16 * 1024 * 1024
-
-# The message types a request may have, and a reply's (an enum member is slow to get).
-_REQUEST_TYPES = frozenset((int(MessageType.CALL), int(MessageType.ONEWAY)))
-_REPLY = int(MessageType.REPLY)
-
-
-class Handler(TypingProtocol):
-    """What the server calls for each request."""
-
-    #: names of the methods that change state (reads wait for them)
-    writes: frozenset[str]
-
-    def handle(self, method: Method, args: Any) -> Any:
-        """Answer the result struct, or a future of it (None for oneway)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,38 +88,8 @@ class ServerConfig:
     ssl: ssl_module.SSLContext | None = None
 
 
-class _Call:
-    """A call awaiting its reply, in its connection's order.
-
-    It is also the done callback of its handler's future (``call(future)``
-    settles it), so a call that goes through a future costs no closure.
-    """
-
-    __slots__ = ("conn", "frame", "method", "reply", "seqid", "started")
-
-    def __init__(self, conn: ServerConnection, method_: Method, seqid: int, frame: Frame) -> None:
-        self.conn = conn
-        self.method = method_
-        self.seqid = seqid
-        self.frame = frame
-        self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
-        self.started = 0.0  # time.perf_counter() at dispatch, when calls are observed
-
-    def __call__(self, future: asyncio.Future) -> None:
-        """Settle the call with its handler's future, once that is done."""
-        if future.cancelled():
-            self.conn._settle(self, None, asyncio.CancelledError())
-        else:
-            exc = future.exception()
-            self.conn._settle(self, None if exc else future.result(), exc)
-
-
 # Where a closing connection's incoming bytes go (they are dropped).
 _DISCARD = memoryview(bytearray(64 * 1024))
-
-
-def _app_error(kind: int, message: str) -> TApplicationException:
-    return TApplicationException(type=kind, message=message)
 
 
 def _shutting_down() -> RequestError:
@@ -152,31 +97,24 @@ def _shutting_down() -> RequestError:
     return RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
 
 
-class ServerConnection(asyncio.BufferedProtocol):
-    """One client's connection (see the module's docstring)."""
+class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
+    """One client's connection (see the module's docstring).
+
+    Its calls are dispatched and their replies ordered by its bases,
+    :class:`~aioparamsync.server.dispatch.CallDispatch` and
+    :class:`~aioparamsync.server.ordering.CallOrder`; this class is the asyncio
+    side: the protocol's callbacks, flow control, idleness and closing.
+    """
 
     def __init__(self, server: Server) -> None:
-        self.server = server
+        super().__init__(server)
         self.receiver = Receiver(server.config.max_frame_bytes, budget=server.budget)
         self.receiver.on_grant = self._budget_granted
         self.transport: asyncio.Transport | None = None
         # The loop (set by connection_made), kept: on CPython 3.11 every
         # asyncio.get_running_loop() makes a getpid() system call.
         self._loop: asyncio.AbstractEventLoop
-        # The server's, kept for the per-call paths (neither is ever replaced).
-        self._counters = server.counters
-        self._handler = server.handler
-        self._writes = server.handler.writes
-        self._request_timeout = server.config.request_timeout
         self.peer: Any = None
-        self._calls: collections.deque[_Call] = collections.deque()
-        # The futures of the writes sent that may not be applied yet, in the order
-        # they were sent (the applied ones at the front are dropped as they are
-        # seen), and how many were ever put there: a read waits for the writes
-        # sent before it (see _pending_write).
-        self._unapplied: collections.deque[asyncio.Future] = collections.deque()
-        self._writes_sent = 0
-        self._held: set[asyncio.Future] = set()  # reads the handler holds (long polls)
         self._shutting_down = False  # close() was called: the node is shutting down
         self._write_paused = False
         self._read_paused = False
@@ -185,8 +123,6 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._eof_sent = False
         self._idle_handle: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
-        # While a read's requests are dispatched: the replies to write at its end.
-        self._out: list[Any] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -290,272 +226,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._update_reading()
 
-    # -- requests -----------------------------------------------------------------
-
-    def _dispatch(self, frame: Frame) -> None:
-        counters = self._counters
-        counters["requests"] += 1
-        try:
-            name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
-        except RemoteProtocolError as exc:
-            self._protocol_failure(exc, frame)
-            return
-        m = method(name)
-        if m is None or mtype not in _REQUEST_TYPES:
-            counters["errors"] += 1
-            if mtype == MessageType.ONEWAY:
-                log.info("%s: oneway call of unknown method %r dropped", self.peer, name)
-                return
-            call = _Call(self, Method(name, type(None), None, False), seqid, frame)
-            if m is None:
-                error = _app_error(TApplicationException.UNKNOWN_METHOD, f"unknown method {name!r}")
-            else:
-                error = _app_error(
-                    TApplicationException.INVALID_MESSAGE_TYPE, f"message type {mtype} for {name!r}"
-                )
-            call.reply = (MessageType.EXCEPTION, error)
-            self._calls.append(call)
-            self._flush()
-            return
-        try:
-            args = reader.read_body(m.args)
-        except RemoteProtocolError as exc:
-            self._protocol_failure(exc, frame, name=name, seqid=seqid)
-            return
-        calls = self._calls
-        write = name in self._writes
-        if (
-            not calls
-            and not write
-            and not m.oneway
-            and (not self._unapplied or self._pending_write(self._writes_sent) is None)
-        ):
-            # A read with nothing owed before it: answered at once, in the common
-            # case, without queueing (see _answer).
-            self._answer(m, seqid, frame, args)
-        else:
-            call = _Call(self, m, seqid, frame)
-            if self.server.call_observer is not None:
-                call.started = time.perf_counter()
-            if not m.oneway:
-                calls.append(call)
-            if write:
-                outcome = self._call_handler(call, args, True)
-                if isinstance(outcome, asyncio.Future) and not outcome.done():
-                    # (Not always a new future: a push_gradients sent again answers
-                    # the first push's, which may be older than the writes before.)
-                    unapplied = self._unapplied
-                    while unapplied and unapplied[0].done():
-                        unapplied.popleft()
-                    unapplied.append(outcome)
-                    self._writes_sent += 1
-            elif self._unapplied:
-                # Read-your-writes: run the read once the writes before it are applied.
-                self._read_after_writes(call, args, self._writes_sent)
-            else:
-                self._call_handler(call, args, False)
-        if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
-            self._update_reading()
-
-    def _pending_write(self, sent: int) -> asyncio.Future | None:
-        """The first write not applied yet of the first ``sent`` sent on the connection.
-
-        None once they all are. Writes are applied in the order they were sent,
-        so this is most often the oldest; but a write's future may complete out
-        of that order (a push sent again answers the first push's future).
-        """
-        unapplied = self._unapplied
-        while unapplied and unapplied[0].done():
-            unapplied.popleft()
-        index = self._writes_sent - len(unapplied)  # (of unapplied[0], counted as sent)
-        for future in unapplied:
-            if index >= sent:
-                break
-            if not future.done():
-                return future
-            index += 1
-        return None
-
-    def _read_after_writes(self, call: _Call, args: Any, sent: int) -> None:
-        """Call the handler for a read once the first ``sent`` writes are applied."""
-        pending = self._pending_write(sent)
-        if pending is None:
-            self._call_handler(call, args, False)
-        else:
-            pending.add_done_callback(lambda _: self._read_after_writes(call, args, sent))
-
-    def _answer(self, m: Method, seqid: int, frame: Frame, args: Any) -> None:
-        """Call the handler for a read that is owed first; reply at once if it answers at once.
-
-        What _call_handler, _settle and _flush do for such a call, without a
-        _Call in the queue; an answer that is a future is queued as usual.
-        """
-        started = time.perf_counter() if self.server.call_observer is not None else 0.0
-        error: Exception | None = None
-        try:
-            outcome = self._handler.handle(m, args)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
-            error = exc
-        else:
-            if isinstance(outcome, asyncio.Future):
-                call = _Call(self, m, seqid, frame)
-                call.started = started
-                self._calls.append(call)
-                self._await(call, outcome, False)
-                return
-        if started and (observe := self.server.call_observer) is not None:
-            observe(m.name, time.perf_counter() - started, error)
-        if error is None:
-            mtype, body = _REPLY, outcome
-        else:
-            self._counters["errors"] += 1
-            mtype, body = self._error_reply(m, error)
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            parts = self._encode(m.name, mtype, seqid, body, frame)
-            if self._out is not None:  # corked: written at the end of this callback
-                self._out += parts
-            else:
-                transport.writelines(parts)
-        if self._read_paused:  # (as after a flush)
-            self._update_reading()
-        if self._closing:
-            self._maybe_finish()
-
-    def _call_handler(self, call: _Call, args: Any, write: bool) -> Any:
-        try:
-            outcome = self._handler.handle(call.method, args)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
-            self._settle(call, None, exc)
-            return None
-        if isinstance(outcome, asyncio.Future):
-            self._await(call, outcome, write)
-        else:
-            self._settle(call, outcome, None)
-        return outcome
-
-    def _await(self, call: _Call, outcome: asyncio.Future, write: bool) -> None:
-        """Settle ``call`` once its handler's future ``outcome`` is done.
-
-        A write's future may be the store's ``Answer``, which its writer tells
-        the moment it answers it (``eager``): the reply then goes out in the
-        writer's step, a pass of the loop before the done callback (which then
-        finds the call settled).
-        """
-        outcome.add_done_callback(call)  # call(outcome) settles it
-        if write:
-            try:  # noqa: SIM105 - (contextlib.suppress costs more, once per write)
-                outcome.eager = call  # type: ignore[attr-defined]
-            except AttributeError:
-                pass  # another future: its done callback settles it
-        elif not outcome.done():
-            # A read held for a long poll or a barrier: it has its own deadline.
-            self._held.add(outcome)
-            outcome.add_done_callback(self._held.discard)
-            if self._closing:
-                # (A read that waited for writes, and is held only now.)
-                self._end_held(outcome)
-            return
-        deadline = self._request_timeout
-        if deadline is not None and not call.method.oneway:
-            self._loop.call_later(deadline, self._expire, call, deadline)
-
-    def _expire(self, call: _Call, deadline: float) -> None:
-        if call.reply is None:
-            self._counters["timeouts"] += 1
-            error = RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"{call.method.name} not done within {deadline} s; it may still complete",
-            )
-            self._settle(call, None, error)
-
-    def _settle(self, call: _Call, result: Any, exc: BaseException | None) -> None:
-        if call.reply is not None:
-            return  # settled already (its deadline passed, or its future told at once)
-        if call.started and (observe := self.server.call_observer) is not None:
-            observe(call.method.name, time.perf_counter() - call.started, exc)
-        m = call.method
-        if exc is None:
-            call.reply = (_REPLY, result)
-            if m.oneway:
-                return  # (settled: a oneway call has no reply to send)
-        else:
-            self._counters["errors"] += 1
-            if m.oneway:
-                call.reply = (_REPLY, None)  # (settled)
-                log.warning("%s: oneway %s failed: %s", self.peer, m.name, exc)
-                return
-            call.reply = self._error_reply(m, exc)
-        self._flush()
-
-    def _error_reply(self, m: Method, exc: BaseException) -> tuple[int, Any]:
-        if isinstance(exc, RequestError):
-            if m.typed_errors and m.result is not None:
-                error = thrift.ParameterError(code=int(exc.code), message=exc.message)
-                return MessageType.REPLY, m.result(error=error)
-            return MessageType.EXCEPTION, _app_error(TApplicationException.UNKNOWN, str(exc))
-        if isinstance(exc, asyncio.CancelledError):
-            return MessageType.EXCEPTION, _app_error(
-                TApplicationException.INTERNAL_ERROR, f"{m.name} was cancelled (shutting down)"
-            )
-        log.error("%s: %s failed", self.peer, m.name, exc_info=exc)
-        return MessageType.EXCEPTION, _app_error(
-            TApplicationException.INTERNAL_ERROR, f"{m.name} failed: {type(exc).__name__}: {exc}"
-        )
-
-    # -- replies ------------------------------------------------------------------
-
-    def _flush(self) -> None:
-        """Send every reply that is ready and owed before any still pending.
-
-        The replies ready at once go out in one write.
-        """
-        calls = self._calls
-        transport = self.transport
-        out: list[Any] | None = None
-        while calls and calls[0].reply is not None:
-            call = calls.popleft()
-            if transport is None or transport.is_closing():
-                continue
-            mtype, body = call.reply  # type: ignore[misc]
-            parts = self._encode(call.method.name, mtype, call.seqid, body, call.frame)
-            if out is None:
-                out = parts
-            else:
-                out += parts
-        if out is not None:
-            if self._out is not None:  # corked: written at the end of this callback
-                self._out += out
-            else:
-                transport.writelines(out)  # type: ignore[union-attr]
-        if self._read_paused:  # (a flush can only resume reading)
-            self._update_reading()
-        if self._closing:
-            self._maybe_finish()
-
-    def _encode(self, name: str, mtype: int, seqid: int, body: Any, frame: Frame) -> list[Any]:
-        """A reply's buffers (counted as sent)."""
-        try:
-            parts, size = encode_message(
-                name, mtype, seqid, body, frame.protocol, framed=frame.framed
-            )
-        except LocalProtocolError as exc:
-            log.error("%s: cannot encode the reply to %s: %s", self.peer, name, exc)
-            error = _app_error(
-                TApplicationException.INTERNAL_ERROR, f"cannot encode the reply: {exc}"
-            )
-            parts, size = encode_message(
-                name, MessageType.EXCEPTION, seqid, error, frame.protocol, framed=frame.framed
-            )
-        self._counters["bytes_out"] += size
-        return parts
-
-    def _uncork(self) -> None:
-        """Write the replies held back while a read's requests were dispatched."""
-        out, self._out = self._out, None
-        transport = self.transport
-        if out and transport is not None and not transport.is_closing():
-            transport.writelines(out)
+    # -- bytes that are not messages ----------------------------------------------
 
     def _protocol_failure(
         self, exc: RemoteProtocolError, frame: Frame | None, *, name: str = "", seqid: int = 0
@@ -573,7 +244,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             frame.protocol if frame is not None else (self.receiver.protocol or Protocol.BINARY)
         )
         framed = frame.framed if frame is not None else self.receiver.framed is not False
-        error = _app_error(TApplicationException.PROTOCOL_ERROR, str(exc))
+        error = app_error(TApplicationException.PROTOCOL_ERROR, str(exc))
         parts, _ = encode_message(
             name, MessageType.EXCEPTION, seqid, error, protocol, framed=framed
         )

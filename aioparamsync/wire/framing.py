@@ -130,7 +130,7 @@ class ReceiveBudget:
     leaves a callback, called (from :meth:`release`, :meth:`cancel` or
     :meth:`grant_next`) once its bytes are granted. Its owner watches
     :attr:`received` to tell a budget held by frames that no longer move, and
-    lets the next frame in with :meth:`grant_next` (see ``server.py``).
+    lets the next frame in with :meth:`grant_next` (see ``aioparamsync.server.transport``).
 
     Args:
         limit: in bytes; ``None``: no limit, every frame goes at once.

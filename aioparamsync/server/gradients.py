@@ -1,0 +1,378 @@
+"""Gradient pushes: each gradient folded once, at the node that owns its parameter.
+
+Theory of operation. A ``push_gradients`` call carries gradients, each folded
+into its parameter by the parameter's rule (see :mod:`aioparamsync.values.rules`).
+In a cluster a parameter's gradients are folded by its owner (see
+:mod:`aioparamsync.cluster`), so a push is cut into parts by owner: this node
+folds its own part, passes each other part on to its owner (marked
+``forwarded``: a part is folded where it arrives, never passed on again), and
+answers once every part has ended. An owner that cannot be reached has its
+part folded here instead. After a part folded by another node, the reply
+waits a little (``ARRIVAL_WAIT_MS``) for the versions made there to replicate
+here, so that the pusher's next read here sees them.
+
+Idempotence: a push may carry a request id, so that a push sent again (after
+a timeout or a lost connection, at this node or another) folds nothing twice.
+The :class:`PushLedger` keeps two records, each of the latest
+``MAX_REQUEST_IDS`` request ids:
+
+* the reply of each push by its request id (a part forwarded here: by its id
+  and names), kept while it has not failed: a push sent again answers the
+  first one's reply, in flight or done, and folds nothing;
+* under each request id, the names this node has folded and the versions
+  made: a push folded in parts may have some parts folded and others failed;
+  sent again, it folds only the names no part has folded yet, and answers the
+  versions the others made.
+
+The ledger is pure bookkeeping (no event loop); :class:`GradientPushes` does
+the folding and the forwarding. The decoding of encoded parameters and the
+result of an update are here too: the update handlers use them as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..wire import Method, thrift
+
+if TYPE_CHECKING:
+    from ..store.table import Applied
+    from ..store.writer import ParameterStore
+    from .holds import Waiting
+
+__all__ = ["GradientPushes", "PushLedger", "decode_parameter", "update_result"]
+
+log = logging.getLogger(__name__)
+
+# Request ids of gradient pushes remembered (with their outcome) for retries.
+MAX_REQUEST_IDS = 100_000
+MAX_REQUEST_ID_BYTES = 256
+# After a push folded by another node, how long its reply waits for the
+# results to replicate here, so the pusher's next read here sees them (ms).
+ARRIVAL_WAIT_MS = 2_000
+# Waits before asking an owner again to fold gradients of a parameter it does
+# not hold yet (seconds).
+FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
+
+
+def update_result(applied: Applied) -> Any:
+    """What an update or a push answers: each parameter's new version, and the timestamp."""
+    versions = {e.name: e.version for e in applied.entries}
+    return thrift.UpdateResult(versions=versions, timestamp=applied.timestamp)
+
+
+def decoded_parameters(params: Sequence[Any], max_nbytes: int) -> Sequence[Any]:
+    """``params`` with every encoded one decoded (see :mod:`aioparamsync.values.compression`).
+
+    A decoded array may not be larger than ``max_nbytes`` (a few bytes of
+    zlib or topk can claim any size).
+    """
+    if not any(p.encoding for p in params):
+        return params
+    return [decode_parameter(p, max_nbytes) if p.encoding else p for p in params]
+
+
+def decode_parameter(p: Any, max_nbytes: int) -> Any:
+    """The raw ``Parameter`` of an encoded one; its data a read-only view of the decoded array."""
+    from ..values.arrays import to_parameter
+    from ..values.compression import LOSSY, decode
+
+    array = decode(p, max_nbytes=max_nbytes)
+    array.flags.writeable = False  # ours alone: the store keeps it, uncopied
+    decoded = to_parameter(p.name, array, p.version or 0)
+    decoded.origin, decoded.rule, decoded.replace = p.origin, p.rule, p.replace
+    if p.dtype is None:  # plain bytes stay plain bytes
+        decoded.dtype = decoded.shape = None
+    # The caller chose to lose precision: its gradient may fold into a
+    # narrower float (see ParameterTable.check_gradients). Not on the wire.
+    decoded.lossy = p.encoding in LOSSY
+    return decoded
+
+
+class PushLedger:
+    """The pushes seen by request id, and the parts of them folded here (see the module).
+
+    It only keeps, looks up and forgets: the futures it holds are given a
+    done callback, no more.
+    """
+
+    def __init__(self) -> None:
+        # request id -> the future of that push's reply (kept while it succeeds)
+        self.replies: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+        # request id -> the names this node has folded under it, and the versions
+        # made: in a cluster a push is folded in parts, at each name's owner, and
+        # a push sent again (after one part failed, or at another node) folds
+        # only what no part has folded yet.
+        self.folded: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
+        self.repeated = 0  # pushes sent again, whole or in part
+
+    @staticmethod
+    def key(push: Any) -> str | None:
+        """What the reply to ``push`` is remembered by; None for a push without a request id.
+
+        Raises:
+            RequestError: (BAD_REQUEST) the request id is empty or too long.
+        """
+        request_id = push.request_id
+        if request_id is None:
+            return None
+        if not request_id or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
+            )
+        # A part forwarded here by another node is told apart from a whole
+        # push sent here under the same id (its names differ).
+        key = request_id
+        if push.forwarded:
+            key += "\0" + "\0".join(sorted(g.name for g in push.grads))
+        return key
+
+    def first_reply(self, key: str) -> asyncio.Future | None:
+        """The reply to the push first sent under ``key``, if this is a retry of one."""
+        first = self.replies.get(key)
+        if first is not None:  # a retry: the first push's outcome
+            self.repeated += 1
+            self.replies.move_to_end(key)
+        return first
+
+    def unfolded(self, push: Any) -> tuple[list[Any], dict[str, int]]:
+        """The gradients of ``push`` not folded yet, and the versions made by those that were."""
+        request_id = push.request_id
+        folded = self.folded.get(request_id) if request_id is not None else None
+        grads = push.grads
+        if folded:  # parts of it were folded before: not again
+            grads = [g for g in grads if g.name not in folded]
+            self.repeated += 1
+        before = {g.name: folded[g.name] for g in push.grads if folded and g.name in folded}
+        return grads, before
+
+    def remember_reply(self, key: str, future: asyncio.Future) -> None:
+        """Answer ``future`` to a push sent again under ``key``, unless it fails."""
+        pushes = self.replies
+        pushes[key] = future
+        if len(pushes) > MAX_REQUEST_IDS:
+            pushes.popitem(last=False)
+
+        def forget_failure(done: asyncio.Future) -> None:
+            # A retry may try again (what was folded of it, it folds no more).
+            if (done.cancelled() or done.exception()) and pushes.get(key) is done:
+                del pushes[key]
+
+        future.add_done_callback(forget_failure)
+
+    def remember_folded(self, request_id: str | None, versions: Mapping[str, int]) -> None:
+        """Note that the names of ``versions`` were folded under ``request_id``."""
+        if request_id is None or not versions:
+            return
+        folded = self.folded
+        folded.setdefault(request_id, {}).update(versions)
+        folded.move_to_end(request_id)
+        if len(folded) > MAX_REQUEST_IDS:
+            folded.popitem(last=False)
+
+
+class GradientPushes:
+    """Answers ``push_gradients``: folds here, or forwards to the owners (see the module).
+
+    Args:
+        store: where the gradients are folded.
+        cluster: the node's :class:`~aioparamsync.cluster.membership.Cluster` (who owns
+            what), or None.
+        waiting: the long polls, through which a reply waits for what other
+            nodes folded to arrive.
+        max_decoded_bytes: the largest array an encoded gradient may decode to.
+    """
+
+    def __init__(
+        self, store: ParameterStore, cluster: Any, waiting: Waiting, max_decoded_bytes: int
+    ) -> None:
+        self.store = store
+        self.cluster = cluster
+        self.waiting = waiting
+        self.max_decoded_bytes = max_decoded_bytes
+        self.ledger = PushLedger()
+        self.forwarded = 0  # gradient pushes folded by their owner, another node
+        self.forward_failures = 0  # ... that could not reach it, and were folded here
+
+    def push(self, method: Method, args: Any) -> asyncio.Future:
+        """Answer a push: a future of its reply.
+
+        1. Seen before: a push sent again under a request id (and, for a part
+           forwarded here, the same names) answers the first push's reply, in
+           flight or done, unless that failed.
+        2. Folded before: the gradients of names already folded under the
+           request id (by parts of an earlier try that succeeded) are left out;
+           the versions they made go into the reply.
+        3. The rest is folded (:meth:`_fold`). Nothing left: answered at once.
+           In a cluster, a push not forwarded here is cut by owner: if any part
+           is owned by another node, the whole is checked here first, then each
+           part is folded at its owner, concurrently (an owner that cannot be
+           reached: here). Otherwise it is all folded here, atomically.
+        4. The reply is remembered under the request id, while it succeeds.
+
+        The reply is an ``UpdateResult``: each parameter's version made by
+        this push (or by its earlier tries), and the timestamp.
+        """
+        push = args.push
+        if push is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        ledger = self.ledger
+        key = ledger.key(push)
+        if key is not None and (first := ledger.first_reply(key)) is not None:
+            return first
+        grads, before = ledger.unfolded(push)
+        timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
+        future = self._fold(method, push, grads, before, timestamp)
+        if key is not None:
+            ledger.remember_reply(key, future)
+        return future
+
+    def _fold(
+        self, method: Method, push: Any, grads: list[Any], before: dict[str, int], timestamp: int
+    ) -> asyncio.Future:
+        """Fold ``grads`` of ``push``, here or at their owners: a future of the reply."""
+        parts = self._parts(push, grads)
+        if not grads:  # every part was folded already
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(
+                method.result(
+                    success=thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
+                )
+            )
+            return future
+        if any(owner is not None for owner in parts):
+            self._check(parts)
+            return asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
+        return self._fold_here(method, push, grads, before, timestamp)
+
+    def _parts(self, push: Any, grads: list[Any]) -> dict[Any, list[Any]]:
+        """``grads`` by their owner's link (None: this node); {} when none is elsewhere to ask."""
+        cluster = self.cluster
+        parts: dict[Any, list[Any]] = {}
+        if cluster is not None and cluster.links and not push.forwarded:
+            for g in grads:
+                parts.setdefault(cluster.owner(g.name), []).append(g)
+        return parts
+
+    def _check(self, parts: dict[Any, list[Any]]) -> None:
+        """Refuse a push that cannot be folded, before any of its parts is."""
+        # Checked here first (this node holds every parameter too): a push
+        # that cannot be folded is refused before any part of it is. This
+        # node's own part is decoded once, for the check and its fold; an
+        # encoded part another node folds is left to it to decode and check.
+        # (One not here yet may be at its owner, just made elsewhere: the
+        # owner decides.)
+        if None in parts:
+            parts[None] = list(decoded_parameters(parts[None], self.max_decoded_bytes))
+        checked = [g for gs in parts.values() for g in gs if not g.encoding]
+        try:
+            self.store.table.check_gradients(checked)
+        except RequestError as exc:
+            if exc.code != ErrorCode.UNKNOWN_PARAMETER:
+                raise
+
+    def _fold_here(
+        self, method: Method, push: Any, grads: list[Any], before: dict[str, int], timestamp: int
+    ) -> asyncio.Future:
+        """Fold every one of ``grads`` here, atomically: a future of the reply."""
+
+        def result(applied: Applied) -> Any:
+            made = update_result(applied)
+            if push.forwarded:  # (a whole push here is remembered whole, in replies)
+                self.ledger.remember_folded(push.request_id, made.versions)
+            made.versions = {**before, **made.versions}
+            return method.result(success=made)
+
+        return self.store.submit(
+            decoded_parameters(grads, self.max_decoded_bytes),
+            timestamp,
+            gradients=True,
+            then=result,
+        )
+
+    async def _forward(
+        self,
+        method: Method,
+        push: Any,
+        parts: dict[Any, list[Any]],
+        timestamp: int,
+        before: Mapping[str, int],
+    ) -> Any:
+        """Fold each part of a push at its owner (None: here); answer the versions made.
+
+        The parts are applied concurrently, each atomically at its owner. An
+        owner that cannot be reached has its part folded here instead. If a
+        part fails, the push fails once every part has ended, and what the
+        others folded is remembered under the push's id (see
+        :class:`PushLedger`): sent again, the push folds only the rest.
+        ``before``: the versions of the names folded by earlier tries.
+        """
+
+        async def fold(owner: Any, grads: list[Any]) -> Any:
+            if owner is not None:
+                forwarded = thrift.GradientPush(
+                    grads=grads, request_id=push.request_id, timestamp=timestamp, forwarded=True
+                )
+                try:
+                    result = await self._forward_to(owner, forwarded)
+                except RequestError:
+                    raise
+                except ParamSyncError as exc:
+                    self.forward_failures += 1
+                    log.warning(
+                        "gradients of %d parameters not passed on to %s (%s): folded here",
+                        len(grads),
+                        owner.node_id or owner.address,
+                        exc,
+                    )
+                else:
+                    self.forwarded += 1
+                    await self._arrival(result.versions)
+                    return result
+            applied = await self.store.submit(
+                decoded_parameters(grads, self.max_decoded_bytes), timestamp, gradients=True
+            )
+            return update_result(applied)
+
+        results = await asyncio.gather(
+            *(fold(o, g) for o, g in parts.items()), return_exceptions=True
+        )
+        versions: dict[str, int] = dict(before)
+        for r in results:
+            if not isinstance(r, BaseException):
+                versions.update(r.versions)
+                self.ledger.remember_folded(push.request_id, r.versions)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        stamp = max(r.timestamp for r in results if not isinstance(r, BaseException))
+        return method.result(success=thrift.UpdateResult(versions=versions, timestamp=stamp))
+
+    async def _forward_to(self, owner: Any, push: Any) -> Any:
+        """``owner.forward(push)``, again a few times while the owner lacks a parameter.
+
+        A parameter just created here may not have reached its owner yet.
+        """
+        table = self.store.table
+        for delay in FORWARD_RETRY_DELAYS:
+            try:
+                return await owner.forward(push)
+            except RequestError as exc:
+                if exc.code != ErrorCode.UNKNOWN_PARAMETER or not all(
+                    g.name in table for g in push.grads
+                ):
+                    raise
+            await asyncio.sleep(delay)
+        return await owner.forward(push)
+
+    async def _arrival(self, versions: Mapping[str, int]) -> None:
+        """Wait (a little) until this node holds ``versions``, replicated from their owner."""
+        polls = [self.waiting.poll([n], v, ARRIVAL_WAIT_MS) for n, v in versions.items()]
+        await asyncio.gather(*polls, return_exceptions=True)
