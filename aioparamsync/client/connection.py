@@ -36,7 +36,8 @@ from typing import Any, cast
 from thriftpy2.thrift import TApplicationException
 
 from ..errors import ConnectionLostError, ParamSyncError, RemoteProtocolError, ServerError
-from ..wire import MessageType, Method, Receiver, decode_header, encode_message, method
+from ..wire import Method, Receiver, decode_header, encode_message, method
+from ..wire.protocol import CALL, EXCEPTION, ONEWAY, REPLY
 
 __all__ = ["_Connection"]
 
@@ -67,11 +68,6 @@ def _ping_method() -> Method:
 _PING = _ping_method()
 _PING_ARGS = _PING.args()
 
-# Message types as plain ints, for the per-call paths (an enum member is slow to get).
-_CALL, _REPLY, _EXCEPTION, _ONEWAY = (
-    int(t) for t in (MessageType.CALL, MessageType.REPLY, MessageType.EXCEPTION, MessageType.ONEWAY)
-)
-
 
 def _reply_head(head: bytes | bytearray, max_frame_bytes: int) -> bool | None:
     """Whether a connection's first bytes can begin a framed Thrift reply; None: too few to tell.
@@ -95,11 +91,11 @@ def _reply_head(head: bytes | bytearray, max_frame_bytes: int) -> bool | None:
     if message[0] == 0x80:  # binary: 80 01, a byte, the message type
         if len(message) > 1 and message[1] != 0x01:
             return False
-        return message[3] in (_REPLY, _EXCEPTION) if len(message) == 4 else None
+        return message[3] in (REPLY, EXCEPTION) if len(message) == 4 else None
     if message[0] == 0x82:  # compact: 82, then type << 5 | version
         if len(message) < 2:
             return None
-        return message[1] & 0x1F == 1 and message[1] >> 5 in (_REPLY, _EXCEPTION)
+        return message[1] & 0x1F == 1 and message[1] >> 5 in (REPLY, EXCEPTION)
     return False
 
 
@@ -188,7 +184,7 @@ class _Connection(asyncio.BufferedProtocol):
             for frame in self.receiver.buffer_updated(nbytes):
                 name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
                 future = self.pending.pop(seqid, None)
-                if future is None and mtype == _EXCEPTION and seqid == 0:
+                if future is None and mtype == EXCEPTION and seqid == 0:
                     # About no call (ours are never 0): the node refused the connection.
                     error = reader.read_body(TApplicationException)
                     self._break(ServerError(f"the node refused: {error.message}", error.type or 0))
@@ -196,10 +192,10 @@ class _Connection(asyncio.BufferedProtocol):
                 if future is None or future.done():
                     continue  # its caller gave up (timeout, cancellation)
                 m = method(name)
-                if mtype == _EXCEPTION:
+                if mtype == EXCEPTION:
                     error = reader.read_body(TApplicationException)
                     future.set_exception(ServerError(error.message or "", error.type or 0))
-                elif mtype == _REPLY and m is not None and m.result is not None:
+                elif mtype == REPLY and m is not None and m.result is not None:
                     future.set_result(reader.read_body(m.result))
                 else:
                     raise RemoteProtocolError(f"unexpected reply {name!r} of type {mtype}")
@@ -329,7 +325,7 @@ class _Connection(asyncio.BufferedProtocol):
                 raise self._closed_error()
             assert self.transport is not None
             seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
-            parts, size = encode_message(m.name, _ONEWAY, seqid, args)
+            parts, size = encode_message(m.name, ONEWAY, seqid, args)
             self.traffic["bytes_sent"] += size
             self.transport.writelines(parts)
             # A ping behind it: its reply comes once the node has read (and,
@@ -356,7 +352,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.lost is not None or transport is None or transport.is_closing():
             raise self._closed_error()
         seqid = next(self._seqids) % 0x7FFFFFFF + 1  # 1..2**31-1; 0 is never a call
-        parts, size = encode_message(m.name, _CALL, seqid, args)
+        parts, size = encode_message(m.name, CALL, seqid, args)
         self.traffic["bytes_sent"] += size
         future = self._loop.create_future()
         self.pending[seqid] = future

@@ -34,6 +34,7 @@ from thriftpy2.thrift import TApplicationException
 
 from ..errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
 from ..wire import Frame, MessageType, Method, decode_header, encode_message, method, thrift
+from ..wire.protocol import CALL, ONEWAY, REPLY
 from .ordering import MAX_PIPELINE, CallOrder
 
 if TYPE_CHECKING:
@@ -44,8 +45,7 @@ __all__ = ["Call", "CallDispatch", "Handler"]
 log = logging.getLogger(__name__)
 
 # The message types a request may have, and a reply's (an enum member is slow to get).
-_REQUEST_TYPES = frozenset((int(MessageType.CALL), int(MessageType.ONEWAY)))
-_REPLY = int(MessageType.REPLY)
+_REQUEST_TYPES = frozenset((CALL, ONEWAY))
 
 
 class Handler(TypingProtocol):
@@ -204,7 +204,7 @@ class CallDispatch(CallOrder):
         if started and (observe := self.server.call_observer) is not None:
             observe(m.name, time.perf_counter() - started, error)
         if error is None:
-            mtype, body = _REPLY, outcome
+            mtype, body = REPLY, outcome
         else:
             self._counters["errors"] += 1
             mtype, body = self._error_reply(m, error)
@@ -276,13 +276,13 @@ class CallDispatch(CallOrder):
             observe(call.method.name, time.perf_counter() - call.started, exc)
         m = call.method
         if exc is None:
-            call.reply = (_REPLY, result)
+            call.reply = (REPLY, result)
             if m.oneway:
                 return  # (settled: a oneway call has no reply to send)
         else:
             self._counters["errors"] += 1
             if m.oneway:
-                call.reply = (_REPLY, None)  # (settled)
+                call.reply = (REPLY, None)  # (settled)
                 log.warning("%s: oneway %s failed: %s", self.peer, m.name, exc)
                 return
             call.reply = self._error_reply(m, exc)
