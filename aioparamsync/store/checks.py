@@ -47,6 +47,12 @@ def check_keeps_layout(
     decoder says so) may be of a wider dtype of the same kind: its values are
     cast to the stored one (see :meth:`ParameterTable.apply`).
     """
+    if (
+        dtype == current.dtype
+        and nbytes == current.nbytes
+        and (shape is None or tuple(shape) == current.shape)
+    ):
+        return  # the layout as it is stored (the common case: no dtype to parse)
     stored = current.nbytes, current.dtype, current.shape
     if dtype is None:
         if nbytes == current.nbytes:

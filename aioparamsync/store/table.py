@@ -290,8 +290,8 @@ class ParameterTable:
                     data = cast_to(p, current)
                 dtype, shape = current.dtype, current.shape
             rule = p.rule if p.rule is not None else (current.rule if current else None)
-            if rule is not None and p.rule is None:
-                try:  # the stored rule must fit the new layout
+            if rule is not None and p.rule is None and p.replace:
+                try:  # the stored rule must fit the new layout (a kept one fits)
                     check_rule_fits(p.name, rule, dtype)
                 except RequestError:
                     rule = None  # e.g. floats replaced by bytes: no rule applies
