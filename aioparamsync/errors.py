@@ -49,6 +49,7 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = 4
     UNAVAILABLE = 5
     TIMEOUT = 6
+    MOVED = 7
 
 
 class ParamSyncError(Exception):
@@ -73,18 +74,20 @@ class RequestError(ParamSyncError, ValueError):
     Attributes:
         code: why, as an :class:`ErrorCode`.
         message: the node's explanation.
+        epoch: with ``MOVED``, the epoch of the node's topology (else None).
     """
 
-    def __init__(self, code: ErrorCode | int, message: str) -> None:
+    def __init__(self, code: ErrorCode | int, message: str, epoch: int | None = None) -> None:
         with contextlib.suppress(ValueError):  # a newer node's code: keep the number
             code = ErrorCode(code)
         self.code = code
         self.message = message
+        self.epoch = epoch
         name = code.name if isinstance(code, ErrorCode) else str(code)
         super().__init__(f"{name}: {message}")
 
     def __reduce__(self):  # keeps pickling (multiprocessing) working
-        return (type(self), (self.code, self.message))
+        return (type(self), (self.code, self.message, self.epoch))
 
 
 class ServerError(ParamSyncError):

@@ -85,6 +85,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LATENCY_BUCKETS", "CallStats", "MetricsBindError", "NodeMetrics"]
 
+# The states a member may be in (member_state's label; see aioparamsync.placement).
+MEMBER_STATES = ("joining", "up", "down", "failed", "leaving", "left")
+
 log = logging.getLogger(__name__)
 
 
@@ -344,6 +347,44 @@ class _NodeCollector:
             "Parts of gradient pushes whose owner could not be reached (folded here).",
             service.forward_failures,
         )
+
+        # -- the cluster: topology, placement, moves -----------------------------------
+        cluster = node.cluster
+        yield gauge(
+            "cluster_epoch", "The epoch of the topology as this node sees it.", cluster.epoch
+        )
+        yield gauge(
+            "replication_factor",
+            "How many nodes hold each key (0: every node).",
+            cluster.replication_factor or 0,
+        )
+        yield gauge(
+            "keys_moving", "Keys held here that are being handed off.", cluster.rebalancer.moving
+        )
+        yield gauge(
+            "under_replicated_keys",
+            "Keys this node is primary of with a replica not live.",
+            cluster.rebalancer.under_replicated,
+        )
+        yield counter(
+            "keys_handed_off",
+            "Keys dropped here once their new holders had them.",
+            cluster.rebalancer.handed_off,
+        )
+        yield counter(
+            "requests_passed_on",
+            "Parts of requests passed on to the node holding them.",
+            service.router.passed_on,
+        )
+        members = GaugeMetricFamily(
+            PREFIX + "member_state",
+            "Each member's state as this node sees it: 1 for the one it is in.",
+            labels=["member", "state"],
+        )
+        for m in list(cluster.topology().members):
+            for name in MEMBER_STATES:
+                members.add_metric([m.node_id, name], 1.0 if name == m.state else 0.0)
+        yield members
 
         # -- the peers --------------------------------------------------------------
         labels = ["peer"]

@@ -12,9 +12,10 @@ from collections.abc import Iterable
 
 from .client.api import Address, parse_address, parse_addresses
 from .cluster.links import DEFAULT_REPAIR_INTERVAL, member_name
-from .cluster.membership import UNREACHABLE_WARNING, Cluster
+from .cluster.membership import DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING, Cluster
 from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
+from .placement import DEFAULT_REPLICATION_FACTOR, JOINING, UP
 from .server.handlers import ParameterService
 from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .store.table import Limits, ParameterTable
@@ -92,6 +93,14 @@ class Node:
             one, see :attr:`metrics_address`; None: no metrics). Needs the
             ``prometheus-client`` package (``pip install '.[metrics]'`` in the
             checkout); see :mod:`aioparamsync.metrics`.
+        replication_factor: how many nodes hold each key (None: every node;
+            fewer when the cluster has fewer). See :mod:`aioparamsync.placement`.
+        failure_timeout: seconds a member may not answer before it leaves
+            placement and the others re-replicate its keys.
+        acks: "1" (answer a write once its primary applied it) or "all" (once
+            every live replica did), for writes that do not say.
+        drain_timeout: the longest :meth:`stop` hands keys off before it stops
+            (a planned leave; see :meth:`leave`).
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -121,6 +130,10 @@ class Node:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float | None = None,
         metrics_port: int | None = None,
+        replication_factor: int | None = DEFAULT_REPLICATION_FACTOR,
+        failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
+        acks: str = "1",
+        drain_timeout: float = 60.0,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -162,7 +175,11 @@ class Node:
             limits=self.table.limits,  # (peers are assumed to run with the same)
             max_frame_bytes=max_frame_bytes,
             unreachable_warning=unreachable_warning,
+            replication_factor=replication_factor,
+            failure_timeout=failure_timeout,
+            acks=acks,
         )
+        self.drain_timeout = drain_timeout
         self.service = ParameterService(
             self.store,
             self.cluster,
@@ -171,6 +188,11 @@ class Node:
         )
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
+        self.service.on_drain = self._drain_requested
+        #: set once the node has left its cluster (a drain): it is to be stopped
+        self.left = asyncio.Event()
+        self._joining: asyncio.Task[None] | None = None
+        self._leaving: asyncio.Task[int] | None = None
         self._writer: asyncio.Task[None] | None = None
         self.metrics_port = metrics_port
         self.metrics: NodeMetrics | None = None
@@ -251,6 +273,8 @@ class Node:
         self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
         self.cluster.start(self.seeds)
+        if self.cluster.state == JOINING:
+            self._joining = asyncio.create_task(self.cluster.join(), name="aioparamsync-join")
         kept = f"data in {self.data_dir.path}" if self.data_dir is not None else "in memory"
         log.info(
             "node %s listening on %s:%d, %s",
@@ -287,14 +311,50 @@ class Node:
                     ", ".join(remote),
                 )
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def leave(self, timeout: float | None = None) -> int:
+        """Leave the cluster: hand every key this node holds to its next holders.
+
+        The node serves meanwhile; once the others confirmed what it held (or
+        ``timeout`` seconds, default ``drain_timeout``, passed), it says it
+        left and :attr:`left` is set. Answers how many keys were handed off.
+        Leaving twice waits for the first.
+        """
+        if self._leaving is None:
+            wait = self.drain_timeout if timeout is None else timeout
+            self._leaving = asyncio.ensure_future(self._leave(wait))
+        return await asyncio.shield(self._leaving)
+
+    async def _leave(self, timeout: float) -> int:
+        if self._joining is not None:
+            self._joining.cancel()
+            await asyncio.wait({self._joining})
+        try:
+            handed = await self.cluster.leave(timeout)
+        finally:
+            self.left.set()
+        log.info("node %s left its cluster: %d keys handed off", self.node_id, handed)
+        return handed
+
+    def _drain_requested(self, timeout: float | None) -> asyncio.Future:
+        return asyncio.ensure_future(self.leave(timeout))
+
+    async def stop(self, grace: float = 5.0, *, leave: bool = True) -> None:
         """Stop gracefully: what was acknowledged is sent on and kept.
 
-        Stops accepting, finishes the calls in flight and sends the peer outboxes
-        (up to ``grace`` s each), then applies what is queued, writes a snapshot
+        In a cluster, a node that has not left yet leaves first (see
+        :meth:`leave`, up to ``drain_timeout`` s), unless not ``leave``: it
+        then stops as one that is to come back (its peers see it down; past
+        their failure timeout, they re-replicate what it held). Then it stops accepting,
+        finishes the calls in flight and sends the peer outboxes (up to
+        ``grace`` s each), then applies what is queued, writes a snapshot
         (with a data directory) and closes the log.
         """
         try:
+            if leave and self._writer is not None and self.cluster.state in (UP, JOINING):
+                await self.leave()
+            if self._joining is not None:
+                self._joining.cancel()
+                await asyncio.wait({self._joining})
             await self.server.close(grace)
             self.service.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up

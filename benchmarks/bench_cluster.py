@@ -113,7 +113,9 @@ class ClusterProcesses:
     @staticmethod
     def _cmd(repair_interval: float, seed: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "aioparamsync", *NODE_ARGS]
-        cmd += ["--repair-interval", repr(repair_interval)]
+        # Every node holds w: this measures the fan-out of full replication
+        # (bench_sharding.py measures a sharded cluster).
+        cmd += ["--repair-interval", repr(repair_interval), "--replication-factor", "all"]
         if seed is not None:
             cmd += ["--peers", seed]
         return cmd
@@ -467,7 +469,7 @@ async def run_cluster(
     clients: list[Any] = []
     try:
         clients = [
-            ParameterClient(n.address, max_connections=1, timeout=CALL_TIMEOUT)
+            ParameterClient(n.address, max_connections=1, timeout=CALL_TIMEOUT, route=False)
             for n in cluster.nodes
         ]
         await wait_formed(clients, peers)

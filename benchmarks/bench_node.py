@@ -476,7 +476,7 @@ class NodeWorker:
         self.name = f"p{index}"
         self.array = array
         self.nbytes = array.nbytes
-        self.client = ParameterClient(address, max_connections=1, timeout=CALL_TIMEOUT)
+        self.client = ParameterClient(address, max_connections=1, timeout=CALL_TIMEOUT, route=False)
 
     async def open(self) -> None:
         await self.client.ping()

@@ -223,7 +223,8 @@ async def client_side(
 
     clients = []
     for _ in range(conns):
-        client = ParameterClient(("127.0.0.1", 1), max_connections=1)
+        # (not routed: its one connection replays one reply, to no topology call)
+        client = ParameterClient(("127.0.0.1", 1), max_connections=1, route=False)
         connection = client_module._Connection(client.max_frame_bytes, client.traffic)
 
         mine = bytearray(reply)

@@ -87,6 +87,14 @@ struct ParameterUpdate {
     // (version, origin)) and sends it on to no one. Clients leave it out:
     // their updates are applied as new versions, whatever origins they hold.
     3: optional string from_peer,
+    // The epoch of the topology the caller routed by (see
+    // ParameterRequest.epoch): set, a parameter the node does not hold is
+    // answered MOVED; absent, it is passed on to its primary.
+    4: optional i64 epoch,
+    // When to answer: "1" once the primary applied (and, with a data
+    // directory, logged) it; "all" once every live replica did. Absent: the
+    // node's --acks.
+    5: optional string acks,
 }
 
 struct ParameterRequest {
@@ -116,6 +124,11 @@ struct ParameterRequest {
     // name also comes back when the node holds the same version from another
     // writer that won (last-writer-wins: the larger origin at equal versions).
     10: optional map<string, string> known_origins,
+    // The epoch of the topology the caller routed by (see Topology). Set: the
+    // node serves what it holds and answers MOVED for a name it does not
+    // hold. Absent (a client that knows no topology): the node asks the
+    // holders of what it does not hold, so every node answers every name.
+    11: optional i64 epoch,
 }
 
 struct ParameterResponse {
@@ -136,11 +149,17 @@ enum ErrorCode {
     UNAVAILABLE = 5,
     // A wait (long poll, barrier) reached its deadline.
     TIMEOUT = 6,
+    // A caller that routed by a topology asked a node for what it does not
+    // hold: its topology is stale. ParameterError.epoch is the node's epoch;
+    // ask a node for the topology again.
+    MOVED = 7,
 }
 
 exception ParameterError {
     1: required ErrorCode code,
     2: required string message,
+    // With MOVED: the epoch of the node's topology.
+    3: optional i64 epoch,
 }
 
 // What push_parameters applied: the version each parameter now has.
@@ -161,6 +180,9 @@ struct GradientPush {
     // Set by a node that passes the push on to the node that applies
     // gradients of these names (it is not passed on again).
     4: optional bool forwarded,
+    // As in ParameterUpdate: the caller's topology epoch, and when to answer.
+    5: optional i64 epoch,
+    6: optional string acks,
 }
 
 // A worker arriving at a barrier (bulk-synchronous training).
@@ -173,6 +195,9 @@ struct BarrierRequest {
     4: required i32 world_size,
     // How long to wait (milliseconds); absent: until the call's deadline.
     5: optional i32 wait_ms,
+    // As in ParameterRequest: the caller's topology epoch (the primary of the
+    // group's key holds the barrier).
+    6: optional i64 epoch,
 }
 
 struct BarrierResult {
@@ -200,6 +225,48 @@ struct Member {
     1: required string node_id,
     2: required string host,
     3: required i32 port,
+    // What the member says of itself, when it announces: "joining" (taking
+    // its keys; it holds none yet), "up", "leaving" (handing its keys off)
+    // or "left".
+    4: optional string state,
+    // The epoch of its topology: a node adopts a larger one it is told.
+    5: optional i64 epoch,
+}
+
+// One member of the cluster, as the node answering sees it.
+struct TopologyMember {
+    1: required string node_id,
+    2: required string host,
+    3: required i32 port,
+    // "up" (holds keys, answers), "down" (holds keys, does not answer; it
+    // leaves placement after the failure timeout), "failed" (down longer:
+    // its keys are held by others), "joining", "leaving", "left".
+    4: required string state,
+}
+
+// Who holds what: the members and the replication factor. A key's replicas
+// are the first replication_factor members (every one, when 0 or more than
+// there are) of those "up" or "down", ranked by rendezvous hashing
+// (blake2b-64 of member id, NUL, key; highest first; see
+// aioparamsync/placement.py); its primary is the first of them that is up.
+struct Topology {
+    // Grows with every change of membership the node sees.
+    1: required i64 epoch,
+    2: required list<TopologyMember> members,
+    3: required i32 replication_factor,
+    // Parameters larger than this are stored as partitions, each placed by
+    // its own key (name, NUL, "#", index): 0, never.
+    4: optional i64 partition_bytes,
+}
+
+// Which digest entries to answer: with for_node, those of the keys whose
+// replicas (over members, replication_factor as in Topology) include it;
+// with names, those of the names; both: both conditions.
+struct DigestRequest {
+    1: optional string for_node,
+    2: optional list<string> members,
+    3: optional i32 replication_factor,
+    4: optional list<string> names,
 }
 
 // What a node holds of one parameter (anti-entropy compares these).
@@ -243,6 +310,14 @@ struct NodeInfo {
     8: optional list<PeerInfo> peers,
     // Long polls and barriers waiting now.
     9: optional list<Waiter> waiting,
+    // The cluster as this node sees it.
+    10: optional Topology topology,
+    // Keys this node holds but is no replica of any more: being handed off.
+    11: optional i64 keys_moving,
+    // Keys this node is primary of with fewer than their replicas live.
+    12: optional i64 under_replicated,
+    // This node's own state (see Member.state).
+    13: optional string state,
 }
 
 service ParameterSyncService {
@@ -273,4 +348,13 @@ service ParameterSyncService {
     // Wait until world_size workers of the group reach the step.
     BarrierResult barrier(1: BarrierRequest request)
         throws (1: ParameterError error),
+
+    // The cluster as this node sees it: clients route by it.
+    Topology topology(),
+    // The digest (see digest) of the keys the request selects.
+    list<DigestEntry> digest_for(1: DigestRequest request)
+        throws (1: ParameterError error),
+    // A planned leave: the node hands every key it holds to its next
+    // holders, answers how many it handed off, and exits.
+    i64 drain(1: i32 wait_ms) throws (1: ParameterError error),
 }

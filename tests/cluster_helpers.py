@@ -119,9 +119,11 @@ def _differ(name: str, who: str, got: Any, other: str, value: Any) -> str:
 
 
 def assert_mesh(nodes: Iterable[Node]) -> None:
-    """Each node has exactly one link to each other node, up, knowing its id."""
+    """Each node has exactly one link to each other node, up, knowing its id; each is up
+    (it has joined: pulled what it holds)."""
     nodes = list(nodes)
     for node in nodes:
+        assert node.cluster.state == "up", f"{node.node_id} is {node.cluster.state}"
         others = {address_text(o.address): o.node_id for o in nodes if o is not node}
         links = node.cluster.links
         assert set(links) == set(others), f"{node.node_id} links to {sorted(links)}"
@@ -130,26 +132,51 @@ def assert_mesh(nodes: Iterable[Node]) -> None:
             assert link.node_id == others[address], f"{node.node_id} -> {address}: {link!r}"
 
 
-class LocalCluster:
-    """Nodes in this process; :meth:`close` stops those still running."""
+def node_client(address: Any, **kwargs: Any) -> ParameterClient:
+    """A client of that node alone, not routed by the topology: what it writes is
+    applied there (its origin), where that node holds it, as by a founding client."""
+    return ParameterClient(address, route=False, **kwargs)
 
-    def __init__(self, repair_interval: float = 0.2) -> None:
+
+def primary_of(nodes: Iterable[Node], name: str) -> Node:
+    """The node that is the primary of ``name`` (as the first node sees the cluster)."""
+    nodes = list(nodes)
+    view = nodes[0].cluster
+    primary = view.placement.primary(name, view.live)
+    return next(n for n in nodes if n.node_id == primary)
+
+
+class LocalCluster:
+    """Nodes in this process; :meth:`close` stops those still running.
+
+    Its nodes hold every key (replication factor "all", the founding
+    article's broadcast) unless told otherwise: the tests of replication
+    itself (links, repair, faults) compare every node's table; the sharding
+    tests pass their own ``replication_factor``.
+    """
+
+    def __init__(self, repair_interval: float = 0.2, replication_factor: int | None = None) -> None:
         self.repair_interval = repair_interval
+        self.replication_factor = replication_factor
         self.running: list[Node] = []
 
     async def start(
         self, *, peers: Iterable[Node | tuple[str, int]] = (), port: int = 0, **kwargs: Any
     ) -> Node:
         kwargs.setdefault("repair_interval", self.repair_interval)
+        kwargs.setdefault("replication_factor", self.replication_factor)
+        kwargs.setdefault("drain_timeout", 5.0)
         seeds = [p.address if isinstance(p, Node) else p for p in peers]
         node = Node(LOOPBACK, port, peers=seeds, **kwargs)
         await node.start()
         self.running.append(node)
         return node
 
-    async def stop(self, node: Node) -> None:
+    async def stop(self, node: Node, *, leave: bool = False) -> None:
+        """Stop ``node``: as one that is to come back (its peers see it down), or
+        after it left the cluster (``leave``: it hands its keys off first)."""
         self.running.remove(node)
-        await node.stop()
+        await node.stop(leave=leave)
 
     async def close(self) -> None:
         while self.running:
@@ -336,20 +363,29 @@ class NodeProcess:
     def client(self, **kwargs: Any) -> ParameterClient:
         kwargs.setdefault("timeout", CALL_TIMEOUT)
         kwargs.setdefault("connect_timeout", 5.0)
+        kwargs.setdefault("route", False)  # (this node's client: see node_client)
         return ParameterClient(self.address, **kwargs)
 
 
 class ProcessCluster:
-    """Starts node processes; :meth:`close` kills (by PID) every one still running."""
+    """Starts node processes; :meth:`close` kills (by PID) every one still running.
 
-    def __init__(self, repair_interval: float = 0.5) -> None:
+    As :class:`LocalCluster`, its nodes hold every key unless told otherwise
+    (``replication_factor``, or ``--replication-factor`` in ``extra``).
+    """
+
+    def __init__(self, repair_interval: float = 0.5, replication_factor: str = "all") -> None:
         self.repair_interval = repair_interval
+        self.replication_factor = replication_factor
         self.started: list[NodeProcess] = []
 
     async def spawn(
         self, *, peers: Iterable[NodeProcess] = (), port: int = 0, extra: Iterable[str] = ()
     ) -> NodeProcess:
         flags = ["--port", str(port), "--repair-interval", str(self.repair_interval)]
+        extra = list(extra)
+        if "--replication-factor" not in extra:
+            flags += ["--replication-factor", self.replication_factor]
         peers = list(peers)
         if peers:
             flags += ["--peers", ",".join(p.address_text for p in peers)]

@@ -29,6 +29,7 @@ from cluster_helpers import (
     assert_same_wire_states,
     eventually,
     free_port,
+    node_client,
     table_state,
     watch_loop_errors,
     watched_cluster,
@@ -85,7 +86,7 @@ async def test_an_update_on_any_node_reaches_the_others_with_its_version_and_ori
 
     expected: State = {}
     for i, writer in enumerate(nodes):
-        async with ParameterClient(writer.address, timeout=10) as client:
+        async with node_client(writer.address, timeout=10) as client:
             versions = await client.update_arrays({f"w{i}": value(i, 1), "shared": value(i, 2)})
         assert versions == {f"w{i}": 1, "shared": i + 1}
         expected[f"w{i}"] = (1, writer.table.origin, value(i, 1).tobytes())
@@ -95,7 +96,7 @@ async def test_an_update_on_any_node_reaches_the_others_with_its_version_and_ori
 
     # Readable over the wire on every node, the same bytes, version and origin.
     for reader in nodes:
-        async with ParameterClient(reader.address, timeout=10) as client:
+        async with node_client(reader.address, timeout=10) as client:
             response = await client.get_parameters(sorted(expected))
         got = {p.name: (p.version, p.origin, bytes(p.data)) for p in response.params}
         assert got == expected, reader.node_id
@@ -110,7 +111,7 @@ async def test_a_node_joining_through_one_member_becomes_known_to_all_and_gets_t
     a, b, c = await three(cluster)
     written: dict[str, int] = {}
     for i, node in enumerate((a, b, c)):
-        async with ParameterClient(node.address, timeout=10) as client:
+        async with node_client(node.address, timeout=10) as client:
             written |= await client.update_arrays({f"p{i}": value(i), f"q{i}": value(i, i)})
     before = await cluster.converged([a, b, c])
     assert set(before) == set(written)
@@ -126,7 +127,7 @@ async def test_a_node_joining_through_one_member_becomes_known_to_all_and_gets_t
     assert all(link.updates_sent == 0 for link in d.cluster.links.values())
 
     # And d's own updates reach everyone.
-    async with ParameterClient(d.address, timeout=10) as client:
+    async with node_client(d.address, timeout=10) as client:
         assert await client.update_arrays({"from_d": value(4)}) == {"from_d": 1}
     state = await cluster.converged([a, b, c, d])
     assert state["from_d"][:2] == (1, d.table.origin)
@@ -138,7 +139,7 @@ async def test_a_node_joining_through_one_member_becomes_known_to_all_and_gets_t
 async def test_updates_received_from_a_peer_are_not_sent_on(cluster: LocalCluster) -> None:
     a, b, c = await three(cluster)
     n = 40
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         for i in range(n):
             await client.update_arrays({f"x{i % 7}": value(i)})
         # Some concurrent ones too (more chances to coalesce).
@@ -173,7 +174,7 @@ async def test_a_dead_peers_outbox_coalesces_and_a_restarted_peer_catches_up(
 
     names = [f"n{i}" for i in range(5)]
     last: dict[str, int] = {}
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         for i in range(200):
             name = names[i % len(names)]
             versions = await client.update_arrays({name: value(i)})
@@ -259,7 +260,7 @@ async def _conflicting_writes(schedule: list[Any]) -> None:
     clients: list[list[ParameterClient]] = []
     try:
         nodes = await three(cluster)
-        clients = [[ParameterClient(n.address, timeout=10) for _ in range(2)] for n in nodes]
+        clients = [[node_client(n.address, timeout=10) for _ in range(2)] for n in nodes]
         answered: dict[str, list[tuple[int, str, bytes]]] = {name: [] for name in NAMES}
         serial = iter(range(1_000_000))
 
@@ -305,7 +306,7 @@ async def test_a_client_of_several_addresses_fails_over_and_names_them_all_at_th
     await cluster.formed([a, b])
     dead = ("127.0.0.1", free_port())
     addresses = [dead, a.address, b.address]
-    async with ParameterClient(addresses, timeout=10, connect_timeout=5) as client:
+    async with node_client(addresses, timeout=10, connect_timeout=5) as client:
         assert await client.ping() == a.node_id  # the dead one is skipped
         assert (client.host, client.port) == a.address
         assert await client.update_arrays({"w": value(1)}) == {"w": 1}
@@ -332,13 +333,13 @@ async def test_a_client_of_several_addresses_fails_over_and_names_them_all_at_th
 
 async def test_info_shows_the_peers_and_their_counters(cluster: LocalCluster) -> None:
     a, b, c = await three(cluster)
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         for i in range(10):
             await client.update_arrays({f"i{i % 3}": value(i)})
     await cluster.converged([a, b, c])
     await eventually(lambda: _assert_all_sent(a, 10))
 
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         info = await client.info()
     assert info.node_id == a.node_id
     peers = {p.node_id: p for p in info.peers}
@@ -353,7 +354,7 @@ async def test_info_shows_the_peers_and_their_counters(cluster: LocalCluster) ->
         assert p.updates_sent + p.updates_coalesced == 10
         assert p.lag_seconds == 0.0  # nothing waits
         assert p.repaired >= 0
-    async with ParameterClient(b.address, timeout=10) as client:
+    async with node_client(b.address, timeout=10) as client:
         info_b = await client.info()
     assert {p.node_id for p in info_b.peers} == {a.node_id, c.node_id}
     assert all(p.updates_sent == 0 and p.state == "up" for p in info_b.peers)
@@ -361,7 +362,7 @@ async def test_info_shows_the_peers_and_their_counters(cluster: LocalCluster) ->
     # A peer gone: its state and its failures show.
     c_id = c.node_id
     await cluster.stop(c)
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         await client.update_arrays({"after": value(0)})
 
         async def c_in_backoff() -> Any:
@@ -387,7 +388,7 @@ async def test_a_node_restarted_under_its_id_and_written_before_catching_up_conv
     a = await cluster.start()
     b = await cluster.start(peers=[a])
     await cluster.formed([a, b])
-    async with ParameterClient(b.address, timeout=10) as client:
+    async with node_client(b.address, timeout=10) as client:
         assert await client.update_arrays({"x": value(1)}) == {"x": 1}
     await cluster.converged([a, b])
     port, b_id = b.port, b.node_id
@@ -397,7 +398,7 @@ async def test_a_node_restarted_under_its_id_and_written_before_catching_up_conv
     # deterministic: it joins a only after the write, as if its repair were slow).
     b2 = await cluster.start(port=port)
     assert b2.node_id == b_id
-    async with ParameterClient(b2.address, timeout=10) as client:
+    async with node_client(b2.address, timeout=10) as client:
         assert await client.update_arrays({"x": value(2)}) == {"x": 1}
     b2.cluster.add(*a.address)
     await cluster.formed([a, b2])
@@ -415,7 +416,7 @@ async def test_a_peer_restarted_at_its_address_without_seeds_is_rejoined(
     port = b.port
     await cluster.stop(b)
     b2 = await cluster.start(port=port, repair_interval=30)  # no --peers: a must find it
-    async with ParameterClient(a.address, timeout=10) as client:
+    async with node_client(a.address, timeout=10) as client:
         await client.update_arrays({"from_a": value(1)})  # a's link to b sends: it reconnects
     # Today: a's link is "up" (it reached b2), b2 has no link at all.
     await eventually(lambda: assert_mesh([a, b2]), timeout=BUG_DEADLINE)
@@ -577,7 +578,7 @@ async def test_a_node_stopped_gracefully_first_sends_its_outboxes(cluster: Local
     b = await cluster.start(peers=[a], repair_interval=3600)
     await cluster.formed([a, b])
     big = np.arange(1 << 19, dtype=np.int64)  # 4 MiB: sending takes a while
-    async with ParameterClient(a.address, timeout=30) as client:
+    async with node_client(a.address, timeout=30) as client:
         await asyncio.gather(*(client.update_arrays({f"g{i}": big + i}) for i in range(16)))
     expected = {
         name: (e.version, e.origin, bytes(e.data))

@@ -409,7 +409,7 @@ async def pair() -> AsyncIterator[tuple[Node, Node]]:
             return [s["state"] for n in (a, b) for s in n.cluster.statistics()]
 
         await until(lambda: states() == ["up", "up"])
-        async with ParameterClient(a.address, timeout=10) as client:
+        async with ParameterClient(a.address, timeout=10, route=False) as client:  # (at a)
             await client.update_arrays({"w": np.ones(4)})
         await until(lambda: b.table.entry("w") is not None)
         await until(lambda: a.cluster.statistics()[0]["updates_sent"] == 1)

@@ -79,13 +79,16 @@ def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
     for m in METHODS:
         assert getattr(METHODS, m.name) is m is method(m.name)
     writes = {m.name for m in METHODS if m.writes}
-    assert writes == {"update_parameters", "push_parameters", "broadcast_update", "push_gradients"}
+    assert writes == {
+        "update_parameters", "push_parameters", "broadcast_update", "push_gradients", "drain",
+    }  # fmt: skip
     # never retried behind the caller's back: the writes a second delivery would apply twice
     assert {m.name for m in METHODS if not m.idempotent} == writes - {"push_gradients"}
     assert {m.name: m.held for m in METHODS if m.held != "never"} == {
         "get_parameters": "wait_ms",
         "pull_parameters": "wait_ms",
         "barrier": "always",
+        "drain": "always",
     }
     assert METHODS.broadcast_update.oneway and not METHODS.push_parameters.oneway
 

@@ -53,7 +53,7 @@ def roots(modules: set[str]) -> set[str]:
         "aioparamsync.values.rules",
         "aioparamsync.values.pieces",
         "aioparamsync.store.table",
-        "aioparamsync.cluster.placement",
+        "aioparamsync.placement",
     ],
 )
 def test_a_sans_io_layer_imports_alone(module: str) -> None:

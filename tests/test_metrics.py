@@ -100,7 +100,8 @@ async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalClu
     host, port = node.metrics_address
     assert host == LOOPBACK and port not in (0, node.port)
 
-    async with ParameterClient(node.address, timeout=15) as client:
+    # (route=False: the messages counted are these alone, no topology asked for)
+    async with ParameterClient(node.address, timeout=15, route=False) as client:
         await client.update_arrays({"w": np.zeros((3, 4), np.float32)})  # push_parameters
         await client.update_arrays({"b": np.ones(5, np.float64)})
         await client.get_arrays(["w", "b"])  # pull_parameters
@@ -226,7 +227,7 @@ async def test_two_nodes_show_their_peer_links(cluster: LocalCluster) -> None:
     b = await cluster.start(peers=[a], metrics_port=0)
     await cluster.formed([a, b])
     assert a.metrics_address != b.metrics_address  # one registry and endpoint each
-    async with ParameterClient(a.address, timeout=15) as client:
+    async with ParameterClient(a.address, timeout=15, route=False) as client:  # (at a)
         for i in range(3):
             await client.update_arrays({"w": np.full(4, i, np.float32)})
     await cluster.converged([a, b])

@@ -17,6 +17,7 @@ from cluster_helpers import (
     address_text,
     eventually,
     free_port,
+    node_client,
     table_state,
     watched_cluster,
 )
@@ -74,7 +75,7 @@ async def test_gradients_of_a_stopped_owners_parameter_meet_at_one_survivor(
         for i in range(1000)
         if (owner := a.cluster.owner(n := f"w{i}")) is not None and owner.node_id == c.node_id
     )
-    async with ParameterClient(a.address) as ca, ParameterClient(b.address) as cb:
+    async with node_client(a.address) as ca, node_client(b.address) as cb:
         await ca.update_arrays({name: np.zeros(1, np.float64)}, rules=sum_rule())
         await cluster.converged([a, b, c])
         c_address = address_text(c.address)
@@ -111,7 +112,7 @@ LIMITS = Limits(max_names_per_request=16, max_params_per_update=16)
 async def _write_32(node: Node) -> list[str]:
     """Two updates of 16 parameters each (each within LIMITS); answer the names."""
     names = []
-    async with ParameterClient(node.address) as client:
+    async with node_client(node.address) as client:
         for k in range(2):
             arrays = {f"p{k}_{i}": np.full(4, k * 16 + i, np.float32) for i in range(16)}
             await client.update_arrays(arrays)
@@ -176,7 +177,7 @@ async def test_updates_larger_than_a_frame_reach_a_peer_and_do_not_hold_back_lat
     # While B is down, A takes updates that each fit a frame, but not together.
     small = {f"x{i}": np.full(6 * KiB, i, np.float32) for i in range(3)}  # 24 KiB each
     # (a client sends a parameter larger than a frame in pieces)
-    client = ParameterClient(a.address, max_inline_bytes=16 * KiB, piece_bytes=16 * KiB)
+    client = node_client(a.address, max_inline_bytes=16 * KiB, piece_bytes=16 * KiB)
     async with client:
         for name, array in small.items():
             await client.update_arrays({name: array})
@@ -207,7 +208,7 @@ async def _two_owners(cluster: LocalCluster) -> tuple[Node, Node, str, str]:
     names = [f"p{i}" for i in range(200)]
     mine = next(n for n in names if a.cluster.owner(n) is None)
     theirs = next(n for n in names if a.cluster.owner(n) is not None)
-    async with ParameterClient(a.address) as client:
+    async with node_client(a.address) as client:
         await client.update_arrays({mine: np.zeros(4), theirs: np.zeros(4)}, rules=sum_rule())
     await cluster.converged([a, b])
     return a, b, mine, theirs
@@ -225,7 +226,7 @@ async def test_a_push_one_part_of_which_cannot_be_folded_folds_no_part(
     cluster: LocalCluster,
 ) -> None:
     a, _, mine, theirs = await _two_owners(cluster)
-    async with ParameterClient(a.address) as client:
+    async with node_client(a.address) as client:
         with pytest.raises(RequestError) as refused:  # the shape of theirs is wrong
             await client.push_gradients({mine: np.ones(4), theirs: np.ones(3)})
         assert refused.value.code == ErrorCode.SHAPE_MISMATCH
@@ -238,7 +239,7 @@ async def test_a_push_sent_again_after_one_part_failed_folds_each_part_once(
 ) -> None:
     a, b, mine, theirs = await _two_owners(cluster)
     grads = {mine: np.ones(4), theirs: np.ones(4)}
-    async with ParameterClient(a.address) as at_a, ParameterClient(b.address) as at_b:
+    async with node_client(a.address) as at_a, node_client(b.address) as at_b:
         b.store.max_pending = 0  # the owner of theirs refuses for now: mine is folded
         with pytest.raises(RequestError) as refused:
             await at_a.push_gradients(grads, request_id="step-1")
@@ -258,7 +259,7 @@ async def test_a_push_sent_again_at_the_owner_of_one_part_folds_the_rest(
 ) -> None:
     a, b, mine, theirs = await _two_owners(cluster)
     grads = {mine: np.ones(4), theirs: np.ones(4)}
-    async with ParameterClient(a.address) as at_a, ParameterClient(b.address) as at_b:
+    async with node_client(a.address) as at_a, node_client(b.address) as at_b:
         a.store.max_pending = 0  # a refuses its own part; theirs is folded at b
         with pytest.raises(RequestError):
             await at_a.push_gradients(grads, request_id="X")

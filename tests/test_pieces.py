@@ -282,7 +282,7 @@ async def test_peers_send_and_repair_large_parameters_in_pieces(small_pieces) ->
         b = await cluster.start(peers=[a])
         await cluster.formed([a, b])
         big = whole("big", 100_000)
-        async with ParameterClient(a.address) as client:
+        async with ParameterClient(a.address, route=False) as client:  # (written at a)
             await client.update_parameters([big])
 
         def replicated() -> None:

@@ -40,6 +40,7 @@ from ..errors import ParamSyncError, ProtocolError, RequestError, ServerError
 from ..tls import client_context
 from ..values.arrays import from_parameter
 from ..wire import METHODS, thrift
+from ..wire.protocol import MAX_I32
 from .options import TLS_ERRORS, address, positive_seconds
 from .output import (
     dtype_name,
@@ -135,7 +136,8 @@ def _add_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect a running aioparamsync node. No command changes it.",
+        description="Inspect a running aioparamsync node and its cluster. No command "
+        "changes it, but drain, which makes it leave its cluster.",
         epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
         "refused, or is no node; 2 bad arguments; 3 (get) some name is not on the node.",
     )
@@ -163,6 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the names that start with it (plain text, not a pattern)",
     )
     command("ping", "the node's id and the round trip of one call")
+    command(
+        "topology",
+        "the cluster as the node sees it: epoch, replication factor, each member's state, "
+        "and what each member up holds, is moving and has under-replicated",
+    )
+    drain = command(
+        "drain",
+        "make the node leave its cluster: it hands every key to its next holders, then exits",
+    )
+    drain.add_argument(
+        "--wait",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="the longest the node hands keys off before it leaves anyway (default: its "
+        "--drain-timeout); the command's --timeout should be longer",
+    )
     return parser
 
 
@@ -373,6 +392,81 @@ async def ping(client: ParameterClient, args: argparse.Namespace) -> int:
     return OK
 
 
+async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
+    answer = await client.topology()
+    members = sorted(answer.members, key=lambda m: m.node_id)
+
+    async def held(m: Any) -> Any:
+        if m.state not in ("up", "leaving"):
+            return None
+        other = ParameterClient(
+            (m.host, m.port),
+            timeout=args.timeout,
+            connect_timeout=args.timeout,
+            max_connections=1,
+            ssl=client.ssl,
+            route=False,
+        )
+        try:
+            return await other.info()
+        except ParamSyncError:
+            return None
+        finally:
+            await other.close()
+
+    infos = await asyncio.gather(*(held(m) for m in members))
+    r = answer.replication_factor or "all"
+    rows = []
+    document = []
+    for m, info in zip(members, infos, strict=True):
+        item = {
+            "node_id": m.node_id,
+            "address": f"{m.host}:{m.port}",
+            "state": m.state,
+            "keys": info.parameter_count if info else None,
+            "bytes": info.parameter_bytes if info else None,
+            "keys_moving": info.keys_moving if info else None,
+            "under_replicated": info.under_replicated if info else None,
+            "epoch": info.topology.epoch if info and info.topology else None,
+        }
+        document.append(item)
+        rows.append(
+            [
+                m.node_id,
+                item["address"],
+                m.state,
+                "-" if info is None else info.parameter_count,
+                "-" if info is None else format_size(info.parameter_bytes),
+                "-" if info is None else info.keys_moving or 0,
+                "-" if info is None else info.under_replicated or 0,
+            ]
+        )
+    if args.json:
+        print_json(
+            {
+                "epoch": answer.epoch,
+                "replication_factor": answer.replication_factor,
+                "members": document,
+            }
+        )
+        return OK
+    print(f"epoch {answer.epoch}, replication factor {r}, {len(members)} members")
+    header = ["NODE", "ADDRESS", "STATE", "KEYS", "BYTES", "MOVING", "UNDER-REPLICATED"]
+    print(format_table(header, rows, right={3, 4, 5, 6}))
+    return OK
+
+
+async def drain(client: ParameterClient, args: argparse.Namespace) -> int:
+    wait_ms = None if args.wait is None else min(int(args.wait * 1000), MAX_I32)
+    handed = await client.call("drain", wait_ms=wait_ms, timeout=args.timeout)
+    address = f"{client.host}:{client.port}"
+    if args.json:
+        print_json({"address": address, "handed_off": handed})
+    else:
+        print(f"{address}: handed off {handed} keys; the node is leaving")
+    return OK
+
+
 Command = Callable[[ParameterClient, argparse.Namespace], Coroutine[Any, Any, int]]
 COMMANDS: dict[str, Command] = {
     "stats": stats,
@@ -381,6 +475,8 @@ COMMANDS: dict[str, Command] = {
     "get": get,
     "list": list_parameters,
     "ping": ping,
+    "topology": topology,
+    "drain": drain,
 }
 
 
@@ -395,6 +491,7 @@ async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None
         connect_timeout=args.timeout,
         max_connections=1,
         ssl=ssl,
+        route=False,  # (its node answers, passing on what it does not hold)
     )
     try:
         return await COMMANDS[args.command](client, args)

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..cluster.links import DEFAULT_REPAIR_INTERVAL
-from ..cluster.membership import UNREACHABLE_WARNING
+from ..cluster.membership import ACKS, DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING
 from ..metrics import MetricsBindError
 from ..node import Node, unspecified_host
 from ..persistence.datadir import FSYNC_MODES, PersistenceError
+from ..placement import DEFAULT_REPLICATION_FACTOR
 from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from ..store.table import Limits
 from ..tls import client_context, server_context
@@ -61,6 +62,21 @@ def receiving_size(text: str) -> int | None:
     """A receive budget: a size, or 0 for none."""
     value = byte_size(text)
     return value or None
+
+
+def replication_factor(text: str) -> int | None:
+    """How many nodes hold each key: a count from 1, or ``all``."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of nodes from 1, or all"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 node holds each key (or all)")
+    return value
 
 
 def directory(text: str) -> str:
@@ -116,6 +132,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where peers reach this node, an address they can reach (default: where it "
         "listens, which must then not be 0.0.0.0 or :: if --peers are given)",
+    )
+    cluster = parser.add_argument_group("sharding and replication")
+    cluster.add_argument(
+        "--replication-factor",
+        type=replication_factor,
+        default=DEFAULT_REPLICATION_FACTOR,
+        metavar="R",
+        help="how many nodes hold each parameter (every node when the cluster has fewer); "
+        "'all': every node holds everything (default: %(default)s)",
+    )
+    cluster.add_argument(
+        "--acks",
+        choices=ACKS,
+        default="1",
+        help="when a write is answered, unless it says: '1' once its primary applied it "
+        "(and logged it, with --data-dir), 'all' once every live replica did "
+        "(default: %(default)s)",
+    )
+    cluster.add_argument(
+        "--failure-timeout",
+        type=positive_seconds,
+        default=DEFAULT_FAILURE_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a member may not answer before it leaves placement and the others "
+        "re-replicate what it held (default: %(default)s)",
+    )
+    cluster.add_argument(
+        "--drain-timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM or 'aioparamsync-ctl drain', the longest the node hands its keys "
+        "to their next holders before it exits (default: %(default)s)",
     )
     parser.add_argument(
         "--repair-interval",
@@ -292,6 +341,10 @@ async def serve(args: argparse.Namespace) -> int:
         ssl=server_ssl,
         peer_ssl=peer_ssl,
         metrics_port=args.metrics_port,
+        replication_factor=args.replication_factor,
+        failure_timeout=args.failure_timeout,
+        acks=args.acks,
+        drain_timeout=args.drain_timeout,
     )
     try:
         await node.start()
@@ -314,7 +367,11 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     host, port = node.address
     print(f"aioparamsync-node {node.node_id} listening on {host}:{port}", flush=True)
-    await stop.wait()
+    stopping = asyncio.ensure_future(stop.wait())
+    left = asyncio.ensure_future(node.left.wait())  # drained: 'aioparamsync-ctl drain'
+    await asyncio.wait({stopping, left}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    left.cancel()
     log.info("shutting down")
     await node.stop()
     log.info("stopped")

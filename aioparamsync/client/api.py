@@ -31,6 +31,7 @@ from .addresses import Address, check_seconds, parse_address
 from .addresses import parse_addresses as parse_addresses  # (importable from here too)
 from .fetch import fetch
 from .pool import ConnectionPool
+from .routing import ROUTED, Routes
 from .updates import make_update, push_in_pieces
 
 __all__ = ["ParameterClient", "parse_address"]
@@ -72,6 +73,12 @@ class ParameterClient(ConnectionPool):
             parameter may be larger than a frame, or than 2 GiB.
         piece_bytes: the size of those pieces.
         ssl: an ``ssl.SSLContext`` to reach TLS nodes with (see :mod:`aioparamsync.tls`).
+        route: send each part of a call straight to the node that holds it, by
+            the cluster's topology (see :mod:`.routing`); False: every call
+            to this client's node, which passes on what it does not hold.
+        read_from: where reads go: ``"primary"`` (each name's primary: reads
+            see every acknowledged write) or ``"any"`` (any live replica:
+            spreads reads, may lag the primary by a replication message).
 
     Every timeout, here and per call, is None or a finite number of seconds
     above 0; anything else (0, a negative number, NaN, infinity, a bool) is a
@@ -92,6 +99,8 @@ class ParameterClient(ConnectionPool):
         max_inline_bytes: int = pieces.INLINE_BYTES,
         piece_bytes: int = pieces.PIECE_BYTES,
         ssl: ssl_module.SSLContext | None = None,
+        route: bool = True,
+        read_from: str = "primary",
     ) -> None:
         super().__init__(
             address,
@@ -108,10 +117,31 @@ class ParameterClient(ConnectionPool):
             )
         self.max_inline_bytes = max_inline_bytes
         self.piece_bytes = piece_bytes
+        #: the client's routing (None: not routed)
+        self.routes = Routes(self, read_from) if route else None
         self._feedback: Any = None  # a values.feedback.ErrorFeedback, made when first needed
         # The last push with error feedback under a caller's request id, and what
         # it sent: sent again under that id, it goes as it went (see push_gradients).
         self._last_push: tuple[str, list[Any]] | None = None
+
+    async def close(self) -> None:
+        if self.routes is not None:
+            await self.routes.close()
+        await super().close()
+
+    async def invoke(
+        self, m: Any, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+    ) -> Any:
+        """As :meth:`ConnectionPool.invoke`; a call naming parameters is routed (see
+        :mod:`.routing`)."""
+        routes = self.routes
+        if routes is None or m.name not in ROUTED or not routes.wanted():
+            return await ConnectionPool.invoke(self, m, timeout=timeout, **args)
+        return await routes.invoke(m, timeout, args)
+
+    async def topology(self, *, timeout: float | EllipsisType | None = ...) -> Any:
+        """The cluster as the node sees it (the IDL's ``Topology``: epoch, members, R)."""
+        return await self.invoke(METHODS.topology, timeout=timeout)
 
     async def get_parameters(
         self,
@@ -212,6 +242,7 @@ class ParameterClient(ConnectionPool):
         encoding: str | None = None,
         replace: bool | Collection[str] = False,
         timestamp: int | None = None,
+        acks: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Apply an update atomically: every parameter in it, or none.
@@ -237,6 +268,12 @@ class ParameterClient(ConnectionPool):
                 of those to replace. (Their rule stays if it fits the new
                 dtype; their optimizer state starts again.)
             timestamp: the update's timestamp (default: now, in milliseconds).
+            acks: when the node answers: ``"1"`` once each parameter's
+                primary applied it (and logged it, with a data directory),
+                ``"all"`` once every live replica did; None: the node's
+                ``--acks``. In a cluster, an update whose parameters have
+                different primaries is atomic at each of them; a reader of
+                two may see one part before the other.
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -248,6 +285,10 @@ class ParameterClient(ConnectionPool):
                 not have been applied.
         """
         update = make_update(params, timestamp, rules=rules, encoding=encoding, replace=replace)
+        if acks is not None:
+            if acks not in ("1", "all"):
+                raise ValueError(f'acks is "1" or "all", not {acks!r}')
+            update.acks = acks
         large = [p for p in update.params if memoryview(p.data).nbytes > self.max_inline_bytes]
         if not large:
             result = await self.invoke(METHODS.push_parameters, timeout=timeout, update=update)
@@ -265,6 +306,7 @@ class ParameterClient(ConnectionPool):
         error_feedback: bool = True,
         request_id: str | None = None,
         timestamp: int | None = None,
+        acks: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Fold gradients into their parameters on the node, by each parameter's rule.
@@ -290,6 +332,7 @@ class ParameterClient(ConnectionPool):
                 it was when you push under that id again (a retry after a
                 timeout), so that its gradients count once.
             timestamp: the push's timestamp (default: now, in milliseconds).
+            acks: as in :meth:`update_parameters`.
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -302,6 +345,8 @@ class ParameterClient(ConnectionPool):
         """
         if not isinstance(grads, Mapping):
             raise TypeError("grads must be a mapping of name -> array")
+        if acks is not None and acks not in ("1", "all"):
+            raise ValueError(f'acks is "1" or "all", not {acks!r}')
         feedback, kept = None, {}
         last = self._last_push
         try:
@@ -331,6 +376,7 @@ class ParameterClient(ConnectionPool):
                 grads=params,
                 request_id=request_id or uuid.uuid4().hex,
                 timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
+                acks=acks,
             )
             result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
         except (RequestError, TypeError, ValueError):
@@ -441,13 +487,14 @@ class ParameterClient(ConnectionPool):
         encoding: str | None = None,
         replace: bool | Collection[str] = False,
         timestamp: int | None = None,
+        acks: str | None = None,
         timeout: float | EllipsisType | None = ...,
     ) -> dict[str, int]:
         """Store numpy arrays (any numeric dtype and shape) atomically; answer their versions.
 
         A stored parameter keeps its dtype and shape unless ``replace`` names
-        it. See :meth:`update_parameters` for ``rules``, ``encoding`` and
-        ``replace``.
+        it. See :meth:`update_parameters` for ``rules``, ``encoding``,
+        ``replace`` and ``acks``.
         """
         if not isinstance(arrays, Mapping):
             raise TypeError("arrays must be a mapping of name -> array")
@@ -457,6 +504,7 @@ class ParameterClient(ConnectionPool):
             encoding=encoding,
             replace=replace,
             timestamp=timestamp,
+            acks=acks,
             timeout=timeout,
         )
 

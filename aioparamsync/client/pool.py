@@ -338,7 +338,8 @@ class ConnectionPool:
         if result is None:
             return None
         if getattr(result, "error", None) is not None:
-            raise RequestError(result.error.code, result.error.message)
+            error = result.error
+            raise RequestError(error.code, error.message, error.epoch)
         if 0 not in result.thrift_spec:
             return None  # a void method (update_parameters): its result has no success
         if result.success is None:

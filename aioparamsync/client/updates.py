@@ -125,7 +125,9 @@ async def push_in_pieces(
 
     async def send(piece: Any) -> dict[str, int]:
         async with gate:
-            message = thrift.ParameterUpdate(params=[piece], timestamp=update.timestamp)
+            message = thrift.ParameterUpdate(
+                params=[piece], timestamp=update.timestamp, acks=update.acks
+            )
             result = await client.invoke(METHODS.push_parameters, timeout=timeout, update=message)
         return dict(result.versions)
 

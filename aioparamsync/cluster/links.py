@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from ..client.api import ParameterClient
 from ..client.fetch import fetch
 from ..errors import ClientClosedError, ConnectError, ParamSyncError
+from ..placement import LEAVING
 from ..store.table import Entry, lww_key
 from ..values import pieces
 from ..wire import METHODS, thrift
@@ -211,6 +212,18 @@ class PeerLink:
         self.last_error = ""
         self.client: ParameterClient | None = None  # while the link is up
         self._changed = asyncio.Event()  # set at each change of state or client
+        #: what the member says of itself (Member.state); None: it has not said
+        self.member_state: str | None = None
+        #: since when (time.monotonic()) the link has not been up
+        self.down_since = time.monotonic()
+        #: a repair succeeded since the link started (a joining node waits for it)
+        self.pulled = False
+        self._repair_due = False
+        self._announce_due = False
+        # acks=all writes waiting for the peer: (offers counted when asked, future)
+        self._offers = 0
+        self._confirms: list[tuple[int, asyncio.Future[bool]]] = []
+        self._proxy: ParameterClient | None = None  # for calls passed on to the peer
 
     def __repr__(self) -> str:
         return (
@@ -266,6 +279,7 @@ class PeerLink:
         # (Hot: the writer offers each update to each link; a keyword-only
         # flag would slow every call.)
         outbox = self.outbox
+        self._offers += 1
         for entry in entries:
             old = outbox.get(entry.name)
             if old is not None:
@@ -290,6 +304,64 @@ class PeerLink:
             self.task.cancel()
             await asyncio.wait({self.task})
             self.task = None
+        self._settle_confirms(False)
+        if self._proxy is not None:
+            await self._proxy.close()
+            self._proxy = None
+
+    def repair_soon(self) -> None:
+        """Repair at the next step (the topology changed: this node may hold other keys)."""
+        self._repair_due = True
+        self._wakeup.set()
+
+    def announce_soon(self) -> None:
+        """Announce this node again at the next step (its state changed)."""
+        self._announce_due = True
+        self._wakeup.set()
+
+    def confirm(self) -> asyncio.Future[bool]:
+        """A future: True once what was offered so far reached the peer and was applied.
+
+        The link sends its outbox, then a ping: the peer answers a ping only
+        after the writes before it on the connection (read-your-writes), so
+        the answer confirms them. False when the link is not up, or goes down
+        first (the member is then not live, and is not waited for).
+        """
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if self.state != _UP:
+            future.set_result(False)
+        else:
+            self._confirms.append((self._offers, future))
+            self._wakeup.set()
+        return future
+
+    def _settle_confirms(self, ok: bool, upto: int | None = None) -> None:
+        kept = []
+        for seq, future in self._confirms:
+            if upto is None or seq <= upto:
+                if not future.done():
+                    future.set_result(ok)
+            else:
+                kept.append((seq, future))
+        self._confirms = kept
+
+    def proxy(self) -> ParameterClient:
+        """A client of the peer for calls passed on to it (not the link's own connection).
+
+        Raises:
+            ConnectError: the link is not up.
+        """
+        if self.state != _UP:
+            raise ConnectError(f"peer {self.name} is {self.state}")
+        if self._proxy is None:
+            self._proxy = ParameterClient(
+                (self.host, self.port),
+                timeout=None,
+                connect_timeout=PEER_CALL_TIMEOUT,
+                ssl=self.cluster.ssl,
+                route=False,
+            )
+        return self._proxy
 
     def poke(self) -> None:
         """The peer is (back) up: cut short the wait before the next try."""
@@ -325,6 +397,7 @@ class PeerLink:
                 connect_timeout=PEER_CALL_TIMEOUT,
                 max_connections=1,
                 ssl=self.cluster.ssl,
+                route=False,
             )
             try:
                 if self.state != LinkState.BACKOFF:  # retries stay in backoff until one succeeds
@@ -336,7 +409,9 @@ class PeerLink:
                 self.client = client
                 self._set_state(LinkState.UP)
                 backoff = BACKOFF_INITIAL
+                self._repair_due = False
                 await self._repair(client)
+                self.pulled = True
                 await self._send(client)
                 continue  # the connection was replaced: the peer may be new; join again
             except (ParamSyncError, OSError) as exc:
@@ -349,6 +424,7 @@ class PeerLink:
             finally:
                 self.client = None
                 self._changed.set()
+                self._settle_confirms(False)
                 await client.close()
             self._poked.clear()
             with contextlib.suppress(TimeoutError):
@@ -358,6 +434,8 @@ class PeerLink:
 
     def _set_state(self, state: LinkState) -> None:
         if state != self.state:
+            if self.state == LinkState.UP:
+                self.down_since = time.monotonic()
             level = logging.INFO if state in (LinkState.UP, LinkState.BACKOFF) else logging.DEBUG
             suffix = f" ({self.last_error})" if state == LinkState.BACKOFF else ""
             log.log(level, "peer %s: %s%s", self.name, state, suffix)
@@ -366,14 +444,28 @@ class PeerLink:
             self.cluster.links_changed()
 
     async def _join(self, client: ParameterClient) -> None:
-        members = await client.invoke(METHODS.announce, member=self.cluster.me)
+        self._announce_due = False
+        members = await client.invoke(METHODS.announce, member=self.cluster.announcement())
         if members:
             self.node_id = members[0].node_id  # a node answers itself first
-        self.cluster.learn(members)
+        self.cluster.learn(members, self)
 
     async def _repair(self, client: ParameterClient) -> None:
-        """Pull what the peer holds newer than this node (anti-entropy)."""
-        digest = await client.invoke(METHODS.digest)
+        """Pull what the peer holds newer than this node, of what this node holds (anti-entropy).
+
+        The peer answers the digest of the keys this node is a replica of, by
+        the placement this node sends (the one it will have, while joining).
+        """
+        cluster = self.cluster
+        placement = cluster.pending or cluster.placement
+        if cluster.state == LEAVING:
+            return  # it holds nothing any more: it hands off
+        request = thrift.DigestRequest(
+            for_node=cluster.me.node_id,
+            members=list(placement.members),
+            replication_factor=placement.r or 0,
+        )
+        digest = await client.invoke(METHODS.digest_for, request=request)
         table = self.cluster.store.table
         wanted = []
         for item in digest:
@@ -408,7 +500,7 @@ class PeerLink:
         next_repair = loop.time() + interval
         session = client.connects
         while client.connects == session:
-            if not self.outbox:
+            if not self.outbox and not self._confirms and not self._repair_due:
                 self._wakeup.clear()
                 wait = min(next_repair - loop.time(), HEARTBEAT_SECONDS)
                 try:
@@ -417,11 +509,19 @@ class PeerLink:
                 except TimeoutError:
                     if loop.time() < next_repair:
                         await client.ping()
-            if loop.time() >= next_repair:
+            if self._announce_due:
+                await self._join(client)
+            if loop.time() >= next_repair or self._repair_due:
+                self._repair_due = False
                 await self._repair(client)
                 next_repair = loop.time() + interval
             if self.outbox:
                 await self._send_outbox(client)
+            if self._confirms:
+                upto = self._offers  # (all of it was taken by the sends above)
+                if not self.outbox:
+                    await client.ping()
+                    self._settle_confirms(True, upto)
 
     async def _send_outbox(self, client: ParameterClient) -> None:
         taken, self.outbox = self.outbox, {}

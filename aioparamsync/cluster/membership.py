@@ -32,19 +32,31 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, RequestError
+from ..placement import (
+    DEFAULT_REPLICATION_FACTOR,
+    DOWN,
+    FAILED,
+    JOINING,
+    LEAVING,
+    LEFT,
+    LIVE,
+    PLACED,
+    SELF_STATES,
+    UP,
+    Placement,
+)
 from ..store.table import Entry, Limits
 from ..values import pieces
-from ..wire import DEFAULT_MAX_FRAME_BYTES, thrift
+from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 from .links import (
     BATCH_BYTES,
     BATCH_PARAMS,
     DEFAULT_REPAIR_INTERVAL,
-    OWNER_STATES,
+    PEER_CALL_TIMEOUT,
     LinkState,
     PeerLink,
 )
-from .placement import owner as _owner
-from .placement import replicas
+from .rebalance import Rebalancer
 
 if TYPE_CHECKING:
     from ..store.writer import ParameterStore
@@ -61,6 +73,15 @@ UNREACHABLE_WARNING = 10.0
 UNREACHABLE_REPEAT = 60.0
 # Most peers one such warning names (the others are counted).
 UNREACHABLE_NAMED = 5
+# How long a member may not answer before it leaves placement and its keys
+# are re-replicated by the others (seconds).
+DEFAULT_FAILURE_TIMEOUT = 30.0
+# The longest a node takes to join (pull what it will hold) before it serves
+# anyway (seconds): links that stay unreachable are not waited for.
+JOIN_TIMEOUT = 120.0
+# How long an acks=all write waits for its replicas to confirm (seconds).
+ACK_TIMEOUT = 2 * PEER_CALL_TIMEOUT
+ACKS = ("1", "all")
 
 
 class Cluster:
@@ -82,6 +103,27 @@ class Cluster:
     the same ones, so what this node would take, its peers take too. (A peer
     with lower limits refuses them: a oneway update is then lost until a
     repair, and a pull fails and is retried.)
+
+    Topology. Each member is in one of the states of ``TopologyMember.state``:
+    what it says of itself when it announces (joining, up, leaving, left),
+    and, for one that says it is up or leaving, what this node sees of its
+    link: down (its link is not up), failed (down longer than
+    ``failure_timeout``). The members up, leaving or down are placed
+    (:class:`~aioparamsync.placement.Placement`); the primary of a key is the
+    first of its replicas that is up or leaving. While members join or
+    leave, :attr:`pending` is the placement once they have: writes
+    replicate to the replicas of both, the members joining pull what they
+    will hold, those leaving hand theirs off (see :mod:`.rebalance`), and
+    only then does the member say so, and placement changes. Every change
+    of that view bumps the
+    ``epoch``; a member that says a larger epoch than this node's is
+    adopted (so epochs only grow, cluster-wide, as Redis Cluster's
+    configEpoch); :attr:`changed` wakes the rebalancer.
+
+    Args (topology):
+        replication_factor: how many members hold each key (None: every one).
+        failure_timeout: seconds a member may be down before it leaves placement.
+        acks: "1" or "all": when a write is answered, unless it says.
     """
 
     def __init__(
@@ -94,9 +136,38 @@ class Cluster:
         limits: Limits | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         unreachable_warning: float | None = UNREACHABLE_WARNING,
+        replication_factor: int | None = DEFAULT_REPLICATION_FACTOR,
+        failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
+        acks: str = "1",
+        partition_bytes: int = 0,
     ) -> None:
+        if replication_factor is not None and replication_factor < 1:
+            raise ValueError(f"replication_factor must be at least 1, not {replication_factor}")
+        if acks not in ACKS:
+            raise ValueError(f"acks must be one of {', '.join(ACKS)}, not {acks!r}")
+        if not failure_timeout > 0:
+            raise ValueError(f"failure_timeout must be above 0, not {failure_timeout}")
         self.store = store
         self.me = me
+        self.replication_factor = replication_factor
+        self.failure_timeout = failure_timeout
+        self.acks = acks
+        self.partition_bytes = partition_bytes
+        #: this node's own state (see the class's docstring)
+        self.state = UP
+        self.epoch = 0
+        self.placement = Placement([], replication_factor)
+        #: the placement once the members joining now have joined (None: none joins)
+        self.pending: Placement | None = None
+        #: the ids of the members up (this node too, while it is up)
+        self.live: frozenset[str] = frozenset()
+        self.by_id: dict[str, PeerLink] = {}
+        self._view: Any = None  # what the epoch was last bumped for
+        #: set at every new epoch (the rebalancer clears it)
+        self.changed = asyncio.Event()
+        self._departed: set[str] = set()  # ids of members that left (not learned again)
+        self._ticker: asyncio.Task[None] | None = None
+        self.rebalancer = Rebalancer(self)
         self.repair_interval = repair_interval
         self.ssl = ssl
         limits = limits or Limits()
@@ -134,10 +205,15 @@ class Cluster:
         self._started = True
         for host, port in seeds:
             self.add(host, port)
+        if self.links:
+            self.state = JOINING  # until it holds what it will (see join)
         for link in self.links.values():
             if link.task is None:
                 link.start()
+        self.refresh()
         self._reporter = asyncio.create_task(self._report(), name="aioparamsync-peer-stats")
+        self._ticker = asyncio.create_task(self._tick(), name="aioparamsync-peer-failures")
+        self.rebalancer.start()
         if self.unreachable_warning is not None:
             self._watcher = asyncio.create_task(self._watch_alone(), name="aioparamsync-peer-watch")
 
@@ -173,7 +249,8 @@ class Cluster:
 
     async def stop(self) -> None:
         self._started = False
-        for task in (self._reporter, self._watcher):
+        await self.rebalancer.stop()
+        for task in (self._reporter, self._watcher, self._ticker):
             if task is not None:
                 task.cancel()
                 await asyncio.wait({task})
@@ -201,6 +278,7 @@ class Cluster:
 
     def links_changed(self) -> None:
         """A link changed state, or came or went: is there still a peer that answers?"""
+        self.refresh()
         links = self.links.values()
         up = next((link for link in links if link.state == LinkState.UP), None)
         alone = bool(self.links) and up is None
@@ -317,26 +395,59 @@ class Cluster:
         self.links_changed()
         return True
 
-    def learn(self, members: Iterable[Any]) -> None:
-        for member in members:
-            self.add(member.host, member.port, member.node_id)
+    def learn(self, members: Sequence[Any], peer: PeerLink | None = None) -> None:
+        """Members a peer answered (``peer``: the link it answered on; it is the first)."""
+        for i, member in enumerate(members):
+            if i == 0 and peer is not None:
+                self._said(peer, member)
+            elif member.node_id not in self._departed:
+                link = self.add(member.host, member.port, member.node_id)
+                if link is not None and link.member_state is None and member.state:
+                    # (what it said of itself to the peer: until it tells this node)
+                    link.member_state = member.state if member.state in SELF_STATES else UP
+        self.refresh()
 
-    def owner(self, name: str) -> PeerLink | None:
-        """The member that folds gradients of ``name``: a link, or None for this node.
+    def _said(self, link: PeerLink, member: Any) -> None:
+        """What a member said of itself (its state, its epoch), directly."""
+        state = member.state if member.state in SELF_STATES else UP  # (a node of old: up)
+        if link.member_state != state:
+            link.member_state = state
+            if state == LEFT:
+                self._departed.add(member.node_id)
+                log.info("member %s left the cluster", link.name)
+        if state != LEFT:
+            self._departed.discard(member.node_id)
+        if member.epoch is not None and member.epoch > self.epoch:
+            self.epoch = member.epoch
 
-        Rendezvous hashing over this node and the members it can reach (their
-        links in ``OWNER_STATES``): see :func:`.placement.owner`.
-        """
-        return _owner(name, self.me.node_id, self.links.values(), OWNER_STATES)
+    def owner(self, key: str) -> PeerLink | None:
+        """The primary of ``key`` (it folds its gradients, holds its barrier): a link,
+        or None for this node (also when no replica is up)."""
+        primary = self.placement.primary(key, self.live)
+        if primary is None or primary == self.me.node_id:
+            return None
+        return self.by_id.get(primary)
+
+    def announcement(self) -> Any:
+        """This node as it announces itself: where it is, its state and epoch."""
+        me = self.me
+        return thrift.Member(
+            node_id=me.node_id, host=me.host, port=me.port, state=self.state, epoch=self.epoch
+        )
 
     def members(self) -> list[Any]:
         """Every member known, this node first."""
         known = [
-            thrift.Member(node_id=link.node_id, host=link.host, port=link.port)
+            thrift.Member(
+                node_id=link.node_id,
+                host=link.host,
+                port=link.port,
+                state=link.member_state or UP,
+            )
             for link in self.links.values()
             if link.node_id
         ]
-        return [self.me, *known]
+        return [self.announcement(), *known]
 
     def announced(self, member: Any) -> list[Any]:
         """A peer announced itself: add it; answer the members this node knows."""
@@ -344,18 +455,233 @@ class Cluster:
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"a member needs an id, a host and a port: {member}"
             )
-        self.add(member.host, member.port, member.node_id, itself=True)
+        if member.state is not None and member.state not in SELF_STATES:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"a member's state is one of {', '.join(sorted(SELF_STATES))}, not "
+                f"{member.state!r}",
+            )
+        link = self.add(member.host, member.port, member.node_id, itself=True)
+        if link is not None:
+            self._said(link, member)
+        self.refresh()
         return self.members()
+
+    # -- the topology -------------------------------------------------------------
+
+    def seen_state(self, link: PeerLink) -> str:
+        """A member's state as this node sees it (see the class's docstring)."""
+        said = link.member_state or UP
+        if said not in (UP, LEAVING):
+            return said
+        if link.state == LinkState.UP:
+            return said
+        if time.monotonic() - link.down_since > self.failure_timeout:
+            return FAILED
+        return DOWN
+
+    def refresh(self) -> None:
+        """Recompute the view; a change bumps the epoch and sets :attr:`changed`."""
+        me = self.me.node_id
+        if not me:
+            return  # (not started: who this node is is not known yet)
+        states = {me: self.state}
+        by_id = {}
+        for link in self.links.values():
+            if link.node_id and link.node_id != me:
+                states[link.node_id] = self.seen_state(link)
+                by_id[link.node_id] = link
+        self.by_id = by_id
+        view = (tuple(sorted(states.items())), self.replication_factor)
+        if view == self._view:
+            return
+        self._view = view
+        placed = [m for m, s in states.items() if s in PLACED]
+        placement = Placement(placed, self.replication_factor)
+        if placement != self.placement:
+            self.placement = placement
+        # Members joining or leaving: the placement once they have (see rebalance).
+        said = {m: link.member_state for m, link in by_id.items()}
+        said[me] = self.state
+        joining = [m for m, s in states.items() if s == JOINING]
+        leaving = {m for m in placed if said.get(m) == LEAVING}
+        if joining or leaving:
+            after = [m for m in placed if m not in leaving] + joining
+            self.pending = Placement(after, self.replication_factor)
+        else:
+            self.pending = None
+        self.live = frozenset(m for m, s in states.items() if s in LIVE)
+        self.epoch += 1
+        log.info(
+            "epoch %d: %s (R=%s)",
+            self.epoch,
+            ", ".join(f"{m} {s}" for m, s in sorted(states.items())),
+            self.replication_factor or "all",
+        )
+        for link in self.links.values():
+            link.repair_soon()
+        self.changed.set()
+
+    async def _tick(self) -> None:
+        """Notice members down longer than the failure timeout (the view changes then)."""
+        period = min(1.0, self.failure_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.refresh()
+
+    def set_state(self, state: str) -> None:
+        """This node's own state changed: the view, and every peer, is told."""
+        if state == self.state:
+            return
+        log.info("node %s is %s", self.me.node_id, state)
+        self.state = state
+        self.refresh()
+        for link in self.links.values():
+            link.announce_soon()
+
+    async def leave(self, timeout: float) -> int:
+        """A planned leave: say so, hand every key off (up to ``timeout`` s), say it left.
+
+        Answers how many keys the others confirmed. The node keeps serving
+        meanwhile (its keys are its own until the others place it no more).
+        """
+        if self.state not in (UP, JOINING):
+            return 0
+        if not any(link.state == LinkState.UP for link in self.links.values()):
+            self.set_state(LEFT)  # (no one to hand anything to)
+            return 0
+        self.set_state(LEAVING)
+        await self._tell_all()  # (they must know before what it hands them)
+        handed = await self.rebalancer.drain(timeout)
+        self.set_state(LEFT)
+        await self._tell_all()
+        return handed
+
+    async def _tell_all(self) -> None:
+        """Announce this node to every member up, now, and wait for their answers."""
+        member = self.announcement()
+
+        async def tell(link: PeerLink) -> None:
+            members = await link.proxy().invoke(METHODS.announce, member=member)
+            if members:
+                self._said(link, members[0])
+
+        links = [link for link in self.links.values() if link.state == LinkState.UP]
+        results = await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, Exception):
+                log.info(
+                    "could not tell %s that this node is %s: %s", link.name, self.state, result
+                )
+        self.refresh()
+
+    def topology(self) -> Any:
+        """The cluster as this node sees it (the IDL's ``Topology``)."""
+        me = self.me
+        members = [
+            thrift.TopologyMember(node_id=me.node_id, host=me.host, port=me.port, state=self.state)
+        ]
+        members += [
+            thrift.TopologyMember(
+                node_id=link.node_id, host=link.host, port=link.port, state=self.seen_state(link)
+            )
+            for link in self.links.values()
+            if link.node_id
+        ]
+        return thrift.Topology(
+            epoch=self.epoch,
+            members=members,
+            replication_factor=self.replication_factor or 0,
+            partition_bytes=self.partition_bytes,
+        )
+
+    async def join(self, timeout: float = JOIN_TIMEOUT) -> None:
+        """Joining: wait until every link that answers has pulled what this node will hold.
+
+        Then this node is up (it serves its keys, and the others place it).
+        A link that cannot connect is not waited for (it repairs once up);
+        past ``timeout`` seconds the node serves anyway, with a warning.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.state == JOINING:
+            # (a link in backoff cannot be reached: not waited for)
+            waiting = [
+                link
+                for link in self.links.values()
+                if link.state in (LinkState.UP, LinkState.CONNECTING) and not link.pulled
+            ]
+            if not waiting:
+                break
+            if loop.time() >= deadline:
+                log.warning(
+                    "joined after %.0f s without pulling from %s",
+                    timeout,
+                    ", ".join(link.name for link in waiting),
+                )
+                break
+            await asyncio.sleep(0.05)
+        self.set_state(UP)
 
     # -- the store's feed ---------------------------------------------------------
 
     def _applied(self, entries: Sequence[Entry], replicated: bool) -> None:
         if replicated:
-            return  # its origin sends it to every peer
-        links = list(self.links.values())
+            return  # its origin sends it to every replica
+        placement = self.placement
+        if placement.everywhere and self.pending is None:
+            for link in self.links.values():
+                if link.member_state in (None, UP, JOINING) and link.state != LinkState.DROPPED:
+                    link.offer(entries)
+            return
+        by_id, me, pending = self.by_id, self.me.node_id, self.pending
         for entry in entries:
-            for link in replicas(entry.name, links):
-                link.offer((entry,))
+            targets = placement.replicas(entry.name)
+            if pending is not None:  # (members joining get what they will hold)
+                targets = (*targets, *pending.replicas(entry.name))
+            for member in set(targets):
+                if member != me and (peer := by_id.get(member)) is not None:
+                    peer.offer((entry,))
+
+    def replica_links(self, names: Iterable[str]) -> set[PeerLink]:
+        """The links of the live members, other than this node, that hold any of ``names``."""
+        placement, me, live = self.placement, self.me.node_id, self.live
+        members: set[str] = set()
+        if placement.everywhere:
+            members.update(placement.members)
+        else:
+            for name in names:
+                members.update(placement.replicas(name))
+        return {
+            link
+            for m in members
+            if m != me and m in live and (link := self.by_id.get(m)) is not None
+        }
+
+    async def replicated(self, names: Iterable[str], timeout: float = ACK_TIMEOUT) -> None:
+        """Wait until every live replica of ``names`` has what this node applied of them.
+
+        For an ``acks=all`` write, once this node applied it (the entries are
+        in the links' outboxes: the store's feed ran). A replica whose link
+        goes down meanwhile is no longer waited for (it is not live).
+
+        Raises:
+            RequestError: (UNAVAILABLE) a live replica did not confirm in time.
+        """
+        links = self.replica_links(names)
+        if not links:
+            return
+        waits = {link: link.confirm() for link in links}
+        _, late = await asyncio.wait(waits.values(), timeout=timeout)
+        if late:
+            for wait in late:
+                wait.cancel()
+            names_late = [link.name for link, wait in waits.items() if wait in late]
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"applied by {self.me.node_id}, but replicas {', '.join(names_late)} did not "
+                f"confirm within {timeout:.0f} s (acks=all)",
+            )
 
     def statistics(self) -> list[dict[str, Any]]:
         return [link.statistics() for link in self.links.values()]

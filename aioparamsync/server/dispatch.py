@@ -291,7 +291,9 @@ class CallDispatch(CallOrder):
     def _error_reply(self, m: Method, exc: BaseException) -> tuple[int, Any]:
         if isinstance(exc, RequestError):
             if m.typed_errors and m.result is not None:
-                error = thrift.ParameterError(code=int(exc.code), message=exc.message)
+                error = thrift.ParameterError(
+                    code=int(exc.code), message=exc.message, epoch=exc.epoch
+                )
                 return MessageType.REPLY, m.result(error=error)
             return MessageType.EXCEPTION, app_error(TApplicationException.UNKNOWN, str(exc))
         if isinstance(exc, asyncio.CancelledError):

@@ -223,6 +223,8 @@ class GradientPushes:
         push = args.push
         if push is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        if push.acks is not None and push.acks not in ("1", "all"):
+            raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
         ledger = self.ledger
         key = ledger.key(push)
         if key is not None and (first := ledger.first_reply(key)) is not None:
@@ -278,6 +280,12 @@ class GradientPushes:
             if exc.code != ErrorCode.UNKNOWN_PARAMETER:
                 raise
 
+    def _acks_all(self, push: Any) -> bool:
+        cluster = self.cluster
+        if cluster is None:
+            return False
+        return (push.acks or cluster.acks) == "all"
+
     def _fold_here(
         self, method: Method, push: Any, grads: list[Any], before: dict[str, int], timestamp: int
     ) -> asyncio.Future:
@@ -290,12 +298,21 @@ class GradientPushes:
             made.versions = {**before, **made.versions}
             return method.result(success=made)
 
-        return self.store.submit(
+        folded = self.store.submit(
             decoded_parameters(grads, self.max_decoded_bytes),
             timestamp,
             gradients=True,
-            then=result,
+            then=None if self._acks_all(push) else result,
         )
+        if not self._acks_all(push):
+            return folded
+
+        async def replicated() -> Any:
+            applied = await folded
+            await self.cluster.replicated([e.name for e in applied.entries])
+            return result(applied)
+
+        return asyncio.ensure_future(replicated())
 
     async def _forward(
         self,
@@ -318,7 +335,11 @@ class GradientPushes:
         async def fold(owner: Any, grads: list[Any]) -> Any:
             if owner is not None:
                 forwarded = thrift.GradientPush(
-                    grads=grads, request_id=push.request_id, timestamp=timestamp, forwarded=True
+                    grads=grads,
+                    request_id=push.request_id,
+                    timestamp=timestamp,
+                    forwarded=True,
+                    acks=push.acks or self.cluster.acks,
                 )
                 try:
                     result = await self._forward_to(owner, forwarded)
@@ -339,6 +360,8 @@ class GradientPushes:
             applied = await self.store.submit(
                 decoded_parameters(grads, self.max_decoded_bytes), timestamp, gradients=True
             )
+            if self._acks_all(push):
+                await self.cluster.replicated([e.name for e in applied.entries])
             return update_result(applied)
 
         results = await asyncio.gather(

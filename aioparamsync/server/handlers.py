@@ -15,12 +15,14 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import ErrorCode, RequestError
-from ..store.table import Applied, Entry, lww_key
+from ..placement import Placement, barrier_key
+from ..store.table import Entry, lww_key
 from ..store.writer import ParameterStore
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
+from .routing import Router
 
 __all__ = ["ParameterService"]
 
@@ -117,6 +119,9 @@ class ParameterService:
         self.started = time.monotonic()
         self.waiting = Waiting(store)
         self.gradients = GradientPushes(store, cluster, self.waiting, max_decoded_bytes)
+        self.router = Router(cluster)
+        #: called by drain(wait_ms): a future of the keys handed off (set by the node)
+        self.on_drain: Callable[[float | None], asyncio.Future] | None = None
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -130,6 +135,9 @@ class ParameterService:
             METHODS.info: self._info,
             METHODS.announce: self._announce,
             METHODS.digest: self._digest,
+            METHODS.topology: self._topology,
+            METHODS.digest_for: self._digest_for,
+            METHODS.drain: self._drain,
         }
         if missing := [m.name for m in METHODS if m not in handlers]:
             raise RuntimeError(f"IDL methods without a handler: {missing}")
@@ -289,6 +297,30 @@ class ParameterService:
     def _pull(self, method: Method, request: Any) -> Any:
         if request is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+        router = self.router
+        if not router.alone():
+            if request.epoch is not None:  # routed by a topology: what this node holds
+                if not request.all_names:
+                    router.check_routed(request.param_names)
+            elif request.all_names:
+                if request.wait_ms is None:
+                    everything = router.read_everything(
+                        request, self._pull_here(request), METHODS.pull_parameters
+                    )
+                    return _then(
+                        asyncio.ensure_future(everything), lambda r: method.result(success=r)
+                    )
+            elif (parts := router.read_parts(request.param_names)) is not None:
+                self.store.read(request.param_names)  # (checks the request's size)
+                routed = router.read(request, parts, self._pull_here, METHODS.pull_parameters)
+                return _then(asyncio.ensure_future(routed), lambda r: method.result(success=r))
+        outcome = self._pull_here(request)
+        if isinstance(outcome, asyncio.Future):
+            return _then(outcome, lambda r: method.result(success=r))
+        return method.result(success=outcome)
+
+    def _pull_here(self, request: Any) -> Any:
+        """A read served here: its ``ParameterResponse``, or a future of it (a long poll)."""
         if request.encoding:
             from ..values.compression import PULL_ENCODINGS
 
@@ -299,31 +331,63 @@ class ParameterService:
                     f"{', '.join(PULL_ENCODINGS)}",
                 )
         if request.wait_ms is None:
-            return method.result(success=self._read(request))
+            return self._read(request)
         if request.all_names:
             raise RequestError(ErrorCode.BAD_REQUEST, "a long poll names its parameters")
         self.store.read(request.param_names)  # (checks the request's size)
         ready = self.waiting.poll(request.param_names, request.min_version or 0, request.wait_ms)
-        return _then(ready, lambda _: method.result(success=self._read(request)))
+        return _then(ready, lambda _: self._read(request))
 
     def _get_parameters(self, method: Method, args: Any) -> Any:
         return self._pull(method, args.request)
 
     def _update_parameters(self, method: Method, args: Any) -> asyncio.Future:
         # The store's writer makes the reply as it answers the batch.
-        params, timestamp = _params(args.update)
-        return self.store.submit(
-            self._incoming(params),
-            timestamp,
-            then=lambda _: method.result(),
-        )
+        return self._write(args.update, lambda _: method.result())
 
     def _broadcast_update(self, method: Method, args: Any) -> asyncio.Future:
         # From a peer (it says so: from_peer), replication: merged, sent on to
         # no one. From a client: an update like any other.
-        params, timestamp = _params(args.update)
-        replicated = args.update.from_peer is not None
-        return self.store.submit(self._incoming(params), timestamp, replicated=replicated)
+        if args.update is not None and args.update.from_peer is not None:
+            params, timestamp = _params(args.update)
+            return self.store.submit(self._incoming(params), timestamp, replicated=True)
+        return self._write(args.update, lambda _: None)
+
+    def _write(self, update: Any, answer: Callable[[Any], Any]) -> asyncio.Future:
+        """Apply a client's update (here, or cut by primary: see :mod:`.routing`).
+
+        ``answer(result)`` makes the reply of its ``UpdateResult``.
+        """
+        params, timestamp = _params(update)
+        cluster = self.cluster
+        acks = update.acks
+        if acks is None:
+            acks = cluster.acks if cluster is not None else "1"
+        elif acks not in ("1", "all"):
+            raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {acks!r}')
+        router = self.router
+        parts = None
+        if not router.alone():
+            names = list(dict.fromkeys(p.name for p in params))
+            if update.epoch is not None:
+                router.check_routed(names)
+            else:
+                parts = router.write_parts(names)
+        if parts is None and (acks == "1" or router.alone()):
+            return self.store.submit(
+                self._incoming(params),
+                timestamp,
+                then=lambda applied: answer(update_result(applied)),
+            )
+        if parts is not None:
+            whole = [p for p in params if p.total_bytes is None and not p.encoding]
+            self.store.table.check(whole)  # (refused before any part is applied elsewhere)
+
+        def here(mine: Sequence[Any]) -> asyncio.Future:
+            return self.store.submit(self._incoming(mine), timestamp, then=update_result)
+
+        routed = router.write(update, params, parts, here, acks)
+        return _then(asyncio.ensure_future(routed), answer)
 
     # -- the typed methods --------------------------------------------------------
 
@@ -331,14 +395,18 @@ class ParameterService:
         return self._pull(method, args.request)
 
     def _push_parameters(self, method: Method, args: Any) -> asyncio.Future:
-        def result(applied: Applied) -> Any:
-            return method.result(success=update_result(applied))
-
-        params, timestamp = _params(args.update)
-        return self.store.submit(self._incoming(params), timestamp, then=result)
+        return self._write(args.update, lambda result: method.result(success=result))
 
     def _barrier(self, method: Method, args: Any) -> asyncio.Future:
-        return _then(self.waiting.barrier(args.request), lambda r: method.result(success=r))
+        request = args.request
+        if request is not None and isinstance(request.group, str):
+            target = self.router.owner(barrier_key(request.group))
+            # (one routed here by a caller, or passed on by a node, that sees
+            # another owner is held here, where it was sent)
+            if target is not None and request.epoch is None:
+                passed = asyncio.ensure_future(self.router.barrier(target, request))
+                return _then(passed, lambda r: method.result(success=r))
+        return _then(self.waiting.barrier(request), lambda r: method.result(success=r))
 
     def _ping(self, method: Method, args: Any) -> Any:
         return method.result(success=self.node_id)
@@ -363,8 +431,63 @@ class ParameterService:
             counters=counters,
             peers=[thrift.PeerInfo(**s) for s in self.cluster.statistics()] if self.cluster else [],
             waiting=self.waiting.report(),
+            topology=self._topology_now(),
         )
+        cluster = self.cluster
+        if cluster is not None:
+            info.state = cluster.state
+            rebalancer = getattr(cluster, "rebalancer", None)
+            if rebalancer is not None:
+                info.keys_moving = rebalancer.moving
+                info.under_replicated = rebalancer.under_replicated
+            counters["requests_passed_on"] = self.router.passed_on
         return method.result(success=info)
+
+    def _topology_now(self) -> Any:
+        if self.cluster is not None and self.cluster.me.node_id:
+            return self.cluster.topology()
+        return thrift.Topology(
+            epoch=0,
+            members=[thrift.TopologyMember(node_id=self.node_id, host="", port=0, state="up")],
+            replication_factor=0,
+            partition_bytes=0,
+        )
+
+    def _topology(self, method: Method, args: Any) -> Any:
+        return method.result(success=self._topology_now())
+
+    def _digest_for(self, method: Method, args: Any) -> Any:
+        request = args.request
+        if request is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+        table = self.store.table
+        if request.names is not None:
+            self.store.read(request.names)  # (checks the request's size)
+            names = [n for n in dict.fromkeys(request.names) if n in table]
+        else:
+            names = table.names()
+        if request.for_node is not None:
+            if not request.members or request.for_node not in request.members:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST, "digest_for: for_node must be one of members"
+                )
+            r = request.replication_factor or None
+            if r is not None and r < 0:
+                raise RequestError(ErrorCode.BAD_REQUEST, "replication_factor must not be negative")
+            placement = Placement(request.members, r)
+            names = [n for n in names if placement.holds(request.for_node, n)]
+        return method.result(success=[self._digest_entry(n) for n in names])
+
+    def _digest_entry(self, name: str) -> Any:
+        e = self.store.table.entry(name)
+        assert e is not None
+        return thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
+
+    def _drain(self, method: Method, args: Any) -> asyncio.Future:
+        if self.on_drain is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "this node cannot be drained")
+        wait = args.wait_ms / 1000 if args.wait_ms is not None and args.wait_ms > 0 else None
+        return _then(self.on_drain(wait), lambda n: method.result(success=n))
 
     def _announce(self, method: Method, args: Any) -> Any:
         if self.cluster is None or args.member is None:

@@ -15,7 +15,7 @@ bytes the update arrived in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,13 @@ def _readonly(data: Any) -> memoryview:
         view = view.cast("B")
     if not view.readonly:
         # A caller's own buffer could change under the store: keep a copy.
+        view = memoryview(bytes(view))
+    elif (whole := view.obj) is not None and memoryview(whole).nbytes * 3 > view.nbytes * 4:
+        # A view into a larger buffer (the frame it arrived in, with other
+        # parameters, or the parts of an update this node passed on): that
+        # buffer would stay alive as long as this entry. Kept alone, so a
+        # node holds no more than its share (at most a third more, for the
+        # message's own fields, when a parameter came alone in its frame).
         view = memoryview(bytes(view))
     return view.toreadonly()
 
@@ -442,6 +449,21 @@ class ParameterTable:
                 Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin, p.rule)
             )
         return self._store(made, timestamp)
+
+    def drop(self, held: Mapping[str, tuple[int, str]]) -> list[str]:
+        """Forget parameters handed to other nodes: each name whose ``lww_key`` is
+        at most the one given (a newer version, written since, is kept).
+        Answers the names dropped."""
+        entries = self._entries
+        dropped = []
+        for name, key in held.items():
+            entry = entries.get(name)
+            if entry is not None and lww_key(entry) <= key:
+                del entries[name]
+                self._nbytes -= entry.nbytes
+                self._states.pop(name, None)
+                dropped.append(name)
+        return dropped
 
     def _store(self, made: list[Entry], timestamp: int) -> Applied:
         # Nothing here can fail: the update is applied whole.

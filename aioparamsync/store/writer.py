@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ErrorCode, RequestError
@@ -33,7 +33,7 @@ INLINE_LOG_BYTES = 1024 * 1024
 
 
 # How a queued update is applied.
-_APPLY, _MERGE, _FOLD = 0, 1, 2
+_APPLY, _MERGE, _FOLD, _DROP = 0, 1, 2, 3
 
 
 class Answer(asyncio.Future[Any]):
@@ -101,6 +101,7 @@ class ParameterStore:
         self.data_dir = data_dir  # a persistence.DataDir, or None: in memory only
         self._failure: Exception | None = None  # the log could not be written
         self._snapshots: set[asyncio.Future[Any]] = set()
+        self._drops = 0  # drops since the last snapshot was asked for
         self._queue: collections.deque[
             tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None]
         ] = collections.deque()
@@ -217,6 +218,26 @@ class ParameterStore:
             await self._room.wait()
         return await self.submit(params, timestamp, replicated=replicated)
 
+    async def drop(self, held: Mapping[str, tuple[int, str]]) -> int:
+        """Forget parameters other nodes hold now (see :meth:`ParameterTable.drop`), in
+        order with the updates queued; answers how many were dropped. With a
+        data directory, a snapshot follows, so the files hold what the node holds."""
+        if not held:
+            return 0
+        while len(self._queue) >= self.max_pending and not self._closed:
+            if self._room is None:
+                self._room = asyncio.Event()
+            self._room.clear()
+            await self._room.wait()
+        if self._closed:
+            raise RequestError(ErrorCode.UNAVAILABLE, "the node is shutting down")
+        loop = self._loop = asyncio.get_running_loop()
+        future = Answer(loop=loop)
+        future.eager = None
+        self._queue.append((dict(held), 0, _DROP, future, None))  # type: ignore[arg-type]
+        self._wake()
+        return await future
+
     async def run(self) -> None:
         """The writer. Runs until :meth:`close`, then applies what was queued and returns.
 
@@ -327,6 +348,12 @@ class ParameterStore:
             if future.cancelled():
                 continue  # its caller gave up before it was applied
             try:
+                if mode == _DROP:
+                    dropped = table.drop(params)  # type: ignore[arg-type]
+                    future.set_result(len(dropped))
+                    if dropped:
+                        self._drops += 1
+                    continue
                 if mode == _APPLY:
                     applied = table.apply(params, timestamp)
                 elif mode == _MERGE:
@@ -346,6 +373,11 @@ class ParameterStore:
             fed[mode == _MERGE].extend(applied.entries)
         self.batches += 1
         self.updates_applied += len(done)
+        if self._drops and self.data_dir is not None:
+            self._drops = 0
+            task = asyncio.ensure_future(self._snapshot())
+            self._snapshots.add(task)
+            task.add_done_callback(self._snapshots.discard)
         return done, fed
 
     def _finish_batch(self, done: list[_Done], fed: tuple[list[Entry], list[Entry]]) -> None:

@@ -67,6 +67,7 @@ _TRAITS: dict[str, dict[str, Any]] = {
     "get_parameters": {"held": "wait_ms"},
     "pull_parameters": {"held": "wait_ms"},
     "barrier": {"held": "always"},
+    "drain": {"held": "always", "writes": True, "idempotent": False},
 }
 
 
@@ -108,6 +109,9 @@ class Methods:
     digest: Method
     push_gradients: Method
     barrier: Method
+    topology: Method
+    digest_for: Method
+    drain: Method
 
     def __init__(self, methods: dict[str, Method]) -> None:
         declared = set(type(self).__annotations__)

@@ -1,0 +1,340 @@
+"""Routing on the client: each part of a call sent straight to the node that holds it.
+
+Theory of operation. A client learns the cluster's topology (the IDL's
+``topology()``: epoch, members and their states, replication factor) from
+its node at its first call, and computes placement from it with the very
+function the nodes use (:mod:`aioparamsync.placement`). A call naming
+parameters (a read, an update, a gradient push) is cut by the node each name
+goes to, its primary (reads with ``read_from="any"``: one live replica,
+the same for a name as long as the topology holds, so the pieces of a large
+parameter come from one node), each part sent with the topology's epoch on
+its own pool of connections to that node, concurrently, and the answers
+merged. A barrier goes to the primary of its group's key.
+
+When the topology is stale: a node answers ``MOVED`` for what it does not
+hold (with its epoch); the client asks that node for the topology and sends
+the part again, and after ``MAX_MOVES`` such answers sends it without an
+epoch to its first node, which passes it on (every node answers every name).
+A node that cannot be reached is taken as down (its keys go to their next
+replica) and the topology is asked for again; a part that may have reached
+it (its connection broke in flight) is sent again only if the method is
+idempotent. The topology is also asked for again every ``REFRESH_SECONDS``.
+
+A cluster of one node, or one that answers no topology (not an aioparamsync
+node, or an old one), is not routed: every call goes to the client's node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any
+
+from ..errors import (
+    CallTimeout,
+    ClientClosedError,
+    ConnectError,
+    ConnectionLostError,
+    ErrorCode,
+    ParamSyncError,
+    RequestError,
+    ServerError,
+)
+from ..placement import LIVE, PLACED, Placement, barrier_key
+from ..wire import METHODS, Method, thrift
+from .pool import ConnectionPool
+
+if TYPE_CHECKING:
+    from .api import ParameterClient
+
+__all__ = ["READ_FROM", "Routes"]
+
+log = logging.getLogger(__name__)
+
+#: where reads go: a name's primary, or any live replica of it
+READ_FROM = ("primary", "any")
+# MOVED answers to one part before it goes to the client's node unrouted.
+MAX_MOVES = 2
+# How often a client asks for the topology again, at its next call (seconds).
+REFRESH_SECONDS = 30.0
+# The methods routed by the names they carry, and the argument holding them.
+ROUTED = {
+    "get_parameters": "request",
+    "pull_parameters": "request",
+    "update_parameters": "update",
+    "push_parameters": "update",
+    "broadcast_update": "update",
+    "push_gradients": "push",
+    "barrier": "request",
+}
+
+
+class Topology:
+    """One topology as the client uses it: placement, who is live, where each member is."""
+
+    def __init__(self, answer: Any) -> None:
+        self.epoch: int = answer.epoch
+        members = answer.members or []
+        self.addresses = {m.node_id: (m.host, m.port) for m in members}
+        placed = [m.node_id for m in members if m.state in PLACED]
+        self.placement = Placement(placed, answer.replication_factor or None)
+        self.live = frozenset(m.node_id for m in members if m.state in LIVE)
+        #: one member only: nothing to route
+        self.single = len(placed) <= 1
+
+    def target(self, name: str, read_from: str, salt: bytes) -> str | None:
+        """Where a call for ``name`` goes: its primary, or (reads from any) one live replica."""
+        if read_from == "primary":
+            return self.placement.primary(name, self.live)
+        live = [m for m in self.placement.replicas(name) if m in self.live]
+        if not live:
+            return None
+        if len(live) == 1:
+            return live[0]
+        # (the same replica for a name while the topology holds: rendezvous with a salt)
+        return max(live, key=lambda m: hashlib.blake2b(salt + f"{m}\0{name}".encode()).digest())
+
+
+class Routes:
+    """A client's routing: its topology, and a pool of connections to each member.
+
+    Args:
+        client: the client (its own pool is the way to its first node).
+        read_from: "primary" or "any" (see the module).
+    """
+
+    def __init__(self, client: ParameterClient, read_from: str) -> None:
+        if read_from not in READ_FROM:
+            raise ValueError(f"read_from is one of {', '.join(READ_FROM)}, not {read_from!r}")
+        self.client = client
+        self.read_from = read_from
+        self.topology: Topology | None = None
+        self.enabled = True  # False once the node answered no topology
+        self._learning: asyncio.Future[None] | None = None
+        self._learned_at = 0.0
+        self._pools: dict[tuple[str, int], ConnectionPool] = {}
+        self._salt = os.urandom(8)
+        self.refreshes = 0  # topologies asked for, so far
+        self._background: asyncio.Future[None] | None = None
+
+    async def close(self) -> None:
+        for task in (self._background, self._learning):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        pools, self._pools = self._pools, {}
+        await asyncio.gather(*(p.close() for p in pools.values()))
+
+    # -- the topology ---------------------------------------------------------------
+
+    async def learn(self, source: ConnectionPool | None = None) -> None:
+        """Ask for the topology (once at a time; from ``source``, else the client's node)."""
+        if self._learning is None:
+            self._learning = asyncio.ensure_future(self._learn(source))
+        learning = self._learning
+        try:
+            await asyncio.shield(learning)
+        finally:
+            if self._learning is learning and learning.done():
+                self._learning = None
+
+    async def _learn(self, source: ConnectionPool | None) -> None:
+        self.refreshes += 1
+        self._learned_at = time.monotonic()
+        client = self.client
+        pools: list[ConnectionPool] = [source] if source is not None else []
+        pools.append(client)
+        if self.topology is not None:
+            pools += [self._pool(a) for a in self.topology.addresses.values()]
+        last: Exception | None = None
+        for pool in pools:
+            try:
+                answer = await ConnectionPool.invoke(pool, METHODS.topology)
+            except ServerError as exc:
+                if pool is client and self.topology is None:
+                    # (not an aioparamsync node of this kind: it answers no topology)
+                    log.info(
+                        "%s:%d answers no topology (%s): calls are not routed",
+                        *pool.addresses[pool._current],
+                        exc,
+                    )
+                    self.enabled = False
+                    return
+                last = exc
+            except (ConnectError, ConnectionLostError, CallTimeout) as exc:
+                last = exc
+            else:
+                if self.topology is None or answer.epoch >= self.topology.epoch or source is pool:
+                    self.topology = Topology(answer)
+                return
+        if self.topology is None and last is not None:
+            raise last
+
+    def _pool(self, address: tuple[str, int]) -> ConnectionPool:
+        client = self.client
+        if address == client.addresses[client._current]:
+            return client
+        pool = self._pools.get(address)
+        if pool is None:
+            pool = self._pools[address] = ConnectionPool(
+                address,
+                timeout=client.timeout,
+                connect_timeout=client.connect_timeout,
+                max_connections=client.max_connections,
+                max_frame_bytes=client.max_frame_bytes,
+                ssl=client.ssl,
+            )
+            pool.traffic = client.traffic  # (the client counts every byte it moves)
+        return pool
+
+    def _down(self, member: str) -> None:
+        """A member could not be reached: route around it until the topology says more."""
+        topology = self.topology
+        if topology is not None and member in topology.live:
+            topology.live = topology.live - {member}
+
+    # -- calls ----------------------------------------------------------------------
+
+    def wanted(self) -> bool:
+        """Whether to route a call now: the topology is known, and of several nodes.
+
+        Until the topology is known, calls go to the client's node (which
+        passes on what it does not hold) while it is asked for, in the
+        background: the first call waits for no extra round trip. It is
+        asked for again every ``REFRESH_SECONDS``.
+        """
+        if not self.enabled:
+            return False
+        if self._learning is None and (
+            self.topology is None or time.monotonic() - self._learned_at > REFRESH_SECONDS
+        ):
+            self._learned_at = time.monotonic()
+            self._background = asyncio.ensure_future(self._relearn())
+        topology = self.topology
+        return topology is not None and not topology.single
+
+    async def invoke(self, m: Method, timeout: float | EllipsisType | None, args: dict) -> Any:
+        """Send ``m`` routed (see the module); answer its (merged) result."""
+        arg = ROUTED[m.name]
+        value = args.get(arg)
+        if value is None:
+            return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
+        return await self._send(m, arg, value, timeout, args, moves=0)
+
+    def _parts(self, m: Method, value: Any) -> dict[str | None, Any] | None:
+        """The call's argument cut by target node (None: unrouted); None: send it as it is."""
+        topology = self.topology
+        assert topology is not None
+        name = m.name
+        if name == "barrier":
+            if not isinstance(value.group, str):
+                return None
+            return {topology.target(barrier_key(value.group), "primary", self._salt): value}
+        if name in ("get_parameters", "pull_parameters"):
+            if value.all_names or not value.param_names:
+                return None
+            read_from = self.read_from
+            groups: dict[str | None, list[str]] = {}
+            for n in value.param_names:
+                groups.setdefault(topology.target(n, read_from, self._salt), []).append(n)
+            return {t: _read_part(value, names) for t, names in groups.items()}
+        items = value.grads if name == "push_gradients" else value.params
+        if not items:
+            return None
+        by_target: dict[str | None, list[Any]] = {}
+        for item in items:
+            by_target.setdefault(topology.target(item.name, "primary", self._salt), []).append(item)
+        parts = {}
+        for t, chosen in by_target.items():
+            sub = copy.copy(value)
+            if name == "push_gradients":
+                sub.grads = chosen
+            else:
+                sub.params = chosen
+            parts[t] = sub
+        return parts
+
+    async def _send(
+        self, m: Method, arg: str, value: Any, timeout: Any, args: dict, moves: int
+    ) -> Any:
+        parts = self._parts(m, value)
+        if parts is None or (len(parts) == 1 and None in parts):
+            return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
+        topology = self.topology
+        assert topology is not None
+
+        async def part(target: str | None, sub: Any) -> Any:
+            if target is None or moves >= MAX_MOVES:
+                # (no live replica known, or moved too often: the node passes it on)
+                sub.epoch = None
+                return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: sub})
+            sub.epoch = topology.epoch
+            pool = self._pool(topology.addresses[target])
+            try:
+                return await ConnectionPool.invoke(pool, m, timeout=timeout, **{arg: sub})
+            except RequestError as exc:
+                if exc.code != ErrorCode.MOVED:
+                    raise
+                await self.learn(pool)
+            except ConnectError:
+                self._down(target)
+                await self._relearn()
+            except ConnectionLostError:
+                self._down(target)
+                await self._relearn()
+                if not m.idempotent:
+                    raise
+            except ClientClosedError:
+                raise
+            return await self._send(m, arg, sub, timeout, {**args, arg: sub}, moves + 1)
+
+        if len(parts) == 1:
+            ((target, sub),) = parts.items()
+            return await part(target, sub)
+        answers = await asyncio.gather(
+            *(part(t, sub) for t, sub in parts.items()), return_exceptions=True
+        )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return _merge(m, answers)
+
+    async def _relearn(self) -> None:
+        try:
+            await self.learn()
+        except (ParamSyncError, OSError) as exc:
+            log.info("could not learn the topology: %s", exc)
+
+
+def _read_part(request: Any, names: list[str]) -> Any:
+    sub = copy.copy(request)
+    sub.param_names = names
+    if request.known_versions:
+        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
+    if request.known_origins:
+        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
+    return sub
+
+
+def _merge(m: Method, answers: Sequence[Any]) -> Any:
+    """One answer of the parts' answers."""
+    if m.oneway or all(a is None for a in answers):
+        return None
+    first = answers[0]
+    if isinstance(first, thrift.ParameterResponse):
+        return thrift.ParameterResponse(
+            params=[p for a in answers for p in a.params],
+            timestamp=max(a.timestamp for a in answers),
+        )
+    if isinstance(first, thrift.UpdateResult):
+        versions: dict[str, int] = {}
+        for a in answers:
+            versions.update(a.versions)
+        return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
+    return first

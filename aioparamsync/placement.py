@@ -1,0 +1,148 @@
+"""Placement: which nodes hold a key, in what order; the one sharding function.
+
+A key is a parameter's name, one partition of a large parameter
+(:func:`partition_key`), or a barrier group (:func:`barrier_key`). The nodes
+that hold it are its **replicas**: the members ranked by rendezvous
+(highest-random-weight) hashing, ``hash(member, key)`` highest first, the
+first ``R`` of them (every member when there are fewer). The first of them
+that is live is the key's **primary**: writes go there, it folds the key's
+gradients and holds its barriers, and it replicates to the others.
+
+Why rendezvous: each key ranks every member independently, so a member that
+joins takes about ``R/N`` of the keys (those where it ranks in the top ``R``)
+and moves nothing else; a member that leaves hands on only the keys it held,
+each to the next member of that key's own ranking. No ring, no virtual nodes:
+with K keys over N members, a member's share is binomial, about ``K*R/N``
+give or take ``sqrt(K*R/N)`` (``benchmarks/bench_placement.py`` measures the
+balance and the moves).
+
+Pure functions of the member ids given (no I/O, no asyncio): the nodes of a
+cluster, and the clients that route to them, compute the same placement
+from the same topology. :class:`Placement` caches the ranking of each key
+for one set of members (a topology's epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Container, Iterable, Sequence
+
+__all__ = [
+    "DEFAULT_REPLICATION_FACTOR",
+    "Placement",
+    "barrier_key",
+    "partition_key",
+    "primary",
+    "rank",
+    "replicas",
+]
+
+# How many nodes hold each key by default (fewer when the cluster has fewer).
+DEFAULT_REPLICATION_FACTOR = 3
+
+# A member's states (the IDL's TopologyMember.state). What it says of itself:
+JOINING, UP, LEAVING, LEFT = "joining", "up", "leaving", "left"
+# ... and, of a member that says it is up, what another sees when it does not answer:
+DOWN, FAILED = "down", "failed"  # (failed: down longer than the failure timeout)
+#: the states of the members placement ranks (those that hold keys): a member
+#: leaving holds its keys until it has handed them off
+PLACED = frozenset({UP, DOWN, LEAVING})
+#: the states of the members that answer (a key's primary is its first replica in one)
+LIVE = frozenset({UP, LEAVING})
+#: the states a member may say of itself
+SELF_STATES = frozenset({JOINING, UP, LEAVING, LEFT})
+# A partition's key: the parameter's name, this separator, its index. The
+# separator cannot begin a name's suffix by accident: names holding it are
+# refused (see aioparamsync.store.table).
+PARTITION_SEPARATOR = "\x00#"
+# The most keys a Placement remembers the ranking of (then it starts over).
+CACHE_KEYS = 1 << 20
+
+
+def partition_key(name: str, index: int) -> str:
+    """The key partition ``index`` of parameter ``name`` is placed (and stored) by."""
+    return f"{name}{PARTITION_SEPARATOR}{index}"
+
+
+def barrier_key(group: str) -> str:
+    """The key a barrier group is placed by: its primary holds the barrier."""
+    return f"\x00barrier\x00{group}"
+
+
+def _score(member: str, key: str) -> bytes:
+    return hashlib.blake2b(f"{member}\0{key}".encode(), digest_size=8).digest()
+
+
+def rank(key: str, members: Iterable[str]) -> list[str]:
+    """Every member, by rendezvous score for ``key``, highest first."""
+    return sorted(members, key=lambda m: _score(m, key), reverse=True)
+
+
+def replicas(key: str, members: Collection[str], r: int | None) -> list[str]:
+    """The members that hold ``key``: the first ``r`` of :func:`rank` (all when ``r`` is None)."""
+    ranked = rank(key, members)
+    return ranked if r is None else ranked[:r]
+
+
+def primary(key: str, members: Collection[str], r: int | None, live: Container[str]) -> str | None:
+    """The first live replica of ``key``; None when none is live."""
+    return next((m for m in replicas(key, members, r) if m in live), None)
+
+
+class Placement:
+    """The replicas of every key for one set of members and one replication factor.
+
+    Args:
+        members: the ids of the members that hold keys (not those joining,
+            leaving or failed).
+        r: the replication factor; None or more than the members: every member.
+    """
+
+    __slots__ = ("_cache", "everywhere", "members", "r")
+
+    def __init__(self, members: Iterable[str], r: int | None) -> None:
+        self.members: tuple[str, ...] = tuple(sorted(set(members)))
+        r = None if r is None else max(1, r)
+        self.r = None if r is None or r >= len(self.members) else r
+        #: every member holds every key (R >= N): no key needs routing
+        self.everywhere = self.r is None
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def __repr__(self) -> str:
+        r = "all" if self.r is None else self.r
+        return f"<Placement R={r} over {len(self.members)} members>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (self.members, self.r) == (other.members, other.r)
+
+    def __hash__(self) -> int:
+        return hash((self.members, self.r))
+
+    def replicas(self, key: str) -> tuple[str, ...]:
+        """The members holding ``key``, in order (cached)."""
+        cached = self._cache.get(key)
+        if cached is None:
+            if len(self._cache) >= CACHE_KEYS:
+                self._cache.clear()
+            cached = self._cache[key] = tuple(replicas(key, self.members, self.r))
+        return cached
+
+    def holds(self, member: str, key: str) -> bool:
+        """Whether ``member`` is one of the replicas of ``key``."""
+        return (self.everywhere and member in self.members) or member in self.replicas(key)
+
+    def primary(self, key: str, live: Container[str]) -> str | None:
+        """The first live replica of ``key`` (None: none is live)."""
+        for member in self.replicas(key):
+            if member in live:
+                return member
+        return None
+
+    def by_primary(self, keys: Sequence[str], live: Container[str]) -> dict[str | None, list[str]]:
+        """``keys`` grouped by their primary (None: no replica of it is live)."""
+        groups: dict[str | None, list[str]] = {}
+        for key in keys:
+            groups.setdefault(self.primary(key, live), []).append(key)
+        return groups

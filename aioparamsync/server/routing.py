@@ -1,0 +1,342 @@
+"""Routing on the node: what it serves itself, what it passes on, and to whom.
+
+A node holds the keys placement gives it (see :mod:`aioparamsync.placement`).
+A request may name others:
+
+* A caller that routed by a topology says so (the request's ``epoch``): it
+  is served what this node holds, and answered ``MOVED`` (with this node's
+  epoch) for any name it does not hold, so it refreshes its topology. A
+  write is served by any replica (views of the primary may differ for a
+  moment; any replica applies it and replicates it, so no caller bounces
+  between two nodes).
+* A caller that knows no topology (the founding client, any Apache Thrift
+  client, our client with ``route=False``) is served everything: what this
+  node holds is served (and written) here; the rest of the request is cut
+  by primary, each part passed on to its primary (with this node's epoch; a
+  part answered ``MOVED`` goes to the key's next replica), and the answers
+  merged. So the founding IDL is complete on every node.
+
+Reads of names no replica of which is live are served here (what this node
+has of them: usually nothing). Writes of such names are refused
+(``UNAVAILABLE``): a copy made here would start the key anew, and could lose
+to the old one by last-writer-wins when its replicas come back.
+
+What is atomic: each part is applied atomically where it is applied; an
+update spanning several replica sets is answered once every part is, and a
+reader of two of them may see one applied before the other.
+
+The cluster is read through a small interface (``Routed``): this module
+imports nothing of :mod:`aioparamsync.cluster`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ..errors import ConnectError, ErrorCode, RequestError
+from ..placement import LIVE, Placement, barrier_key
+from ..store.table import lww_key
+from ..wire import METHODS, Method, thrift
+
+__all__ = ["Routed", "Router", "merge_responses", "merge_results"]
+
+
+class Routed(Protocol):
+    """What routing reads of the cluster (:class:`~aioparamsync.cluster.membership.Cluster`)."""
+
+    me: Any
+    epoch: int
+    state: str
+    acks: str
+    placement: Placement
+    live: frozenset[str]
+    links: Mapping[str, Any]
+    by_id: Mapping[str, Any]
+
+    async def replicated(self, names: Iterable[str]) -> None: ...
+
+
+def _moved(cluster: Routed, names: Sequence[str]) -> RequestError:
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    return RequestError(
+        ErrorCode.MOVED,
+        f"node {cluster.me.node_id} does not hold {shown} at epoch {cluster.epoch}: ask a node "
+        "for the topology",
+        epoch=cluster.epoch,
+    )
+
+
+class Router:
+    """Cuts requests by the nodes that hold their keys (see the module).
+
+    Args:
+        cluster: the node's cluster (its view of the topology), or None (a node alone).
+    """
+
+    def __init__(self, cluster: Routed | None) -> None:
+        self.cluster = cluster
+        self.passed_on = 0  # parts of requests passed on to other nodes
+
+    # -- which node serves what ---------------------------------------------------
+
+    def alone(self) -> bool:
+        """Whether this node serves everything itself (no peers, or every key here)."""
+        cluster = self.cluster
+        return cluster is None or not cluster.links
+
+    def check_routed(self, names: Sequence[str]) -> None:
+        """Refuse (MOVED) a routed request naming keys this node does not hold."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return
+        me, placement = cluster.me.node_id, cluster.placement
+        serving = cluster.state in LIVE
+        if serving and placement.everywhere and me in placement.members:
+            return
+        missing = [n for n in names if not (serving and placement.holds(me, n))]
+        if missing:
+            raise _moved(cluster, missing)
+
+    def read_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
+        """``names`` by the node to read each from (None: here); None when all are here."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return None
+        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
+        serving = cluster.state in LIVE
+        if serving and placement.everywhere and me in placement.members:
+            return None
+        parts: dict[str | None, list[str]] = {}
+        for name in names:
+            target = None
+            if not (serving and placement.holds(me, name)):
+                target = placement.primary(name, live)
+                if target == me:
+                    target = None
+            parts.setdefault(target, []).append(name)
+        return None if not parts or list(parts) == [None] else parts
+
+    def write_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
+        """``names`` by the node to apply each at (None: here); None when all are here.
+
+        Here, when this node is a replica of the name (as a founding client's
+        write was applied where it was sent, before sharding: the primary is
+        where routed callers write, and replicas resolve concurrent writes by
+        last-writer-wins); else at its primary.
+        """
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return None
+        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
+        serving = cluster.state in LIVE
+        if serving and placement.everywhere and me in placement.members:
+            return None
+        parts: dict[str | None, list[str]] = {}
+        for name in names:
+            target = None
+            if not (serving and placement.holds(me, name)):
+                target = placement.primary(name, live)
+                if target is None:
+                    # Every replica is down (not failed yet): a copy made here
+                    # would start the key anew, and could lose to the old one
+                    # by last-writer-wins when its holders come back.
+                    down = ", ".join(placement.replicas(name))
+                    raise RequestError(
+                        ErrorCode.UNAVAILABLE,
+                        f"no replica of {name!r} is up ({down}); nothing of the update was "
+                        "applied: try again when one is, or after the failure timeout",
+                    )
+                if target == me:
+                    target = None
+            parts.setdefault(target, []).append(name)
+        return None if not parts or list(parts) == [None] else parts
+
+    def owner(self, key: str) -> str | None:
+        """The primary of ``key`` when it is another node (None: this one, or none live)."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return None
+        target = cluster.placement.primary(key, cluster.live)
+        return None if target == cluster.me.node_id else target
+
+    # -- passing on ---------------------------------------------------------------
+
+    def _candidates(self, target: str, name: str) -> list[str]:
+        """Where to pass a part on: its primary, then the key's other live replicas."""
+        cluster = self.cluster
+        assert cluster is not None
+        others = [
+            m
+            for m in cluster.placement.replicas(name)
+            if m != target and m != cluster.me.node_id and m in cluster.live
+        ]
+        return [target, *others]
+
+    async def pass_on(self, target: str, first_key: str, m: Method, **args: Any) -> Any:
+        """Call ``m`` at ``target`` (with this node's epoch set on the request); answer its result.
+
+        A node that answers MOVED or cannot be reached is followed by the
+        key's next live replica.
+
+        Raises:
+            RequestError: the node refused the call; UNAVAILABLE when no
+                replica of the key could take it.
+            NetworkError: the connection broke with the call in flight (its
+                outcome is unknown).
+        """
+        cluster = self.cluster
+        assert cluster is not None
+        last: Exception | None = None
+        for member in self._candidates(target, first_key):
+            link = cluster.by_id.get(member)
+            if link is None:
+                continue
+            try:
+                client = link.proxy()
+                result = await client.invoke(m, **args)
+            except RequestError as exc:
+                if exc.code != ErrorCode.MOVED:
+                    raise
+                last = exc
+                continue
+            except ConnectError as exc:
+                last = exc
+                continue
+            self.passed_on += 1
+            return result
+        raise RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"no replica of {first_key!r} took the call ({last}); try again",
+        ) from last
+
+    # -- requests cut by node, answers merged --------------------------------------
+
+    async def read(
+        self,
+        request: Any,
+        parts: Mapping[str | None, list[str]],
+        local: Callable[[Any], Any],
+        m: Method,
+    ) -> Any:
+        """A read cut by node: each part read where it is held, the answers merged."""
+        cluster = self.cluster
+        assert cluster is not None
+
+        async def part(target: str | None, names: list[str]) -> Any:
+            sub = _with_names(request, names)
+            if target is None:
+                outcome = local(sub)
+                return await outcome if isinstance(outcome, asyncio.Future) else outcome
+            sub.epoch = cluster.epoch
+            return await self.pass_on(target, names[0], m, request=sub)
+
+        answers = await asyncio.gather(*(part(t, ns) for t, ns in parts.items()))
+        return merge_responses(answers)
+
+    async def read_everything(self, request: Any, local: Any, m: Method) -> Any:
+        """A read of every name (``all_names``): from every member, merged by last writer."""
+        cluster = self.cluster
+        assert cluster is not None
+        sub = copy.copy(request)
+        sub.epoch = cluster.epoch
+        calls = []
+        for member in cluster.live:
+            link = cluster.by_id.get(member)
+            if link is not None:
+                calls.append(link.proxy().invoke(m, request=sub))
+        answers = [local, *await asyncio.gather(*calls)]
+        newest: dict[str, Any] = {}
+        for answer in answers:
+            for p in answer.params:
+                held = newest.get(p.name)
+                if held is None or lww_key(held) < lww_key(p):
+                    newest[p.name] = p
+        stamp = max(a.timestamp for a in answers)
+        return thrift.ParameterResponse(params=list(newest.values()), timestamp=stamp)
+
+    async def write(
+        self,
+        update: Any,
+        params: Sequence[Any],
+        parts: Mapping[str | None, list[str]] | None,
+        local: Callable[[Sequence[Any]], asyncio.Future],
+        acks: str,
+    ) -> Any:
+        """An update cut by primary: each part applied at its primary; the versions merged.
+
+        ``local(params)`` applies this node's part (a future of its
+        ``UpdateResult``); with ``acks="all"`` each primary answers once its
+        live replicas have the part.
+        """
+        cluster = self.cluster
+        by_name: dict[str, list[Any]] = {}
+        for p in params:
+            by_name.setdefault(p.name, []).append(p)  # (pieces: several of one name)
+        if parts is None:
+            parts = {None: list(by_name)}
+
+        async def part(target: str | None, names: list[str]) -> Any:
+            mine = [p for n in names for p in by_name[n]]
+            if target is None:
+                result = await local(mine)
+                if acks == "all" and cluster is not None:
+                    await cluster.replicated(names)
+                return result
+            assert cluster is not None
+            sub = thrift.ParameterUpdate(
+                params=mine, timestamp=update.timestamp, epoch=cluster.epoch, acks=acks
+            )
+            return await self.pass_on(target, names[0], METHODS.push_parameters, update=sub)
+
+        answers = await asyncio.gather(
+            *(part(t, ns) for t, ns in parts.items()), return_exceptions=True
+        )
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            done = sum(1 for a in answers if not isinstance(a, BaseException))
+            first = errors[0]
+            if done and isinstance(first, RequestError):
+                raise RequestError(
+                    first.code,
+                    f"{first.message} (the update spans {len(answers)} replica sets: "
+                    f"{done} of them applied their part)",
+                    first.epoch,
+                ) from first
+            raise first
+        return merge_results(answers)
+
+    async def barrier(self, target: str, request: Any) -> Any:
+        """A barrier held by another node (the primary of its group's key)."""
+        cluster = self.cluster
+        assert cluster is not None
+        sub = copy.copy(request)
+        sub.epoch = cluster.epoch
+        return await self.pass_on(target, barrier_key(request.group), METHODS.barrier, request=sub)
+
+
+def _with_names(request: Any, names: list[str]) -> Any:
+    """A copy of a read ``request`` for ``names`` only."""
+    sub = copy.copy(request)
+    sub.param_names = names
+    if request.known_versions:
+        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
+    if request.known_origins:
+        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
+    return sub
+
+
+def merge_responses(answers: Sequence[Any]) -> Any:
+    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
+    params = [p for a in answers for p in a.params]
+    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
+
+
+def merge_results(answers: Sequence[Any]) -> Any:
+    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
+    versions: dict[str, int] = {}
+    for a in answers:
+        versions.update(a.versions)
+    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))

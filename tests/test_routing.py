@@ -1,0 +1,360 @@
+"""Sharding inside one process: who holds what, routing, passing on, acks, hand-off, memory.
+
+Real nodes on loopback (``LocalCluster``), real clients; the tests with node
+processes (kills, joins, drains, partitions) are in ``test_sharding.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import LocalCluster, eventually
+
+from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
+from aioparamsync.placement import Placement, barrier_key
+
+pytestmark = pytest.mark.asyncio
+
+R = 2
+NAMES = [f"p{i}" for i in range(40)]
+
+
+def arrays(offset: float = 0.0) -> dict[str, np.ndarray]:
+    return {n: np.full(256, i + offset, np.float32) for i, n in enumerate(NAMES)}
+
+
+@pytest.fixture
+async def sharded() -> Any:
+    cluster = LocalCluster(replication_factor=R)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        c = await cluster.start(peers=[a])
+        nodes = [a, b, c]
+
+        def formed() -> None:
+            for node in nodes:
+                assert node.cluster.state == "up"
+                assert node.cluster.live == {n.node_id for n in nodes}, node.cluster.live
+
+        await eventually(formed)
+        yield nodes
+    finally:
+        await cluster.close()
+
+
+def holders(nodes: list[Node], name: str) -> set[str]:
+    return {n.node_id for n in nodes if name in n.table}
+
+
+async def test_each_name_is_held_by_its_r_replicas_alone(sharded: list[Node]) -> None:
+    nodes = sharded
+    async with ParameterClient(nodes[0].address, timeout=10) as client:
+        await client.update_arrays(arrays())
+    placement = Placement([n.node_id for n in nodes], R)
+
+    def placed() -> None:
+        for name in NAMES:
+            assert holders(nodes, name) == set(placement.replicas(name)), name
+
+    await eventually(placed)
+    # 40 keys, 2 copies over 3 nodes: each holds about 2/3 of them, not all.
+    assert sum(len(n.table) for n in nodes) == R * len(NAMES)
+    assert all(len(n.table) < len(NAMES) for n in nodes)
+
+
+async def test_a_routed_client_sends_each_name_to_its_primary(sharded: list[Node]) -> None:
+    nodes = sharded
+    async with ParameterClient(nodes[0].address, timeout=10) as client:
+        await client.update_arrays(arrays())  # (before the topology is known: passed on)
+        await eventually(lambda: assert_routed(client))
+        before = [n.service.router.passed_on for n in nodes]
+        await client.update_arrays(arrays(1))
+        got = await client.get_arrays(NAMES)
+        assert all((got[n] == v).all() for n, v in arrays(1).items())
+        # Routed: no node had to pass anything on.
+        assert [n.service.router.passed_on for n in nodes] == before
+
+
+def assert_routed(client: ParameterClient) -> None:
+    assert client.routes is not None and client.routes.topology is not None
+    assert not client.routes.topology.single
+
+
+async def test_every_node_answers_every_name_for_a_client_that_knows_no_topology(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    async with ParameterClient(nodes[1].address, timeout=10) as writer:
+        await writer.update_arrays(arrays(), acks="all")
+    for node in nodes:
+        async with ParameterClient(node.address, timeout=10, route=False) as client:
+            got = await client.get_arrays(NAMES)
+            assert set(got) == set(NAMES), node.node_id
+            assert all((got[n] == v).all() for n, v in arrays().items())
+            # A write through any node reaches each name's holders.
+            await client.update_arrays({"x": np.arange(3.0)})
+            response = await client.get_parameters(None)  # every name, from every holder
+            assert {p.name for p in response.params} == {*NAMES, "x"}
+    assert holders(nodes, "x") == set(Placement([n.node_id for n in nodes], R).replicas("x"))
+
+
+async def test_a_routed_request_for_a_name_a_node_does_not_hold_is_answered_moved(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    placement = Placement([n.node_id for n in nodes], R)
+    name = next(n for n in NAMES if nodes[0].node_id not in placement.replicas(n))
+    async with ParameterClient(nodes[0].address, timeout=10, route=False) as client:
+        request = thrift.ParameterRequest(param_names=[name], epoch=1)
+        with pytest.raises(RequestError) as info:
+            await client.call("pull_parameters", request=request)
+        assert info.value.code == ErrorCode.MOVED
+        assert info.value.epoch == nodes[0].cluster.epoch
+        assert nodes[0].node_id in info.value.message
+        update = thrift.ParameterUpdate(
+            params=[thrift.Parameter(name=name, data=b"1234")], timestamp=1, epoch=1
+        )
+        with pytest.raises(RequestError) as info:
+            await client.call("push_parameters", update=update)
+        assert info.value.code == ErrorCode.MOVED
+    assert name not in nodes[0].table  # (nothing applied)
+
+
+async def test_acks_all_answers_once_every_live_replica_holds_the_write(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    async with ParameterClient(nodes[0].address, timeout=10) as client:
+        for step in range(20):  # (the first ones passed on, the others routed)
+            await client.update_arrays(
+                {n: np.full(4, step, np.float32) for n in NAMES[:5]}, acks="all"
+            )
+            for name in NAMES[:5]:
+                for node in nodes:
+                    entry = node.table.entry(name)
+                    if entry is not None:
+                        assert entry.version == step + 1, (node.node_id, name)
+                assert len(holders(nodes, name)) == R
+
+
+async def test_acks_other_than_1_or_all_are_refused(sharded: list[Node]) -> None:
+    async with ParameterClient(sharded[0].address, timeout=10, route=False) as client:
+        with pytest.raises(ValueError, match="acks"):
+            await client.update_arrays({"w": np.ones(2)}, acks="2")
+        update = thrift.ParameterUpdate(
+            params=[thrift.Parameter(name="w", data=b"12345678")], timestamp=1, acks="most"
+        )
+        with pytest.raises(RequestError) as info:
+            await client.call("push_parameters", update=update)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        assert "most" in info.value.message
+        assert all("w" not in n.table for n in sharded)
+
+
+async def test_gradients_pushed_at_every_node_fold_once_each_at_the_primary(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    names = NAMES[:6]
+    async with ParameterClient(nodes[0].address, timeout=10) as client:
+        await client.update_arrays(
+            {n: np.zeros(8, np.float32) for n in names}, rules=sum_rule(), acks="all"
+        )
+    clients = [ParameterClient(n.address, timeout=10, route=False) for n in nodes]
+    try:
+        pushes = 10
+        await asyncio.gather(
+            *(
+                c.push_gradients({n: np.ones(8, np.float32) for n in names})
+                for c in clients
+                for _ in range(pushes)
+            )
+        )
+        got = await clients[0].get_arrays(names)
+        assert all((got[n] == pushes * len(clients)).all() for n in names), got
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def test_a_barrier_is_held_by_the_primary_of_its_group_whichever_node_is_asked(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    clients = [ParameterClient(n.address, timeout=10, route=False) for n in nodes]
+    try:
+        results = await asyncio.gather(
+            *(c.barrier("g", f"w{i}", 1, len(clients)) for i, c in enumerate(clients))
+        )
+        assert all(sorted(r.workers) == ["w0", "w1", "w2"] for r in results)
+        primary = Placement([n.node_id for n in nodes], R).primary(
+            barrier_key("g"), {n.node_id for n in nodes}
+        )
+        holder = next(n for n in nodes if n.node_id == primary)
+        assert holder.service.waiting.statistics()["barrier_groups"] == 1
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def test_a_node_that_leaves_hands_its_keys_off_before_it_stops() -> None:
+    cluster = LocalCluster(replication_factor=R)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        c = await cluster.start(peers=[a])
+        await eventually(lambda: _all_up([a, b, c]))
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(arrays(), acks="all")
+        held = len(c.table)
+        assert 0 < held < len(NAMES)
+        assert await c.leave(timeout=10) == held
+        await cluster.stop(c)
+
+        def rehomed() -> None:
+            for name in NAMES:
+                assert holders([a, b], name) == {a.node_id, b.node_id}, name
+
+        await eventually(rehomed)
+        async with ParameterClient(a.address, timeout=10) as client:
+            got = await client.get_arrays(NAMES)
+        assert all((got[n] == v).all() for n, v in arrays().items())
+    finally:
+        await cluster.close()
+
+
+async def test_a_node_that_joins_pulls_its_share_and_the_old_holders_drop_it() -> None:
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        a = await cluster.start()
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(arrays())
+        assert len(a.table) == len(NAMES)
+        b = await cluster.start(peers=[a])
+        placement = Placement([a.node_id, b.node_id], 1)
+        mine = {n for n in NAMES if placement.replicas(n) == (b.node_id,)}
+        assert mine  # (40 names, 2 nodes: some are b's)
+
+        def moved() -> None:
+            assert b.cluster.state == "up"
+            assert set(b.table.names()) == mine
+            assert set(a.table.names()) == set(NAMES) - mine
+
+        await eventually(moved)
+        for node in (a, b):
+            async with ParameterClient(node.address, timeout=10, route=False) as client:
+                got = await client.get_arrays(NAMES)
+            assert all((got[n] == v).all() for n, v in arrays().items())
+    finally:
+        await cluster.close()
+
+
+def _all_up(nodes: list[Node]) -> None:
+    for node in nodes:
+        assert node.cluster.state == "up"
+        assert node.cluster.live == {n.node_id for n in nodes}
+
+
+async def test_digest_for_refuses_a_node_outside_its_members(sharded: list[Node]) -> None:
+    async with ParameterClient(sharded[0].address, timeout=10, route=False) as client:
+        request = thrift.DigestRequest(for_node="nobody", members=["a", "b"])
+        with pytest.raises(RequestError) as info:
+            await client.call("digest_for", request=request)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        with pytest.raises(RequestError):
+            await client.call("digest_for", request=None)
+
+
+async def test_the_topology_names_every_member_its_state_and_r(sharded: list[Node]) -> None:
+    async with ParameterClient(sharded[0].address, timeout=10) as client:
+        topology = await client.topology()
+        info = await client.info()
+    assert topology.replication_factor == R
+    assert {(m.node_id, m.state) for m in topology.members} == {(n.node_id, "up") for n in sharded}
+    assert topology.epoch == sharded[0].cluster.epoch
+    assert info.topology.epoch >= topology.epoch
+    assert info.state == "up"
+    assert info.keys_moving == 0
+
+
+async def test_a_node_alone_answers_a_topology_of_itself() -> None:
+    async with Node(port=0) as node, ParameterClient(node.address, timeout=10) as client:
+        topology = await client.topology()
+        assert [(m.node_id, m.state) for m in topology.members] == [(node.node_id, "up")]
+
+
+async def test_a_parameter_kept_from_a_larger_frame_does_not_keep_the_frame_alive() -> None:
+    """A node keeps each parameter of a batch on its own: replacing four of five values
+    frees their bytes (a view into the frame would keep all five alive)."""
+    mib = 1024 * 1024
+    async with Node(port=0) as node, ParameterClient(node.address, timeout=30) as client:
+        await client.update_arrays({f"v{i}": np.full(mib, i, np.uint8) for i in range(5)})
+        for i in range(5):
+            data = node.table.entry(f"v{i}").data
+            whole = memoryview(data.obj).nbytes if data.obj is not None else data.nbytes
+            assert whole <= data.nbytes * 4 // 3, (i, whole)
+        # One value alone in its frame is kept as received, without a copy.
+        await client.update_arrays({"big": np.zeros(4 * mib, np.uint8)})
+        data = node.table.entry("big").data
+        assert memoryview(data.obj).nbytes < data.nbytes + 4096
+
+
+async def test_a_node_logs_what_it_holds_and_after_a_restart_catches_up_the_rest(
+    tmp_path: Any,
+) -> None:
+    cluster = LocalCluster(replication_factor=R)
+    data = tmp_path / "a"
+    try:
+        a = await cluster.start(data_dir=data)
+        port = a.port
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(arrays())  # a alone: it holds every key
+        b = await cluster.start(peers=[a])
+        c = await cluster.start(peers=[a])
+        placement = Placement([a.node_id, b.node_id, c.node_id], R)
+        share = {n for n in NAMES if a.node_id in placement.replicas(n)}
+
+        def handed_off() -> None:
+            _all_up([a, b, c])
+            assert set(a.table.names()) == share
+            assert a.cluster.rebalancer.moving == 0
+
+        await eventually(handed_off)
+        await cluster.stop(a)  # (not a leave: it is to come back)
+        async with ParameterClient(b.address, timeout=10, route=False) as client:
+            await client.update_arrays(arrays(100))  # each key has a live replica
+        a = await cluster.start(data_dir=data, port=port, peers=[b])
+        # Its files hold its share alone (what it handed off was dropped from them) ...
+        assert set(a.table.names()) == share
+        # ... at the versions it had; it catches up on what was written while it was away.
+
+        def caught_up() -> None:
+            _all_up([a, b, c])
+            assert set(a.table.names()) == share
+            for name in share:
+                assert bytes(a.table.entry(name).data) == arrays(100)[name].tobytes(), name
+
+        await eventually(caught_up)
+    finally:
+        await cluster.close()
+
+
+async def test_a_write_no_live_replica_can_take_is_refused_and_applies_nothing() -> None:
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        await eventually(lambda: _all_up([a, b]))
+        placement = Placement([a.node_id, b.node_id], 1)
+        name = next(n for n in NAMES if placement.replicas(n) == (b.node_id,))
+        await cluster.stop(b)  # down (its failure timeout, 30 s, has not passed)
+        async with ParameterClient(a.address, timeout=10, route=False) as client:
+            with pytest.raises(RequestError) as info:
+                await client.update_arrays({name: np.ones(3), "other": np.ones(3)})
+        assert info.value.code == ErrorCode.UNAVAILABLE
+        assert b.node_id in info.value.message
+        assert name not in a.table
+    finally:
+        await cluster.close()
