@@ -53,7 +53,7 @@ from .pool import ConnectionPool
 if TYPE_CHECKING:
     from .api import ParameterClient
 
-__all__ = ["READ_FROM", "Routes"]
+__all__ = ["READ_FROM", "Routes", "merge_responses", "merge_results", "read_part"]
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Routes:
             groups: dict[str | None, list[str]] = {}
             for n in value.param_names:
                 groups.setdefault(topology.target(n, read_from, self._salt), []).append(n)
-            return {t: _read_part(value, names) for t, names in groups.items()}
+            return {t: read_part(value, names) for t, names in groups.items()}
         items = value.grads if name == "push_gradients" else value.params
         if not items:
             return None
@@ -312,7 +312,8 @@ class Routes:
             log.info("could not learn the topology: %s", exc)
 
 
-def _read_part(request: Any, names: list[str]) -> Any:
+def read_part(request: Any, names: list[str]) -> Any:
+    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too)."""
     sub = copy.copy(request)
     sub.param_names = names
     if request.known_versions:
@@ -322,19 +323,27 @@ def _read_part(request: Any, names: list[str]) -> Any:
     return sub
 
 
+def merge_responses(answers: Sequence[Any]) -> Any:
+    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
+    params = [p for a in answers for p in a.params]
+    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
+
+
+def merge_results(answers: Sequence[Any]) -> Any:
+    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
+    versions: dict[str, int] = {}
+    for a in answers:
+        versions.update(a.versions)
+    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
+
+
 def _merge(m: Method, answers: Sequence[Any]) -> Any:
     """One answer of the parts' answers."""
     if m.oneway or all(a is None for a in answers):
         return None
     first = answers[0]
     if isinstance(first, thrift.ParameterResponse):
-        return thrift.ParameterResponse(
-            params=[p for a in answers for p in a.params],
-            timestamp=max(a.timestamp for a in answers),
-        )
+        return merge_responses(answers)
     if isinstance(first, thrift.UpdateResult):
-        versions: dict[str, int] = {}
-        for a in answers:
-            versions.update(a.versions)
-        return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
+        return merge_results(answers)
     return first

@@ -214,6 +214,8 @@ class PeerLink:
         self._changed = asyncio.Event()  # set at each change of state or client
         #: what the member says of itself (Member.state); None: it has not said
         self.member_state: str | None = None
+        #: the epoch of its last report of that (older reports are ignored)
+        self.said_epoch: int | None = None
         #: since when (time.monotonic()) the link has not been up
         self.down_since = time.monotonic()
         #: a repair succeeded since the link started (a joining node waits for it)
@@ -356,7 +358,7 @@ class PeerLink:
         if self._proxy is None:
             self._proxy = ParameterClient(
                 (self.host, self.port),
-                timeout=None,
+                timeout=3 * PEER_CALL_TIMEOUT,  # (calls passed on say their own)
                 connect_timeout=PEER_CALL_TIMEOUT,
                 ssl=self.cluster.ssl,
                 route=False,

@@ -408,7 +408,17 @@ class Cluster:
         self.refresh()
 
     def _said(self, link: PeerLink, member: Any) -> None:
-        """What a member said of itself (its state, its epoch), directly."""
+        """What a member said of itself (its state, its epoch), directly.
+
+        A member bumps its epoch whenever its own state changes, before it
+        says so: of two of its reports, the one with the smaller epoch is the
+        older (an answer to an announce can arrive after the member's next
+        announce, on another connection), and changes nothing.
+        """
+        if member.epoch is not None:
+            if link.said_epoch is not None and member.epoch < link.said_epoch:
+                return
+            link.said_epoch = member.epoch
         state = member.state if member.state in SELF_STATES else UP  # (a node of old: up)
         if link.member_state != state:
             link.member_state = state
@@ -419,6 +429,12 @@ class Cluster:
             self._departed.discard(member.node_id)
         if member.epoch is not None and member.epoch > self.epoch:
             self.epoch = member.epoch
+
+    def holds_here(self, key: str) -> bool:
+        """Whether this node is a replica of ``key``, now or in the pending placement."""
+        me = self.me.node_id
+        pending = self.pending
+        return self.placement.holds(me, key) or (pending is not None and pending.holds(me, key))
 
     def owner(self, key: str) -> PeerLink | None:
         """The primary of ``key`` (it folds its gradients, holds its barrier): a link,
@@ -644,18 +660,23 @@ class Cluster:
                     peer.offer((entry,))
 
     def replica_links(self, names: Iterable[str]) -> set[PeerLink]:
-        """The links of the live members, other than this node, that hold any of ``names``."""
-        placement, me, live = self.placement, self.me.node_id, self.live
+        """The links up, to members other than this node that hold any of ``names`` (or
+        will: members joining)."""
+        placement, me, pending = self.placement, self.me.node_id, self.pending
+        names = list(names)
         members: set[str] = set()
-        if placement.everywhere:
-            members.update(placement.members)
-        else:
-            for name in names:
-                members.update(placement.replicas(name))
+        for view in (placement, pending):  # (members joining get what they will hold)
+            if view is None:
+                continue
+            if view.everywhere:
+                members.update(view.members)
+            else:
+                for name in names:
+                    members.update(view.replicas(name))
         return {
             link
             for m in members
-            if m != me and m in live and (link := self.by_id.get(m)) is not None
+            if m != me and (link := self.by_id.get(m)) is not None and link.state == LinkState.UP
         }
 
     async def replicated(self, names: Iterable[str], timeout: float = ACK_TIMEOUT) -> None:

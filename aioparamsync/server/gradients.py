@@ -396,6 +396,14 @@ class GradientPushes:
         return await owner.forward(push)
 
     async def _arrival(self, versions: Mapping[str, int]) -> None:
-        """Wait (a little) until this node holds ``versions``, replicated from their owner."""
-        polls = [self.waiting.poll([n], v, ARRIVAL_WAIT_MS) for n, v in versions.items()]
+        """Wait (a little) until this node holds ``versions``, replicated from their owner.
+
+        Only of the names this node holds (is a replica of): the others never come.
+        """
+        cluster = self.cluster
+        polls = [
+            self.waiting.poll([n], v, ARRIVAL_WAIT_MS)
+            for n, v in versions.items()
+            if cluster is None or cluster.holds_here(n)
+        ]
         await asyncio.gather(*polls, return_exceptions=True)

@@ -36,12 +36,26 @@ import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from ..client.routing import merge_responses, merge_results, read_part
 from ..errors import ConnectError, ErrorCode, RequestError
 from ..placement import LIVE, Placement, barrier_key
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
 
-__all__ = ["Routed", "Router", "merge_responses", "merge_results"]
+__all__ = ["Routed", "Router"]
+
+# The deadline of a call passed on to another node (seconds), past the wait a
+# held one (a long poll, a barrier) asks for: a node that froze is given up on.
+PASS_ON_TIMEOUT = 30.0
+
+
+def _deadline(m: Method, args: dict[str, Any]) -> float | None:
+    wait_ms = getattr(args.get("request"), "wait_ms", None)
+    if wait_ms is not None and wait_ms >= 0:
+        return wait_ms / 1000 + PASS_ON_TIMEOUT
+    if m.held == "always":
+        return None  # (a barrier without a wait: as long as its caller waits)
+    return PASS_ON_TIMEOUT
 
 
 class Routed(Protocol):
@@ -102,22 +116,7 @@ class Router:
 
     def read_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
         """``names`` by the node to read each from (None: here); None when all are here."""
-        cluster = self.cluster
-        if cluster is None or not cluster.links:
-            return None
-        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
-        serving = cluster.state in LIVE
-        if serving and placement.everywhere and me in placement.members:
-            return None
-        parts: dict[str | None, list[str]] = {}
-        for name in names:
-            target = None
-            if not (serving and placement.holds(me, name)):
-                target = placement.primary(name, live)
-                if target == me:
-                    target = None
-            parts.setdefault(target, []).append(name)
-        return None if not parts or list(parts) == [None] else parts
+        return self._parts(names, write=False)
 
     def write_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
         """``names`` by the node to apply each at (None: here); None when all are here.
@@ -126,7 +125,13 @@ class Router:
         write was applied where it was sent, before sharding: the primary is
         where routed callers write, and replicas resolve concurrent writes by
         last-writer-wins); else at its primary.
+
+        Raises:
+            RequestError: (UNAVAILABLE) a name none of whose replicas is up.
         """
+        return self._parts(names, write=True)
+
+    def _parts(self, names: Sequence[str], write: bool) -> dict[str | None, list[str]] | None:
         cluster = self.cluster
         if cluster is None or not cluster.links:
             return None
@@ -139,7 +144,7 @@ class Router:
             target = None
             if not (serving and placement.holds(me, name)):
                 target = placement.primary(name, live)
-                if target is None:
+                if target is None and write:
                     # Every replica is down (not failed yet): a copy made here
                     # would start the key anew, and could lose to the old one
                     # by last-writer-wins when its holders come back.
@@ -196,7 +201,7 @@ class Router:
                 continue
             try:
                 client = link.proxy()
-                result = await client.invoke(m, **args)
+                result = await client.invoke(m, timeout=_deadline(m, args), **args)
             except RequestError as exc:
                 if exc.code != ErrorCode.MOVED:
                     raise
@@ -226,7 +231,7 @@ class Router:
         assert cluster is not None
 
         async def part(target: str | None, names: list[str]) -> Any:
-            sub = _with_names(request, names)
+            sub = read_part(request, names)
             if target is None:
                 outcome = local(sub)
                 return await outcome if isinstance(outcome, asyncio.Future) else outcome
@@ -315,28 +320,3 @@ class Router:
         sub = copy.copy(request)
         sub.epoch = cluster.epoch
         return await self.pass_on(target, barrier_key(request.group), METHODS.barrier, request=sub)
-
-
-def _with_names(request: Any, names: list[str]) -> Any:
-    """A copy of a read ``request`` for ``names`` only."""
-    sub = copy.copy(request)
-    sub.param_names = names
-    if request.known_versions:
-        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
-    if request.known_origins:
-        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
-    return sub
-
-
-def merge_responses(answers: Sequence[Any]) -> Any:
-    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
-    params = [p for a in answers for p in a.params]
-    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
-
-
-def merge_results(answers: Sequence[Any]) -> Any:
-    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
-    versions: dict[str, int] = {}
-    for a in answers:
-        versions.update(a.versions)
-    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
