@@ -646,3 +646,68 @@ async def test_python_m_aioparamsync_ctl(node: Node) -> None:
     assert out.startswith(f"node        {node.node_id}\n")
     rc, out, err = await run_ctl(sys.executable, "-m", "aioparamsync.ctl", "stats", "nohost")
     assert rc == 2 and out == "" and "Traceback" not in err
+
+
+# -- topology and drain ---------------------------------------------------------------------
+
+
+async def test_topology_shows_the_epoch_r_and_each_member(pair, capsys) -> None:
+    a, b = pair
+    rc, out, err = await ctl(capsys, "topology", text(a.address))
+    assert (rc, err) == (0, "")
+    first, header, *rows = out.splitlines()
+    assert first == f"epoch {a.cluster.epoch}, replication factor 3, 2 members"
+    assert header.split() == [
+        "NODE",
+        "ADDRESS",
+        "STATE",
+        "KEYS",
+        "BYTES",
+        "MOVING",
+        "UNDER-REPLICATED",
+    ]
+    got = {row.split()[0]: row.split() for row in rows}
+    assert set(got) == {"a", "b"}
+    assert got["b"][1:4] == [text(b.address), "up", "1"]  # b holds w (R=3: every node)
+    rc, out, err = await ctl(capsys, "--json", "topology", text(a.address))
+    document = json.loads(out)
+    assert document["replication_factor"] == 3
+    assert {m["node_id"]: m["state"] for m in document["members"]} == {"a": "up", "b": "up"}
+    assert {m["node_id"]: m["keys"] for m in document["members"]} == {"a": 1, "b": 1}
+
+
+async def test_drain_makes_a_node_leave_after_handing_its_keys_off(capsys) -> None:
+    async with (
+        Node("127.0.0.1", 0, node_id="a") as a,
+        Node("127.0.0.1", 0, node_id="b", peers=[a.address]) as b,
+    ):
+
+        def formed() -> None:
+            assert a.cluster.state == b.cluster.state == "up" and len(a.cluster.live) == 2
+
+        await eventually(formed, timeout=SETTLE_TIMEOUT)
+        async with ParameterClient(a.address, timeout=10, route=False) as client:
+            await client.update_arrays({"w": np.ones(4), "v": np.zeros(2)}, acks="all")
+        rc, out, err = await ctl(capsys, "drain", text(b.address))
+        assert (rc, err) == (0, "")
+        assert out == f"{text(b.address)}: handed off 2 keys; the node is leaving\n"
+        assert b.left.is_set() and b.cluster.state == "left"
+
+        def b_gone() -> None:
+            assert a.cluster.placement.members == ("a",)
+
+        await eventually(b_gone, timeout=SETTLE_TIMEOUT)
+
+
+async def test_drain_of_a_lone_node_hands_off_nothing(node: Node, capsys) -> None:
+    rc, out, err = await ctl(capsys, "--json", "drain", text(node.address))
+    assert (rc, err) == (0, "")
+    assert json.loads(out) == {"address": text(node.address), "handed_off": 0}
+    assert node.left.is_set()
+
+
+def test_drain_refuses_a_wait_that_is_no_number_of_seconds(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["drain", "--wait", "-3", "127.0.0.1:9"])
+    assert exited.value.code == 2
+    assert "--wait" in capsys.readouterr().err

@@ -256,6 +256,15 @@ async def test_two_nodes_show_their_peer_links(cluster: LocalCluster) -> None:
     a_address = f"{a.host}:{a.port}"
     assert value(samples_b, "peer_state", peer=a_address, state="up") == 1
 
+    # The topology as each sees it: its epoch, R (0: every node), each member's state.
+    assert value(samples_b, "cluster_epoch") == b.cluster.epoch
+    assert value(samples_b, "replication_factor") == 0  # (LocalCluster: R=all)
+    for member in (a, b):
+        assert value(samples_b, "member_state", member=member.node_id, state="up") == 1
+        assert value(samples_b, "member_state", member=member.node_id, state="joining") == 0
+    assert value(samples_b, "keys_moving") == value(samples_b, "under_replicated_keys") == 0
+    assert value(samples_b, "keys_handed_off_total") == 0
+
 
 async def test_stop_releases_the_port_and_metrics_off_costs_no_hook(
     cluster: LocalCluster,
