@@ -1,7 +1,8 @@
 """Placement: which nodes hold a key, in what order; the one sharding function.
 
-A key is a parameter's name, one partition of a large parameter
-(:func:`partition_key`), or a barrier group (:func:`barrier_key`). The nodes
+A key is a parameter's name, a barrier group (:func:`barrier_key`), or one
+partition of a large parameter (:func:`partition_key`; every parameter is
+stored whole today, placed by its name). The nodes
 that hold it are its **replicas**: the members ranked by rendezvous
 (highest-random-weight) hashing, ``hash(member, key)`` highest first, the
 first ``R`` of them (every member when there are fewer). The first of them
@@ -51,9 +52,10 @@ PLACED = frozenset({UP, DOWN, LEAVING})
 LIVE = frozenset({UP, LEAVING})
 #: the states a member may say of itself
 SELF_STATES = frozenset({JOINING, UP, LEAVING, LEFT})
-# A partition's key: the parameter's name, this separator, its index. The
-# separator cannot begin a name's suffix by accident: names holding it are
-# refused (see aioparamsync.store.table).
+# A partition's key: the parameter's name, this separator, its index. (Every
+# parameter is stored whole today, placed by its name. A name a client gives
+# may hold NUL, so it could equal such a key, or a barrier's: storing
+# partitions under these keys needs such names refused first.)
 PARTITION_SEPARATOR = "\x00#"
 # The most keys a Placement remembers the ranking of (then it starts over).
 CACHE_KEYS = 1 << 20

@@ -255,7 +255,8 @@ struct Topology {
     2: required list<TopologyMember> members,
     3: required i32 replication_factor,
     // Parameters larger than this are stored as partitions, each placed by
-    // its own key (name, NUL, "#", index): 0, never.
+    // its own key (name, NUL, "#", index); 0 (what nodes answer today):
+    // every parameter is stored whole, placed by its name.
     4: optional i64 partition_bytes,
 }
 

@@ -447,6 +447,10 @@ class PeerLink:
 
     async def _join(self, client: ParameterClient) -> None:
         self._announce_due = False
+        # Its answer is newer than any report before the call (the member may
+        # have restarted, its epoch starting over); one it makes meanwhile, on
+        # its own link, is newer still (see Cluster._said).
+        self.said_epoch = None
         members = await client.invoke(METHODS.announce, member=self.cluster.announcement())
         if members:
             self.node_id = members[0].node_id  # a node answers itself first

@@ -7,8 +7,9 @@ A member that announces itself under another address moved: its link
 follows it. A link that reaches this node itself, or a member another link
 reaches already, is dropped. A peer that cannot be reached is retried with
 capped exponential backoff, forever (see :mod:`.links`); it is never
-forgotten, and its state is in ``info``; but while its link is down it owns
-no parameters (see :meth:`Cluster.owner`).
+forgotten (unless it said it left), and its state is in ``info``; while its
+link is down it is primary of nothing (see :meth:`Cluster.owner`), and past
+the failure timeout it holds nothing (see the class's topology).
 
 While no link is up (say, none of the ``--peers`` a node started with
 answers), the node says so at WARNING after ``unreachable_warning`` seconds,
@@ -17,9 +18,10 @@ answers again, an INFO line says which. Every ``STATS_LOG_SECONDS`` the node
 logs each link's state and counters.
 
 The cluster sees the store only through its feed of applied updates: each
-update applied for a client is offered to the links of its :func:`replicas`;
-updates that came from a peer are not sent on (their origin sends them to
-everyone).
+update applied for a client is offered to the links of the other replicas of
+its parameters (those of the pending placement too, while members join or
+leave); updates that came from a peer are not sent on (the node that applied
+them first sends them to every replica).
 """
 
 from __future__ import annotations
@@ -139,7 +141,6 @@ class Cluster:
         replication_factor: int | None = DEFAULT_REPLICATION_FACTOR,
         failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
         acks: str = "1",
-        partition_bytes: int = 0,
     ) -> None:
         if replication_factor is not None and replication_factor < 1:
             raise ValueError(f"replication_factor must be at least 1, not {replication_factor}")
@@ -152,12 +153,11 @@ class Cluster:
         self.replication_factor = replication_factor
         self.failure_timeout = failure_timeout
         self.acks = acks
-        self.partition_bytes = partition_bytes
         #: this node's own state (see the class's docstring)
         self.state = UP
         self.epoch = 0
         self.placement = Placement([], replication_factor)
-        #: the placement once the members joining now have joined (None: none joins)
+        #: the placement once the members joining or leaving now have (None: none is)
         self.pending: Placement | None = None
         #: the ids of the members up (this node too, while it is up)
         self.live: frozenset[str] = frozenset()
@@ -608,7 +608,7 @@ class Cluster:
             epoch=self.epoch,
             members=members,
             replication_factor=self.replication_factor or 0,
-            partition_bytes=self.partition_bytes,
+            partition_bytes=0,  # (this version stores every parameter whole)
         )
 
     async def join(self, timeout: float = JOIN_TIMEOUT) -> None:
