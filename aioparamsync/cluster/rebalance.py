@@ -67,7 +67,6 @@ class Rebalancer:
         self.handed_off = 0
         self.stuck = 0  # keys to move none of whose holders to come is up (last round)
         self._task: asyncio.Task[None] | None = None
-        self.settled = asyncio.Event()  # set after a round that left nothing to move
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="aioparamsync-rebalance")
@@ -136,9 +135,7 @@ class Rebalancer:
         self.moving = len(surplus)
         self.under_replicated = self.count_under_replicated()
         if not surplus:
-            self.settled.set()
             return 0
-        self.settled.clear()
         cluster = self.cluster
         me = cluster.me.node_id
         after = cluster.pending or cluster.placement
@@ -151,18 +148,17 @@ class Rebalancer:
             for m in holders:
                 by_member.setdefault(m, []).append(entry)
         confirmed: dict[str, set[str]] = {}
-        links = {m: cluster.by_id.get(m) for m in by_member}
-        up_now = {m for m, link in links.items() if link is not None and link.state == LinkState.UP}
-        self.stuck = sum(1 for e in surplus if not any(m in up_now for m in targets[e.name]))
+        # (the links up now: one that goes down meanwhile fails its own hand-off)
+        up = {
+            m: link
+            for m in by_member
+            if (link := cluster.by_id.get(m)) is not None and link.state == LinkState.UP
+        }
+        self.stuck = sum(1 for e in surplus if not any(m in up for m in targets[e.name]))
         results = await asyncio.gather(
-            *(
-                self._hand_to(link, by_member[m])
-                for m, link in links.items()
-                if link is not None and link.state == LinkState.UP
-            ),
+            *(self._hand_to(link, by_member[m]) for m, link in up.items()),
             return_exceptions=True,
         )
-        up = [m for m, link in links.items() if link is not None and link.state == LinkState.UP]
         for m, result in zip(up, results, strict=True):
             if isinstance(result, BaseException):
                 log.info("handing keys to %s failed: %s", m, result)
@@ -175,11 +171,9 @@ class Rebalancer:
         }
         if cluster.state == LEAVING:
             # (kept until it exits: it answers as primary until the others place it no more)
-            dropped = len(handed)
-            self.moving = len(surplus) - dropped
-            return dropped
-        else:
-            dropped = await cluster.store.drop(handed)
+            self.moving = len(surplus) - len(handed)
+            return len(handed)
+        dropped = await cluster.store.drop(handed)
         self.handed_off += dropped
         self.moving = len(surplus) - dropped
         if dropped:
@@ -189,8 +183,6 @@ class Rebalancer:
                 self.moving,
                 cluster.epoch,
             )
-        if not self.moving:
-            self.settled.set()
         return dropped
 
     async def _hand_to(self, link: PeerLink, entries: list[Entry]) -> set[str]:
