@@ -303,6 +303,24 @@ async def check_everywhere(
         writers.check(await read_state(client, names), f"node {node_id}")
 
 
+async def written(
+    stack: contextlib.AsyncExitStack, nodes: Sequence[NodeProcess], names: Sequence[str], n: int
+) -> tuple[dict[str, ParameterClient], ParameterClient, Writers]:
+    """The cluster formed, ``n`` writers (not started) of ``names`` through a routed client,
+    each name written once: (a client of each node by id, the routed client, the writers)."""
+    clients = await open_clients(stack, nodes)
+    await wait_formed(clients)
+    routed = await stack.enter_async_context(
+        ParameterClient(nodes[0].address, timeout=CALL_TIMEOUT)
+    )
+    writers = Writers(routed, keys_of(names, n))
+    stack.push_async_callback(writers.close)
+    for w, keys in enumerate(writers.keys):
+        for name in keys:
+            assert await writers.write(w, name, 0), writers.failures
+    return clients, routed, writers
+
+
 def keys_of(names: Sequence[str], writers: int) -> list[list[str]]:
     """``names`` dealt to ``writers`` (each key is written by one writer only)."""
     return [list(names[w::writers]) for w in range(writers)]
@@ -384,16 +402,7 @@ async def test_a_killed_node_loses_no_acknowledged_write_and_its_keys_are_copied
     )
     names = [f"k{i:02d}" for i in range(40)]
     async with contextlib.AsyncExitStack() as stack:
-        clients = await open_clients(stack, nodes)
-        await wait_formed(clients)
-        routed = await stack.enter_async_context(
-            ParameterClient(nodes[0].address, timeout=CALL_TIMEOUT)
-        )
-        writers = Writers(routed, keys_of(names, 2))
-        stack.push_async_callback(writers.close)
-        for w, keys in enumerate(writers.keys):
-            for name in keys:
-                assert await writers.write(w, name, 0), writers.failures
+        clients, routed, writers = await written(stack, nodes, names, 2)
         await settled(clients, names)
 
         # The victim: not the routed client's node; the primary of the most keys.
@@ -435,16 +444,7 @@ async def test_a_node_joining_takes_its_share_and_no_acknowledged_write_is_lost(
     nodes = await spawn_cluster(procs, 3)
     names = [f"k{i:02d}" for i in range(60)]
     async with contextlib.AsyncExitStack() as stack:
-        clients = await open_clients(stack, nodes)
-        await wait_formed(clients)
-        routed = await stack.enter_async_context(
-            ParameterClient(nodes[0].address, timeout=CALL_TIMEOUT)
-        )
-        writers = Writers(routed, keys_of(names, 2))
-        stack.push_async_callback(writers.close)
-        for w, keys in enumerate(writers.keys):
-            for name in keys:
-                assert await writers.write(w, name, 0), writers.failures
+        clients, routed, writers = await written(stack, nodes, names, 2)
         before = {m: info.parameter_count for m, info in (await settled(clients, names)).items()}
 
         writers.start()
@@ -475,14 +475,7 @@ async def test_a_drained_node_hands_its_keys_off_and_exits_by_itself(
     nodes = await spawn_cluster(procs, 4, ["--drain-timeout", "20"])
     names = [f"k{i:02d}" for i in range(60)]
     async with contextlib.AsyncExitStack() as stack:
-        clients = await open_clients(stack, nodes)
-        await wait_formed(clients)
-        routed = await stack.enter_async_context(
-            ParameterClient(nodes[0].address, timeout=CALL_TIMEOUT)
-        )
-        writers = Writers(routed, keys_of(names, 1))
-        for name in names:
-            assert await writers.write(0, name, 0), writers.failures
+        clients, routed, writers = await written(stack, nodes, names, 1)
         counts = {m: info.parameter_count for m, info in (await settled(clients, names)).items()}
 
         leaver = nodes[3]

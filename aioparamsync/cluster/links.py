@@ -19,20 +19,21 @@ Every node does the same towards each of its peers, so every replica ends
 equal.
 
 Theory of operation: a link's states (:class:`LinkState`), what moves a
-link between them, and what each means for its outbox and for ownership.
+link between them, and what each means for its outbox and for placement
+(see :mod:`.membership`: a member whose link is not UP is down).
 
 - CONNECTING: the link's task connects and announces this node; the answer
   names the peer (its id) and the members it knows (each new one gets a
   link). Entered when the link starts, and again when an UP link's client
   had to open a new connection (the peer may have restarted, empty and
   without seeds: it is told of this node again). The outbox fills; nothing
-  is sent. Its member may own parameters (alive as far as anyone knows): a
-  gradient push forwarded to it waits ``FORWARD_CONNECT_WAIT`` for it.
+  is sent. Its member is down: primary of nothing (a gradient push
+  forwarded to it just as its link reconnects waits ``FORWARD_CONNECT_WAIT``).
 - UP: the peer answered, and no other link reaches it. The link repairs
   first, then sends its outbox as it fills, pings an idle peer every
   ``HEARTBEAT_SECONDS`` and repairs every ``repair_interval`` seconds.
   Only UP links drain (:meth:`Cluster.drain` waits for these alone). Its
-  member owns the names it wins.
+  member is live: the primary of the keys it is the first replica of.
 - BACKOFF: a call failed (connecting, announcing, repairing, sending, a
   ping), from CONNECTING or UP. The link waits a doubling delay
   (``BACKOFF_INITIAL`` up to ``BACKOFF_MAX``, jittered; cut short when the
@@ -40,7 +41,8 @@ link between them, and what each means for its outbox and for ownership.
   succeeds (then UP, the delay starting over, or DROPPED). What a failed
   send had taken goes back into the outbox (unless newer entries came
   meanwhile) for the next connection; repair catches up what was lost. Its
-  member owns nothing: its names move to the members that are live.
+  member is down: its keys' next replicas are their primaries (and past
+  the failure timeout it leaves placement).
 - DROPPED, final: the peer turned out to be this node itself, or a member
   another link reaches already. The cluster forgets the link; its task ends.
 
@@ -113,11 +115,6 @@ class LinkState(enum.StrEnum):
     DROPPED = "dropped"  # redundant (it reaches this node, or a node linked already): gone
 
 
-# The states of a link whose member may own parameters (fold their gradients):
-# up, or being made (a member just learned or just announced, alive as far as
-# anyone knows: forward waits FORWARD_CONNECT_WAIT for it). A link in backoff
-# is down: its member owns nothing until the link is up again.
-OWNER_STATES = frozenset({LinkState.UP, LinkState.CONNECTING})
 # The states forward() compares with, once per push it forwards: bound here,
 # as an enum's member looked up on its class is a slow attribute on Python 3.11.
 _CONNECTING = LinkState.CONNECTING
