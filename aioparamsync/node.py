@@ -20,6 +20,7 @@ from .server.handlers import ParameterService
 from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .store.table import Limits, ParameterTable
 from .store.writer import ParameterStore
+from .values.partitions import DEFAULT_PARTITION_BYTES
 from .values.pieces import MAX_UPLOAD_BYTES
 from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, thrift
 
@@ -101,6 +102,10 @@ class Node:
             every live replica did), for writes that do not say.
         drain_timeout: the longest :meth:`stop` hands keys off before it stops
             (a planned leave; see :meth:`leave`).
+        partition_bytes: parameters of more elements than this many bytes of
+            float32 are stored as partitions, each placed on its own (see
+            :mod:`aioparamsync.values.partitions`); 0: every one whole. The
+            same on every node of a cluster.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -134,6 +139,7 @@ class Node:
         failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
         acks: str = "1",
         drain_timeout: float = 60.0,
+        partition_bytes: int = DEFAULT_PARTITION_BYTES,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -185,6 +191,7 @@ class Node:
             self.cluster,
             max_decoded_bytes=max_frame_bytes,
             max_upload_bytes=max_upload_bytes,
+            partition_bytes=partition_bytes,
         )
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters

@@ -1,8 +1,8 @@
 """Placement: which nodes hold a key, in what order; the one sharding function.
 
 A key is a parameter's name, a barrier group (:func:`barrier_key`), or one
-partition of a large parameter (:func:`partition_key`; every parameter is
-stored whole today, placed by its name). The nodes
+partition of a large parameter (:func:`partition_key`; the parameter's
+manifest, :func:`manifest_key`, is placed by its name). The nodes
 that hold it are its **replicas**: the members ranked by rendezvous
 (highest-random-weight) hashing, ``hash(member, key)`` highest first, the
 first ``R`` of them (every member when there are fewer). The first of them
@@ -32,7 +32,11 @@ __all__ = [
     "DEFAULT_REPLICATION_FACTOR",
     "Placement",
     "barrier_key",
+    "is_reserved",
+    "manifest_key",
+    "parse_key",
     "partition_key",
+    "placed_by",
     "primary",
     "rank",
     "replicas",
@@ -52,11 +56,12 @@ PLACED = frozenset({UP, DOWN, LEAVING})
 LIVE = frozenset({UP, LEAVING})
 #: the states a member may say of itself
 SELF_STATES = frozenset({JOINING, UP, LEAVING, LEFT})
-# A partition's key: the parameter's name, this separator, its index. (Every
-# parameter is stored whole today, placed by its name. A name a client gives
-# may hold NUL, so it could equal such a key, or a barrier's: storing
-# partitions under these keys needs such names refused first.)
+# A partition's key: the parameter's name, this separator, its index; its
+# manifest's: the name, the separator, MANIFEST. (A name a client gives may not
+# hold NUL, so no name equals such a key, or a barrier's: the nodes refuse them.)
 PARTITION_SEPARATOR = "\x00#"
+MANIFEST = "m"
+_MANIFEST_SUFFIX = PARTITION_SEPARATOR + MANIFEST
 # The most keys a Placement remembers the ranking of (then it starts over).
 CACHE_KEYS = 1 << 20
 
@@ -64,6 +69,40 @@ CACHE_KEYS = 1 << 20
 def partition_key(name: str, index: int) -> str:
     """The key partition ``index`` of parameter ``name`` is placed (and stored) by."""
     return f"{name}{PARTITION_SEPARATOR}{index}"
+
+
+def manifest_key(name: str) -> str:
+    """The key the manifest of partitioned parameter ``name`` is stored by (placed by ``name``)."""
+    return name + _MANIFEST_SUFFIX
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` is no name a client gives: it holds NUL (a partition, a manifest...)."""
+    return "\x00" in key
+
+
+def parse_key(key: str) -> tuple[str, int | None] | None:
+    """``(name, index)`` of a partition's key, ``(name, None)`` of a manifest's; else None.
+
+    Only keys :func:`partition_key` and :func:`manifest_key` make, of names
+    without NUL, parse (an index in its decimal form: no sign, no leading zero).
+    """
+    name, sep, rest = key.rpartition(PARTITION_SEPARATOR)
+    if not sep or not name or "\x00" in name:
+        return None
+    if rest == MANIFEST:
+        return name, None
+    if rest.isascii() and rest.isdigit() and (rest == "0" or rest[0] != "0"):
+        return name, int(rest)
+    return None
+
+
+def placed_by(key: str) -> str:
+    """What ``key`` is placed by: a manifest by its parameter's name, any other key by itself.
+
+    So a read of a name finds it, or its manifest, at the same nodes.
+    """
+    return key[: -len(_MANIFEST_SUFFIX)] if key.endswith(_MANIFEST_SUFFIX) else key
 
 
 def barrier_key(group: str) -> str:
@@ -82,7 +121,7 @@ def rank(key: str, members: Iterable[str]) -> list[str]:
 
 def replicas(key: str, members: Collection[str], r: int | None) -> list[str]:
     """The members that hold ``key``: the first ``r`` of :func:`rank` (all when ``r`` is None)."""
-    ranked = rank(key, members)
+    ranked = rank(placed_by(key), members)
     return ranked if r is None else ranked[:r]
 
 

@@ -254,9 +254,14 @@ struct Topology {
     1: required i64 epoch,
     2: required list<TopologyMember> members,
     3: required i32 replication_factor,
-    // Parameters larger than this are stored as partitions, each placed by
-    // its own key (name, NUL, "#", index); 0 (what nodes answer today):
-    // every parameter is stored whole, placed by its name.
+    // Parameters of more elements than this many bytes of float32 (plain
+    // bytes: of more bytes) are stored as partitions of as many elements
+    // (the last: the rest), each a one-dimensional parameter of the same
+    // dtype placed by its own key (name, NUL, "#", index), and a manifest
+    // (key: name, NUL, "#m"; placed by the name; plain bytes, JSON: format
+    // 1, dtype, shape, elements, per). A read of the name answers a routed
+    // caller (epoch set) the manifest, any other the whole parameter; its
+    // version is its oldest partition's. 0: every parameter stored whole.
     4: optional i64 partition_bytes,
 }
 

@@ -395,6 +395,8 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--acks", "2"], ["--acks", "'2'"]),
         (["--failure-timeout", "0"], ["--failure-timeout", "'0'"]),
         (["--drain-timeout", "never"], ["--drain-timeout", "'never'"]),
+        (["--partition-bytes", "-1"], ["--partition-bytes", "'-1'"]),
+        (["--partition-bytes", "big"], ["--partition-bytes", "'big'"]),
         (["--fsync", "sometimes"], ["--fsync", "'sometimes'"]),
         (["--data-dir", ""], ["--data-dir", "an empty path"]),
         (["--data-dir", " "], ["--data-dir", "an empty path"]),
@@ -463,7 +465,12 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         assert choice in result.stdout
 
 
-SIZE_FLAGS = ["--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes"]
+SIZE_FLAGS = [
+    "--max-frame-bytes",
+    "--max-upload-bytes",
+    "--max-receiving-bytes",
+    "--partition-bytes",
+]
 
 
 def test_help_shows_sizes_in_units_the_size_flags_read() -> None:

@@ -289,7 +289,11 @@ async def test_a_parameter_kept_from_a_larger_frame_does_not_keep_the_frame_aliv
     """A node keeps each parameter of a batch on its own: replacing four of five values
     frees their bytes (a view into the frame would keep all five alive)."""
     mib = 1024 * 1024
-    async with Node(port=0) as node, ParameterClient(node.address, timeout=30) as client:
+    # (every parameter whole: this is about how an entry keeps the frame it came in)
+    async with (
+        Node(port=0, partition_bytes=0) as node,
+        ParameterClient(node.address, timeout=30) as client,
+    ):
         await client.update_arrays({f"v{i}": np.full(mib, i, np.uint8) for i in range(5)})
         for i in range(5):
             data = node.table.entry(f"v{i}").data

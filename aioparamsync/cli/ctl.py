@@ -446,11 +446,14 @@ async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
             {
                 "epoch": answer.epoch,
                 "replication_factor": answer.replication_factor,
+                "partition_bytes": answer.partition_bytes,
                 "members": document,
             }
         )
         return OK
-    print(f"epoch {answer.epoch}, replication factor {r}, {len(members)} members")
+    cut = answer.partition_bytes
+    partitions = f"partitions of {format_size(cut)} of float32" if cut else "no partitions"
+    print(f"epoch {answer.epoch}, replication factor {r}, {len(members)} members, {partitions}")
     header = ["NODE", "ADDRESS", "STATE", "KEYS", "BYTES", "MOVING", "UNDER-REPLICATED"]
     print(format_table(header, rows, right={3, 4, 5, 6}))
     return OK

@@ -25,6 +25,7 @@ from ..placement import DEFAULT_REPLICATION_FACTOR
 from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from ..store.table import Limits
 from ..tls import client_context, server_context
+from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from ..wire.protocol import MAX_I32
@@ -157,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a member may not answer before it leaves placement and the others "
         "re-replicate what it held (default: %(default)s)",
+    )
+    cluster.add_argument(
+        "--partition-bytes",
+        type=byte_size,
+        default=DEFAULT_PARTITION_BYTES,
+        metavar="SIZE",
+        help="parameters larger than this (in elements: SIZE of float32) are stored as "
+        "partitions of SIZE, each placed on its own, so a large tensor's traffic spreads over "
+        "the cluster; the same on every node; 0: every parameter whole "
+        f"(default: {human_size(DEFAULT_PARTITION_BYTES)})",
     )
     cluster.add_argument(
         "--drain-timeout",
@@ -345,6 +356,7 @@ async def serve(args: argparse.Namespace) -> int:
         failure_timeout=args.failure_timeout,
         acks=args.acks,
         drain_timeout=args.drain_timeout,
+        partition_bytes=args.partition_bytes,
     )
     try:
         await node.start()

@@ -289,7 +289,13 @@ class ParameterClient(ConnectionPool):
             if acks not in ("1", "all"):
                 raise ValueError(f'acks is "1" or "all", not {acks!r}')
             update.acks = acks
-        large = [p for p in update.params if memoryview(p.data).nbytes > self.max_inline_bytes]
+        routes = self.routes
+        large = [
+            p
+            for p in update.params
+            if memoryview(p.data).nbytes > self.max_inline_bytes
+            and not (routes is not None and routes.wanted() and routes.cuts(p))
+        ]
         if not large:
             result = await self.invoke(METHODS.push_parameters, timeout=timeout, update=update)
             return dict(result.versions)

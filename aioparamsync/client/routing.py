@@ -47,7 +47,9 @@ from ..errors import (
     ServerError,
 )
 from ..placement import LIVE, PLACED, Placement, barrier_key
+from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
+from .partitions import collapse, cut, gather, manifests_of, readable_error
 from .pool import ConnectionPool
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class Topology:
         self.live = frozenset(m.node_id for m in members if m.state in LIVE)
         #: one member only: nothing to route
         self.single = len(placed) <= 1
+        #: parameters larger than this are stored as partitions (0: none is)
+        self.partition_bytes: int = answer.partition_bytes or 0
 
     def target(self, name: str, read_from: str, salt: bytes) -> str | None:
         """Where a call for ``name`` goes: its primary, or (reads from any) one live replica."""
@@ -120,6 +124,8 @@ class Routes:
         self._learned_at = 0.0
         self._pools: dict[tuple[str, int], ConnectionPool] = {}
         self._salt = os.urandom(8)
+        #: the layouts of partitioned parameters, as last read or written
+        self.layouts: dict[str, Layout] = {}
         self.refreshes = 0  # topologies asked for, so far
         self._background: asyncio.Future[None] | None = None
 
@@ -225,7 +231,81 @@ class Routes:
         value = args.get(arg)
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
+        if arg == "request" and m.name != "barrier":
+            response = await self._send(m, arg, value, timeout, args, moves=0)
+            return await self._gather(value, response, timeout)
+        topology = self.topology
+        if topology is not None and topology.partition_bytes and arg in ("update", "push"):
+            return await self._cut(m, arg, value, timeout, topology.partition_bytes)
         return await self._send(m, arg, value, timeout, args, moves=0)
+
+    def cuts(self, p: Any) -> bool:
+        """Whether a write of ``p`` is cut into partitions here (routed, and large)."""
+        topology = self.topology
+        if topology is None or topology.single or not topology.partition_bytes:
+            return False
+        return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
+
+    async def _gather(self, request: Any, response: Any, timeout: Any) -> Any:
+        """``response`` with the partitioned parameters in it read whole (see client.partitions)."""
+        if not any("\x00" in p.name for p in response.params):
+            return response
+        found = manifests_of(response.params)
+        self.layouts.update(found)
+
+        def read(sub: Any) -> Any:
+            return self._send(
+                METHODS.pull_parameters, "request", sub, timeout, {"request": sub}, moves=0
+            )
+
+        # (no limits: the partitions are put together here, whatever their size)
+        return await gather(request, response, read, encoding=request.encoding)
+
+    async def _cut(
+        self, m: Method, arg: str, value: Any, timeout: Any, partition_bytes: int
+    ) -> Any:
+        """A write (an update, a push) with its large parameters cut into their partitions.
+
+        An update's manifests are written first, at the nodes holding their
+        names (which check the layout), unless the layout is the one last
+        read or written; then everything, each part at its primary.
+        """
+        items = value.grads if arg == "push" else value.params
+        try:
+            cut_items, manifests, chosen = cut(items, partition_bytes, self.layouts)
+        except ValueError as exc:
+            raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
+        if not chosen:
+            return await self._send(m, arg, value, timeout, {arg: value}, moves=0)
+        known = self.layouts
+        try:
+            if arg == "update":
+                new = [
+                    made
+                    for made, (name, layout) in zip(manifests, chosen.items(), strict=True)
+                    if made.replace or known.get(name) != layout
+                ]
+                if new:
+                    first = copy.copy(value)
+                    first.params = new
+                    await self._send(
+                        METHODS.push_parameters, arg, first, timeout, {arg: first}, moves=0
+                    )
+            sub = copy.copy(value)
+            if arg == "push":
+                sub.grads = cut_items
+            else:
+                sub.params = cut_items
+            result = await self._send(m, arg, sub, timeout, {arg: sub}, moves=0)
+        except RequestError as exc:
+            for name in chosen:
+                known.pop(name, None)  # (read again before the next write)
+            raise readable_error(exc) from exc
+        if arg == "update":
+            known.update(chosen)
+        if isinstance(result, thrift.UpdateResult):
+            result.versions = collapse(result.versions, chosen)
+        return result
 
     def _parts(self, m: Method, value: Any) -> dict[str | None, Any] | None:
         """The call's argument cut by target node (None: unrouted); None: send it as it is."""

@@ -608,7 +608,7 @@ class Cluster:
             epoch=self.epoch,
             members=members,
             replication_factor=self.replication_factor or 0,
-            partition_bytes=0,  # (this version stores every parameter whole)
+            partition_bytes=0,  # (the node's service answers its own: see server.handlers)
         )
 
     async def join(self, timeout: float = JOIN_TIMEOUT) -> None:

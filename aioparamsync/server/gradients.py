@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..placement import parse_key
 from ..wire import Method, thrift
 
 if TYPE_CHECKING:
@@ -93,6 +95,21 @@ def decode_parameter(p: Any, max_nbytes: int) -> Any:
     # narrower float (see ParameterTable.check_gradients). Not on the wire.
     decoded.lossy = p.encoding in LOSSY
     return decoded
+
+
+def _collapsed(future: asyncio.Future, chosen: Mapping[str, Any]) -> asyncio.Future:
+    """``future``'s reply with partitions' versions as their parameters' (see client.partitions)."""
+    from ..client.partitions import collapse, readable_error
+
+    async def collapsed() -> Any:
+        try:
+            reply = await future
+        except RequestError as exc:
+            raise readable_error(exc) from exc
+        reply.success.versions = collapse(reply.success.versions, chosen)
+        return reply
+
+    return asyncio.ensure_future(collapsed())
 
 
 class PushLedger:
@@ -188,12 +205,21 @@ class GradientPushes:
         waiting: the long polls, through which a reply waits for what other
             nodes folded to arrive.
         max_decoded_bytes: the largest array an encoded gradient may decode to.
+        partition_bytes: gradients of parameters stored as partitions are cut
+            so (see :mod:`aioparamsync.values.partitions`); 0: none is.
     """
 
     def __init__(
-        self, store: ParameterStore, cluster: Any, waiting: Waiting, max_decoded_bytes: int
+        self,
+        store: ParameterStore,
+        cluster: Any,
+        waiting: Waiting,
+        max_decoded_bytes: int,
+        *,
+        partition_bytes: int = 0,
     ) -> None:
         self.store = store
+        self.partition_bytes = partition_bytes
         self.cluster = cluster
         self.waiting = waiting
         self.max_decoded_bytes = max_decoded_bytes
@@ -225,6 +251,16 @@ class GradientPushes:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
         if push.acks is not None and push.acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
+        if push.epoch is None and not push.forwarded:
+            for g in push.grads or ():
+                if "\x00" in g.name and parse_key(g.name) is None:
+                    raise RequestError(
+                        ErrorCode.BAD_REQUEST,
+                        f"{g.name!r}: a parameter's name may not hold NUL (nothing was folded)",
+                    )
+        chosen: dict[str, Any] = {}
+        if self.partition_bytes and not push.forwarded and push.grads:
+            push, chosen = self._cut(push)
         ledger = self.ledger
         key = ledger.key(push)
         if key is not None and (first := ledger.first_reply(key)) is not None:
@@ -232,9 +268,33 @@ class GradientPushes:
         grads, before = ledger.unfolded(push)
         timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
         future = self._fold(method, push, grads, before, timestamp)
+        if chosen or any("\x00" in g.name for g in push.grads or ()):
+            future = _collapsed(future, chosen)
         if key is not None:
             ledger.remember_reply(key, future)
         return future
+
+    def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
+        """``push`` with the gradients of large parameters cut as their partitions are."""
+        from ..client.partitions import cut
+        from ..values.partitions import elements_of, per_partition
+
+        per = per_partition(self.partition_bytes)
+        if not any((n := elements_of(g)) is None or n > per for g in push.grads):
+            return push, {}
+        grads = [
+            decode_parameter(g, self.max_decoded_bytes) if g.encoding == "zlib" else g
+            for g in push.grads
+        ]
+        try:
+            grads, _, chosen = cut(grads, self.partition_bytes, max_nbytes=self.max_decoded_bytes)
+        except ValueError as exc:
+            raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
+        if not chosen:
+            return push, {}
+        cut_push = copy.copy(push)
+        cut_push.grads = grads
+        return cut_push, chosen
 
     def _fold(
         self, method: Method, push: Any, grads: list[Any], before: dict[str, int], timestamp: int
