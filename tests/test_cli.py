@@ -449,7 +449,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
         "--replication-factor", "--acks", "--failure-timeout", "--drain-timeout",
-        "--repair-interval", "--unreachable-warning", "--data-dir", "--fsync",
+        "--partition-bytes", "--repair-interval", "--unreachable-warning", "--data-dir", "--fsync",
         "--ignore-corrupt-snapshot",
         "--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes", "--idle-timeout",
         "--log-level", "--version",

@@ -475,6 +475,11 @@ async def test_processes_formed_with_peers_replicate(procs: ProcessCluster) -> N
 async def test_a_killed_node_restarted_empty_on_its_port_catches_up(procs: ProcessCluster) -> None:
     a, b, c = await chain(procs)
     async with a.client() as ca, b.client() as cb, c.client() as cc:
+
+        async def up() -> None:  # (a write at a node still joining is applied by another)
+            assert (await cc.info()).state == "up"
+
+        await eventually(up, retry_on=RETRY_WIRE)
         await cc.update_arrays({"c0": value(0), "shared": value(0)})
         # (Else c's write could die with it: only c would have held it.)
         await eventually(

@@ -653,6 +653,14 @@ async def test_python_m_aioparamsync_ctl(node: Node) -> None:
 
 async def test_topology_shows_the_epoch_r_and_each_member(pair, capsys) -> None:
     a, b = pair
+
+    def both_up() -> None:  # (b may still be joining when the pair is made)
+        assert {m.node_id: m.state for m in a.cluster.topology().members} == {
+            "a": "up",
+            "b": "up",
+        }
+
+    await eventually(both_up)
     rc, out, err = await ctl(capsys, "topology", text(a.address))
     assert (rc, err) == (0, "")
     first, header, *rows = out.splitlines()
