@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ErrorCode, RequestError
-from ..placement import manifest_key, parse_key
+from ..placement import parse_key
 from ..values import partitions as layouts
+from ..values.compression import decode_parameter
 from ..values.partitions import Layout
 from ..wire import thrift
 
@@ -72,20 +73,6 @@ def manifests_of(params: Sequence[Any]) -> dict[str, Layout]:
                 ErrorCode.UNAVAILABLE, f"{parsed[0]!r}: its stored manifest: {exc}"
             ) from None
     return found
-
-
-def _raw(part: Any, max_nbytes: int | None) -> Any:
-    """A partition's raw ``Parameter`` (decoded, when a read asked for an encoding)."""
-    if not part.encoding:
-        return part
-    from ..values.arrays import to_parameter
-    from ..values.compression import decode
-
-    raw = to_parameter(part.name, decode(part, max_nbytes=max_nbytes), part.version or 0)
-    raw.origin, raw.rule = part.origin, part.rule
-    if part.dtype is None:
-        raw.dtype = raw.shape = None
-    return raw
 
 
 async def gather(
@@ -158,9 +145,11 @@ async def gather(
                 if any(part is None for part in chunk):
                     continue
                 start = layout.bounds(first)[0] * layouts.itemsize(layout.dtype)
-                joined = b"".join(_raw(part, max_nbytes).data for part in chunk)
+                joined = b"".join(
+                    decode_parameter(part, max_nbytes=max_nbytes).data for part in chunk
+                )
                 begin = piece - start
-                whole.data = joined[begin : begin + request.piece_bytes]
+                whole.data = memoryview(joined)[begin : begin + request.piece_bytes]
                 whole.offset = piece
             params.append(whole)
             continue
@@ -168,7 +157,9 @@ async def gather(
         if any(part is None for part in parts):
             continue  # (a partition did not qualify: nor does the parameter)
         try:
-            assembled = layouts.assemble(name, layout, [_raw(part, max_nbytes) for part in parts])
+            assembled = layouts.assemble(
+                name, layout, [decode_parameter(part, max_nbytes=max_nbytes) for part in parts]
+            )
         except ValueError as exc:
             # (a replace of the parameter came between its manifest and a partition)
             raise RequestError(ErrorCode.UNAVAILABLE, f"{exc}: read it again") from None
@@ -308,8 +299,3 @@ def collapse(versions: Mapping[str, int], chosen: Mapping[str, Layout]) -> dict[
             oldest[name] = min(version, oldest.get(name, version))
     out.update(oldest)
     return out
-
-
-def manifest_keys(names: Sequence[str]) -> list[str]:
-    """The manifest keys of ``names``."""
-    return [manifest_key(n) for n in names]

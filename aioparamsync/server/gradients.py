@@ -39,8 +39,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..client.partitions import collapse, cut, readable_error
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import parse_key
+from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 
 if TYPE_CHECKING:
@@ -99,7 +101,6 @@ def decode_parameter(p: Any, max_nbytes: int) -> Any:
 
 def _collapsed(future: asyncio.Future, chosen: Mapping[str, Any]) -> asyncio.Future:
     """``future``'s reply with partitions' versions as their parameters' (see client.partitions)."""
-    from ..client.partitions import collapse, readable_error
 
     async def collapsed() -> Any:
         try:
@@ -276,9 +277,6 @@ class GradientPushes:
 
     def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
         """``push`` with the gradients of large parameters cut as their partitions are."""
-        from ..client.partitions import cut
-        from ..values.partitions import elements_of, per_partition
-
         per = per_partition(self.partition_bytes)
         if not any((n := elements_of(g)) is None or n > per for g in push.grads):
             return push, {}

@@ -9,30 +9,26 @@ is kept by :mod:`aioparamsync.server.holds`.
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._version import __version__
-from ..client import partitions
 from ..errors import ErrorCode, RequestError
-from ..placement import Placement, barrier_key, is_reserved, manifest_key, parse_key
+from ..placement import Placement, barrier_key, manifest_key
 from ..store.table import Entry, lww_key
 from ..store.writer import ParameterStore
-from ..values.arrays import parse_dtype
-from ..values.partitions import DEFAULT_PARTITION_BYTES, Layout, elements_of, per_partition
+from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
+from .partitioned import Partitioned, check_names, inline_limit, is_manifest
 from .routing import Router
 
 __all__ = ["ParameterService"]
 
-# The largest parameter answered in one message: a Thrift binary holds less
-# than 2 GiB (and the message has a little more than the data).
-MAX_INLINE_BYTES = 2**31 - 1 - 64 * 1024
+
 # The server's counters (see transport.py), in info's counters from the start:
 # 0 until they count something, so a reader need not guess what is missing.
 SERVER_COUNTERS = (
@@ -40,12 +36,6 @@ SERVER_COUNTERS = (
     "connections_total", "connections_refused", "idle_closed", "budget_waits",
     "budget_overruns",
 )  # fmt: skip
-
-
-def _inline_limit(request: Any) -> int:
-    """The largest parameter a read answers with its data (larger: a header)."""
-    limit = request.max_inline_bytes
-    return MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
 
 
 def _newer(entry: Entry, version: int, origin: str | None) -> bool:
@@ -90,27 +80,6 @@ def _params(update: Any) -> tuple[Sequence[Any], int]:
     return update.params, update.timestamp
 
 
-def _is_manifest(key: str) -> bool:
-    if "\x00" not in key:
-        return False
-    parsed = parse_key(key)
-    return parsed is not None and parsed[1] is None
-
-
-def _check_names(names: Any) -> None:
-    """Refuse names a client may not give: those holding NUL, but for partitions' and manifests'.
-
-    (Those a routed client reads and writes, and sends to any node when it
-    knows no primary.)
-    """
-    for name in names:
-        if isinstance(name, str) and is_reserved(name) and parse_key(name) is None:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"{name!r}: a parameter's name may not hold NUL (nothing was applied)",
-            )
-
-
 class ParameterService:
     """Answers every method of the IDL from a :class:`ParameterStore`.
 
@@ -140,10 +109,8 @@ class ParameterService:
         max_upload_bytes: int = MAX_UPLOAD_BYTES,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
     ) -> None:
-        if partition_bytes < 0:
-            raise ValueError(f"partition_bytes must be 0 or more, not {partition_bytes}")
         self.store = store
-        self.partition_bytes = partition_bytes
+        self.partitioned = Partitioned(self, partition_bytes)
         self.max_decoded_bytes = max_decoded_bytes
         self.uploads = Uploads(max_upload_bytes)
         self.cluster = cluster
@@ -213,19 +180,24 @@ class ParameterService:
         min_version = request.min_version or 0
         manifests: list[Entry] = []
         if request.all_names:
-            entries = [e for name in table.names() if (e := table.entry(name)) is not None]
-            manifests = [e for e in entries if _is_manifest(e.name)]
-            entries = [e for e in entries if e.version >= min_version and not _is_manifest(e.name)]
+            entries = []
+            for name in table.names():
+                if (e := table.entry(name)) is None:
+                    continue
+                if is_manifest(name):
+                    manifests.append(e)
+                elif e.version >= min_version:
+                    entries.append(e)
         else:
             names = request.param_names
             entries = self.store.read(names, min_version)
             if len(entries) < len(names):
-                manifests = self._manifests(names, entries)
+                manifests = self.partitioned.manifests(names, entries)
         known = request.known_versions
         if known:
             origins = request.known_origins or {}
             entries = [e for e in entries if _newer(e, known.get(e.name, 0), origins.get(e.name))]
-        limit = _inline_limit(request)
+        limit = inline_limit(request)
         if request.piece_offset is not None:
             params = self._piece(request, entries)
         elif any(e.nbytes > limit for e in entries):
@@ -237,18 +209,6 @@ class ParameterService:
         if manifests:
             params += [e.to_parameter() for e in manifests]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
-
-    def _manifests(self, names: Sequence[str], entries: Sequence[Entry]) -> list[Entry]:
-        """The manifests held here of those of ``names`` not among ``entries``."""
-        table = self.store.table
-        found = {e.name for e in entries}
-        return [
-            e
-            for n in names
-            if n not in found
-            and "\x00" not in n
-            and (e := table.entry(manifest_key(n))) is not None
-        ]
 
     def _inline_or_header(self, request: Any, entry: Entry, limit: int) -> Any:
         """A parameter in the answer, or (over ``limit`` bytes) its header: no data, total_bytes."""
@@ -356,9 +316,9 @@ class ParameterService:
             raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
         router = self.router
         if request.epoch is None:
-            _check_names(request.param_names)
+            check_names(request.param_names)
             if request.known_versions:
-                _check_names(request.known_versions)
+                check_names(request.known_versions)
         outcome: Any = None
         if not router.alone():
             if request.epoch is not None:  # routed by a topology: what this node holds
@@ -382,58 +342,10 @@ class ParameterService:
         if request.epoch is None and (
             isinstance(outcome, asyncio.Future) or any("\x00" in p.name for p in outcome.params)
         ):
-            outcome = asyncio.ensure_future(self._whole(request, outcome))
+            outcome = asyncio.ensure_future(self.partitioned.whole(request, outcome))
         if isinstance(outcome, asyncio.Future):
             return _then(outcome, lambda r: method.result(success=r))
         return method.result(success=outcome)
-
-    async def _whole(self, request: Any, outcome: Any) -> Any:
-        """A response with each partitioned parameter in it put together (see :meth:`_read`).
-
-        Keys of partitions and manifests the request named (a routed client
-        that sent its part here, a peer's repair) are answered as they are.
-        """
-        response = await outcome if isinstance(outcome, asyncio.Future) else outcome
-        asked = set(request.param_names or ())
-        if all(p.name in asked for p in response.params if "\x00" in p.name):
-            return response
-        gathered = await partitions.gather(request, response, self._read_keys, limits=True)
-        limit = _inline_limit(request)
-        params = []
-        for p in gathered.params:
-            if "\x00" in p.name and p.name not in asked:
-                continue  # (a read of every name: the partitions are in their parameter)
-            if p.total_bytes is None and "\x00" not in p.name:
-                nbytes = memoryview(p.data).nbytes
-                if nbytes > limit:  # (a client that cannot take pieces)
-                    raise RequestError(
-                        ErrorCode.LIMIT_EXCEEDED,
-                        f"{p.name!r} has {nbytes} bytes, more than one message holds: read "
-                        "it in pieces (ParameterRequest.max_inline_bytes)",
-                    )
-                if request.encoding and p.shape is not None:
-                    entry = Entry(
-                        p.name,
-                        memoryview(p.data),
-                        p.version,
-                        p.dtype,
-                        tuple(p.shape),
-                        p.origin,
-                        p.rule,
-                    )
-                    p = self._encoded(entry, request.encoding)
-            params.append(p)
-        gathered.params = params
-        return gathered
-
-    async def _read_keys(self, request: Any) -> Any:
-        """A read of partitions' keys: each part where it is held (here, or at its primary)."""
-        router = self.router
-        parts = None if router.alone() else router.read_parts(request.param_names)
-        if parts is None:
-            outcome = self._pull_here(request)
-            return await outcome if isinstance(outcome, asyncio.Future) else outcome
-        return await router.read(request, parts, self._pull_here, METHODS.pull_parameters)
 
     def _pull_here(self, request: Any) -> Any:
         """A read served here: its ``ParameterResponse``, or a future of it (a long poll)."""
@@ -487,9 +399,10 @@ class ParameterService:
         elif acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {acks!r}')
         if update.epoch is None:
-            _check_names([p.name for p in params])
-        if self.partition_bytes and any(self._large(p) for p in params):
-            return _then(asyncio.ensure_future(self._write_cut(update, params, acks)), answer)
+            check_names([p.name for p in params])
+        partitioned = self.partitioned
+        if partitioned.partition_bytes and any(partitioned.large(p) for p in params):
+            return _then(asyncio.ensure_future(partitioned.write(update, params, acks)), answer)
         router = self.router
         parts = None
         if not router.alone():
@@ -500,7 +413,7 @@ class ParameterService:
                 parts = router.write_parts(names)
         if parts is None and (acks == "1" or router.alone()):
             return self.store.submit(
-                self._checked(self._incoming(params)),
+                self.partitioned.checked(self._incoming(params)),
                 timestamp,
                 then=lambda applied: answer(update_result(applied)),
             )
@@ -515,153 +428,10 @@ class ParameterService:
 
         def here(mine: Sequence[Any]) -> asyncio.Future:
             return self.store.submit(
-                self._checked(self._incoming(mine)), update.timestamp, then=update_result
+                self.partitioned.checked(self._incoming(mine)), update.timestamp, then=update_result
             )
 
         return await router.write(update, params, parts, here, acks)
-
-    def _large(self, p: Any) -> bool:
-        """Whether ``p`` is a parameter to store as partitions (not one of them)."""
-        n = elements_of(p)
-        return (
-            n is not None
-            and n > per_partition(self.partition_bytes, p.dtype is None)
-            and "\x00" not in p.name
-        )
-
-    async def _write_cut(self, update: Any, params: Sequence[Any], acks: str) -> Any:
-        """An update with large parameters: their manifests first, then every partition.
-
-        Each manifest is written (and checked, against the layout stored) at
-        the nodes that hold its name before any partition is: a change of
-        layout the update may not make is refused with nothing applied. The
-        partitions and the update's other parameters then go, as one update,
-        each part to its primary; the answer gives each parameter the version
-        of its oldest partition.
-        """
-        ready = self._incoming(params)  # (pieces put together, encoded ones decoded)
-        if not ready:  # (a piece of an upload, not the last)
-            return thrift.UpdateResult(versions={}, timestamp=self.store.timestamp)
-        ready = await self._typed(ready)
-        try:
-            # (no bound: they are decoded, their data checked as they are cut)
-            items, manifests, chosen = partitions.cut(ready, self.partition_bytes)
-        except ValueError as exc:
-            raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
-        if manifests:
-            await self._write_keys(update, manifests, acks)
-        result = await self._write_keys(update, items, acks)
-        result.versions = partitions.collapse(result.versions, chosen)
-        return result
-
-    async def _typed(self, params: Sequence[Any]) -> Sequence[Any]:
-        """``params`` with large plain bytes of a partitioned parameter's size in its layout.
-
-        (As plain bytes of the stored size keep a stored parameter's dtype and
-        shape: a founding client's update is cut as the stored one is.)
-        """
-        plain = [p.name for p in params if p.dtype is None and self._large(p)]
-        if not plain:
-            return params
-        request = thrift.ParameterRequest(param_names=[manifest_key(n) for n in plain])
-        stored = partitions.manifests_of((await self._read_keys(request)).params)
-        out = []
-        for p in params:
-            layout = stored.get(p.name) if p.dtype is None else None
-            if layout is not None and layout.dtype is not None and not p.encoding:
-                size = layout.elements * parse_dtype(layout.dtype).itemsize
-                if memoryview(p.data).nbytes == size:
-                    p = copy.copy(p)
-                    p.dtype, p.shape = layout.dtype, list(layout.shape or [layout.elements])
-            out.append(p)
-        return out
-
-    async def _write_keys(self, update: Any, params: Sequence[Any], acks: str) -> Any:
-        """``params`` (keys of partitions and manifests too) written where they are held."""
-        router = self.router
-        parts = None
-        if not router.alone():
-            parts = router.write_parts(list(dict.fromkeys(p.name for p in params)))
-        try:
-            return await self._write_parts(update, params, parts, acks)
-        except RequestError as exc:
-            raise partitions.readable_error(exc) from exc
-
-    def _checked(self, params: Sequence[Any]) -> Sequence[Any]:
-        """``params`` to apply here, with their layouts checked against those stored as partitions.
-
-        A manifest may not change the layout stored (unless its parameter's
-        update says ``replace``), nor cut a parameter stored whole; a
-        parameter stored as partitions may not be written whole. A manifest
-        without a shape takes the stored one (as an update without one does).
-
-        Raises:
-            RequestError: (SHAPE_MISMATCH) a layout the update may not make.
-        """
-        table = self.store.table
-        out = None
-        for i, p in enumerate(params):
-            name = p.name
-            if "\x00" not in name:
-                held = table.entry(manifest_key(name))
-                if held is not None:
-                    raise RequestError(
-                        ErrorCode.SHAPE_MISMATCH,
-                        f"{name!r} is stored as {Layout.from_bytes(held.data).describe()}: it is "
-                        f"written whole only with more than {self.partition_bytes} bytes of "
-                        "float32 (give a smaller one another name)",
-                    )
-                continue
-            parsed = parse_key(name)
-            if parsed is None or parsed[1] is not None:
-                continue
-            checked = self._checked_manifest(parsed[0], p)
-            if checked is not p:
-                if out is None:
-                    out = list(params)
-                out[i] = checked
-        return params if out is None else out
-
-    def _checked_manifest(self, name: str, p: Any) -> Any:
-        table = self.store.table
-        try:
-            given = Layout.from_bytes(p.data)
-        except ValueError as exc:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r}: {exc}") from None
-        whole = table.entry(name)
-        if whole is not None:
-            raise RequestError(
-                ErrorCode.SHAPE_MISMATCH,
-                f"{name!r} is stored whole ({whole.nbytes} bytes); it cannot be stored as "
-                f"{given.describe()} (its --partition-bytes was larger when it was made)",
-            )
-        held = table.entry(p.name)
-        if held is None:
-            return p
-        stored = Layout.from_bytes(held.data)
-        if p.replace:
-            return p
-        if (
-            given.dtype != stored.dtype
-            or given.elements != stored.elements
-            or (given.shape is not None and given.shape != stored.shape)
-        ):
-            raise RequestError(
-                ErrorCode.SHAPE_MISMATCH,
-                f"{name!r} is {stored.describe()}; the update has {given.describe()}: set "
-                "replace to replace it",
-            )
-        if given.per != stored.per:
-            raise RequestError(
-                ErrorCode.SHAPE_MISMATCH,
-                f"{name!r} is stored in partitions of {stored.per} elements; this node cuts "
-                f"{given.per} (is --partition-bytes the same on every node?)",
-            )
-        if given.shape is None and stored.shape is not None:
-            kept = copy.copy(p)
-            kept.data = stored.to_bytes()
-            return kept
-        return p
 
     # -- the typed methods --------------------------------------------------------
 
@@ -720,13 +490,13 @@ class ParameterService:
     def _topology_now(self) -> Any:
         if self.cluster is not None and self.cluster.me.node_id:
             topology = self.cluster.topology()
-            topology.partition_bytes = self.partition_bytes
+            topology.partition_bytes = self.partitioned.partition_bytes
             return topology
         return thrift.Topology(
             epoch=0,
             members=[thrift.TopologyMember(node_id=self.node_id, host="", port=0, state="up")],
             replication_factor=0,
-            partition_bytes=self.partition_bytes,
+            partition_bytes=self.partitioned.partition_bytes,
         )
 
     def _topology(self, method: Method, args: Any) -> Any:
