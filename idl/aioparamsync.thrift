@@ -174,7 +174,9 @@ struct GradientPush {
     // the parameter must exist with a rule, and the gradient its shape.
     1: required list<Parameter> grads,
     // Chosen by the caller, unique per push: a push sent again with the same
-    // id (a retry) is applied once and answered the first outcome.
+    // id (a retry) is applied once and answered the first outcome. The parts
+    // of one push (forwarded, or routed: epoch set) are told apart by their
+    // names.
     2: optional string request_id,
     3: optional i64 timestamp,
     // Set by a node that passes the push on to the node that applies

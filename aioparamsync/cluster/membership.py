@@ -436,10 +436,12 @@ class Cluster:
         pending = self.pending
         return self.placement.holds(me, key) or (pending is not None and pending.holds(me, key))
 
-    def owner(self, key: str) -> PeerLink | None:
+    def owner(self, key: str, excluding: frozenset[str] = frozenset()) -> PeerLink | None:
         """The primary of ``key`` (it folds its gradients, holds its barrier): a link,
-        or None for this node (also when no replica is up)."""
-        primary = self.placement.primary(key, self.live)
+        or None for this node (also when no replica is up). ``excluding``: members
+        not to count as live (they could not be reached)."""
+        live = self.live - excluding if excluding else self.live
+        primary = self.placement.primary(key, live)
         if primary is None or primary == self.me.node_id:
             return None
         return self.by_id.get(primary)

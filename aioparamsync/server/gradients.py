@@ -7,7 +7,8 @@ In a cluster a parameter's gradients are folded by its owner (see
 folds its own part, passes each other part on to its owner (marked
 ``forwarded``: a part is folded where it arrives, never passed on again), and
 answers once every part has ended. An owner that cannot be reached has its
-part folded here instead. After a part folded by another node, the reply
+part passed on to each key's next live replica (folded here when this node is
+that replica, or none is up). After a part folded by another node, the reply
 waits a little (``ARRIVAL_WAIT_MS``) for the versions made there to replicate
 here, so that the pusher's next read here sees them.
 
@@ -40,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..client.partitions import collapse, cut, readable_error
+from ..client.routing import merge_results
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import parse_key
 from ..values.partitions import elements_of, per_partition
@@ -145,10 +147,12 @@ class PushLedger:
                 ErrorCode.BAD_REQUEST,
                 f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
             )
-        # A part forwarded here by another node is told apart from a whole
-        # push sent here under the same id (its names differ).
+        # A part (forwarded here by another node, or sent here by a routed
+        # client: several parts of one push may come to one node when their
+        # primaries are down) is told apart from the others and from a whole
+        # push sent here under the same id (their names differ).
         key = request_id
-        if push.forwarded:
+        if push.forwarded or push.epoch is not None:
             key += "\0" + "\0".join(sorted(g.name for g in push.grads))
         return key
 
@@ -351,7 +355,7 @@ class GradientPushes:
 
         def result(applied: Applied) -> Any:
             made = update_result(applied)
-            if push.forwarded:  # (a whole push here is remembered whole, in replies)
+            if push.forwarded or push.epoch is not None:  # (a whole push: in replies)
                 self.ledger.remember_folded(push.request_id, made.versions)
             made.versions = {**before, **made.versions}
             return method.result(success=made)
@@ -383,14 +387,14 @@ class GradientPushes:
         """Fold each part of a push at its owner (None: here); answer the versions made.
 
         The parts are applied concurrently, each atomically at its owner. An
-        owner that cannot be reached has its part folded here instead. If a
+        owner that cannot be reached has its part passed to the next replicas. If a
         part fails, the push fails once every part has ended, and what the
         others folded is remembered under the push's id (see
         :class:`PushLedger`): sent again, the push folds only the rest.
         ``before``: the versions of the names folded by earlier tries.
         """
 
-        async def fold(owner: Any, grads: list[Any]) -> Any:
+        async def fold(owner: Any, grads: list[Any], tried: frozenset[str] = frozenset()) -> Any:
             if owner is not None:
                 forwarded = thrift.GradientPush(
                     grads=grads,
@@ -406,11 +410,23 @@ class GradientPushes:
                 except ParamSyncError as exc:
                     self.forward_failures += 1
                     log.warning(
-                        "gradients of %d parameters not passed on to %s (%s): folded here",
+                        "gradients of %d parameters not passed on to %s (%s): to their next "
+                        "replicas",
                         len(grads),
                         owner.node_id or owner.address,
                         exc,
                     )
+                    # Each to its next live replica (the owner is down): here only when
+                    # this node is that replica, or none is up.
+                    tried = tried | {owner.node_id}
+                    nexts: dict[Any, list[Any]] = {}
+                    for g in grads:
+                        nexts.setdefault(self.cluster.owner(g.name, tried), []).append(g)
+                    if list(nexts) != [None]:
+                        folded = await asyncio.gather(
+                            *(fold(o, gs, tried) for o, gs in nexts.items())
+                        )
+                        return merge_results(folded)
                 else:
                     self.forwarded += 1
                     await self._arrival(result.versions)

@@ -169,53 +169,63 @@ class Router:
 
     # -- passing on ---------------------------------------------------------------
 
-    def _candidates(self, target: str, name: str) -> list[str]:
-        """Where to pass a part on: its primary, then the key's other live replicas."""
-        cluster = self.cluster
-        assert cluster is not None
-        others = [
-            m
-            for m in cluster.placement.replicas(name)
-            if m != target and m != cluster.me.node_id and m in cluster.live
-        ]
-        return [target, *others]
+    async def pass_on(
+        self,
+        target: str,
+        names: list[str],
+        m: Method,
+        make: Callable[[list[str]], dict[str, Any]],
+        tried: frozenset[str] = frozenset(),
+    ) -> list[Any]:
+        """Call ``m`` (its arguments ``make(names)``) at ``target``; answer the results.
 
-    async def pass_on(self, target: str, first_key: str, m: Method, **args: Any) -> Any:
-        """Call ``m`` at ``target`` (with this node's epoch set on the request); answer its result.
-
-        A node that answers MOVED or cannot be reached is followed by the
-        key's next live replica.
+        The names a node does not take (it answers MOVED, or cannot be
+        reached) go on to their next live replicas, each group of names to
+        one node (names with one primary need not share their other replicas).
 
         Raises:
             RequestError: the node refused the call; UNAVAILABLE when no
-                replica of the key could take it.
-            NetworkError: the connection broke with the call in flight (its
-                outcome is unknown).
+                replica of a name could take it.
+            NetworkError: the connection broke with the call in flight.
         """
         cluster = self.cluster
         assert cluster is not None
+        link = cluster.by_id.get(target)
         last: Exception | None = None
-        for member in self._candidates(target, first_key):
-            link = cluster.by_id.get(member)
-            if link is None:
-                continue
+        if link is not None:
+            args = make(names)
             try:
-                client = link.proxy()
-                result = await client.invoke(m, timeout=_deadline(m, args), **args)
+                result = await link.proxy().invoke(m, timeout=_deadline(m, args), **args)
             except RequestError as exc:
                 if exc.code != ErrorCode.MOVED:
                     raise
                 last = exc
-                continue
             except ConnectError as exc:
                 last = exc
-                continue
-            self.passed_on += 1
-            return result
-        raise RequestError(
-            ErrorCode.UNAVAILABLE,
-            f"no replica of {first_key!r} took the call ({last}); try again",
-        ) from last
+            else:
+                self.passed_on += 1
+                return [result]
+        tried = tried | {target, cluster.me.node_id}
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            nxt = next(
+                (
+                    r
+                    for r in cluster.placement.replicas(name)
+                    if r in cluster.live and r not in tried
+                ),
+                None,
+            )
+            if nxt is None:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"no replica of {name!r} took the call ({last}); try again",
+                ) from last
+            groups.setdefault(nxt, []).append(name)
+        answers = await asyncio.gather(
+            *(self.pass_on(t, ns, m, make, tried) for t, ns in groups.items())
+        )
+        return [a for answer in answers for a in answer]
 
     # -- requests cut by node, answers merged --------------------------------------
 
@@ -236,7 +246,11 @@ class Router:
                 outcome = local(sub)
                 return await outcome if isinstance(outcome, asyncio.Future) else outcome
             sub.epoch = cluster.epoch
-            return await self.pass_on(target, names[0], m, request=sub)
+
+            def make(chosen: list[str]) -> dict[str, Any]:
+                return {"request": sub if chosen == names else read_part(sub, chosen)}
+
+            return merge_responses(await self.pass_on(target, names, m, make))
 
         answers = await asyncio.gather(*(part(t, ns) for t, ns in parts.items()))
         return merge_responses(answers)
@@ -291,10 +305,16 @@ class Router:
                     await cluster.replicated(names)
                 return result
             assert cluster is not None
-            sub = thrift.ParameterUpdate(
-                params=mine, timestamp=update.timestamp, epoch=cluster.epoch, acks=acks
-            )
-            return await self.pass_on(target, names[0], METHODS.push_parameters, update=sub)
+            epoch = cluster.epoch
+
+            def make(chosen: list[str]) -> dict[str, Any]:
+                params = [p for n in chosen for p in by_name[n]]
+                sub = thrift.ParameterUpdate(
+                    params=params, timestamp=update.timestamp, epoch=epoch, acks=acks
+                )
+                return {"update": sub}
+
+            return merge_results(await self.pass_on(target, names, METHODS.push_parameters, make))
 
         answers = await asyncio.gather(
             *(part(t, ns) for t, ns in parts.items()), return_exceptions=True
@@ -319,4 +339,6 @@ class Router:
         assert cluster is not None
         sub = copy.copy(request)
         sub.epoch = cluster.epoch
-        return await self.pass_on(target, barrier_key(request.group), METHODS.barrier, request=sub)
+        key = barrier_key(request.group)
+        [result] = await self.pass_on(target, [key], METHODS.barrier, lambda _: {"request": sub})
+        return result
