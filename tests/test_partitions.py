@@ -36,7 +36,9 @@ from aioparamsync.values.partitions import (
     per_partition,
     split,
 )
-from aioparamsync.wire import SEED_IDL_PATH
+from aioparamsync.wire import METHODS, SEED_IDL_PATH, Protocol
+from aioparamsync.wire.codec import encode_message
+from aioparamsync.wire.writer import Chunks
 
 PB = 64 * 1024  # partition_bytes in these tests: 16384 float32 elements a partition
 PER = PB // 4
@@ -194,6 +196,25 @@ def test_versions_of_partitions_collapse_to_their_oldest_and_keys_read_as_names(
     assert collapse(versions, {}) == {"w": 6, "b": 3}
     message = f"no parameter {partition_key('w', 12)!r}, nor {manifest_key('w')!r}"
     assert readable(message) == "no parameter 'w[partition 12]', nor 'w[manifest]'"
+
+
+@pytest.mark.parametrize("protocol", [Protocol.BINARY, Protocol.COMPACT])
+def test_a_parameter_of_chunks_is_written_as_its_bytes_joined(protocol: Protocol) -> None:
+    # (a node answers a partitioned parameter so: each partition's bytes as stored)
+    big, small = bytes(range(256)) * 200, b"tail"  # one sent by reference, one copied
+    chunks = Chunks([memoryview(big), small, memoryview(big)[:5]])
+    assert chunks.nbytes == len(big) + 9
+
+    def encoded(data: Any) -> bytes:
+        response = thrift.ParameterResponse(
+            params=[thrift.Parameter(name="w", data=data, version=3)], timestamp=1
+        )
+        parts, size = encode_message("pull_parameters", 2, 7, response, protocol)
+        joined = b"".join(bytes(part) for part in parts)
+        assert len(joined) == size
+        return joined
+
+    assert encoded(chunks) == encoded(b"".join(bytes(c) for c in chunks))
 
 
 # -- a node alone ---------------------------------------------------------------------------
@@ -468,3 +489,28 @@ async def test_a_node_joining_copies_partitions_and_manifests_as_they_are(
             assert np.array_equal((await client.get_arrays(["w"]))["w"], w + 1)
     finally:
         await cluster.close()
+
+
+async def test_two_parts_of_one_push_at_one_node_are_both_folded(lone: Node) -> None:
+    # A routed client sends each part of a push to its primary; when primaries are down,
+    # two parts under one request id may come to the same node: neither is taken for a
+    # retry of the other. The same part sent again is folded once.
+    async with ParameterClient(lone.address, route=False, timeout=10) as client:
+        await client.update_arrays({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)},
+                                   rules=sgd(1.0))  # fmt: skip
+
+        async def part(name: str) -> dict[str, int]:
+            push = thrift.GradientPush(
+                grads=[to_parameter(name, np.ones(4, np.float32))],
+                request_id="one-push",
+                timestamp=1,
+                epoch=1,
+            )
+            result = await client.invoke(METHODS.push_gradients, push=push)
+            return dict(result.versions)
+
+        assert await part("a") == {"a": 2}
+        assert await part("b") == {"b": 2}
+        assert await part("b") == {"b": 2}  # (a retry: not folded again)
+        got = await client.get_arrays(["a", "b"])
+        assert np.array_equal(got["a"], -np.ones(4)) and np.array_equal(got["b"], -np.ones(4))

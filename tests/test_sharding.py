@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import types
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -790,3 +791,49 @@ async def test_gradients_pushed_concurrently_at_every_node_are_each_folded_once(
             folded_once_everywhere, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
         )
         await settled(clients, names)
+
+
+# -- 7. a large parameter, partitioned ------------------------------------------------------------
+
+
+async def test_a_large_parameter_spreads_over_node_processes_and_outlives_a_killed_one(
+    procs: ProcessCluster, founding: types.SimpleNamespace | None
+) -> None:
+    # 4 MiB of float32 in partitions of 128 KiB (--partition-bytes): 32 of them, each on 2
+    # of 4 nodes (as a fair coin each), so each node holds about half of the bytes, never
+    # all: 28 or more of 32 at one of 4 nodes has odds of about 1 in 26,000.
+    flags = ["--partition-bytes", "128KiB", "--failure-timeout", str(FAILURE_TIMEOUT)]
+    nodes = await spawn_cluster(procs, 4, flags)
+    w = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, nodes)
+        await wait_formed(clients)
+        routed = await stack.enter_async_context(
+            ParameterClient(nodes[0].address, timeout=CALL_TIMEOUT)
+        )
+        await routed.routes.learn()
+        assert routed.routes.topology is not None
+        assert routed.routes.topology.partition_bytes == 128 * KiB
+        assert await routed.update_arrays({"w": w}, rules=sum_rule(), acks="all") == {"w": 1}
+        held = {m: (await c.info()).parameter_bytes for m, c in clients.items()}
+        assert sum(held.values()) >= 2 * w.nbytes, held
+        assert all(0 < b < 28 / 32 * w.nbytes for b in held.values()), f"bytes held: {held}"
+
+        victim = nodes[-1]
+        assert await victim.kill() == -signal.SIGKILL
+        del clients[victim.node_id]
+        # Reads and gradient pushes go on, at each partition's next replica.
+        assert np.array_equal((await routed.get_arrays(["w"]))["w"], w)
+        assert await routed.push_gradients({"w": np.ones_like(w)}, acks="all") == {"w": 2}
+        for node_id, client in clients.items():
+            got = (await client.get_arrays(["w"]))["w"]
+            bad = np.flatnonzero(got.reshape(-1) != (w + 1).reshape(-1))
+            assert got.shape == w.shape and not bad.size, f"{node_id}: {bad.size} elements differ"
+        if founding is None:
+            pytest.skip("Apache Thrift's compiler (`thrift`) is not on PATH: the rest passed")
+        T = founding.ttypes
+        async with apache_client(founding, nodes[1]) as thrift_client:
+            response = await thrift_client.get_parameters(T.ParameterRequest(["w"]))
+        assert [(p.name, p.version, p.data) for p in response.params] == [
+            ("w", 2, (w + 1).tobytes())
+        ]

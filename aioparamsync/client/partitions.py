@@ -83,6 +83,7 @@ async def gather(
     encoding: str | None = None,
     max_nbytes: int | None = None,
     limits: bool = False,
+    join: bool = True,
 ) -> Any:
     """``response`` with each manifest in it replaced by its parameter, whole (see the module).
 
@@ -96,6 +97,8 @@ async def gather(
         limits: answer as one message must (a node's answer): a parameter
             larger than the request's ``max_inline_bytes`` as a header (no
             data, ``total_bytes``), a piece (``piece_offset``) as that piece.
+        join: put each parameter's bytes together in one buffer (else its
+            data are the partitions' buffers: see ``values.partitions.assemble``).
 
     Raises:
         RequestError: what ``read`` raised, its keys as names.
@@ -158,7 +161,10 @@ async def gather(
             continue  # (a partition did not qualify: nor does the parameter)
         try:
             assembled = layouts.assemble(
-                name, layout, [decode_parameter(part, max_nbytes=max_nbytes) for part in parts]
+                name,
+                layout,
+                [decode_parameter(part, max_nbytes=max_nbytes) for part in parts],
+                join=join,
             )
         except ValueError as exc:
             # (a replace of the parameter came between its manifest and a partition)

@@ -28,6 +28,7 @@ from ..placement import is_reserved, manifest_key, parse_key
 from ..store.table import Entry
 from ..values.partitions import Layout, elements_of, per_partition
 from ..wire import METHODS, thrift
+from ..wire.writer import Chunks
 
 if TYPE_CHECKING:
     from .handlers import ParameterService
@@ -108,14 +109,18 @@ class Partitioned:
         asked = set(request.param_names or ())
         if all(p.name in asked for p in response.params if "\x00" in p.name):
             return response
-        gathered = await gather(request, response, self.read_keys, limits=True)
+        # (an encoding needs the bytes in one buffer; else each partition's are sent as stored)
+        gathered = await gather(
+            request, response, self.read_keys, limits=True, join=bool(request.encoding)
+        )
         limit = inline_limit(request)
         params = []
         for p in gathered.params:
             if "\x00" in p.name and p.name not in asked:
                 continue  # (a read of every name: the partitions are in their parameter)
             if p.total_bytes is None and "\x00" not in p.name:
-                nbytes = memoryview(p.data).nbytes
+                data = p.data
+                nbytes = data.nbytes if type(data) is Chunks else memoryview(data).nbytes
                 if nbytes > limit:  # (a client that cannot take pieces)
                     raise RequestError(
                         ErrorCode.LIMIT_EXCEEDED,

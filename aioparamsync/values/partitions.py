@@ -33,6 +33,7 @@ import numpy as np
 
 from ..placement import manifest_key, partition_key
 from ..wire import thrift
+from ..wire.writer import Chunks
 from .arrays import MAX_DIMS, parse_dtype
 
 __all__ = [
@@ -256,8 +257,12 @@ def split(p: Any, layout: Layout) -> list[Any]:
     return parts
 
 
-def assemble(name: str, layout: Layout, parts: list[Any]) -> Any:
-    """The whole ``Parameter`` of its raw partitions (in order): one copy of their bytes.
+def assemble(name: str, layout: Layout, parts: list[Any], *, join: bool = True) -> Any:
+    """The whole ``Parameter`` of its raw partitions (in order).
+
+    Its data is one copy of their bytes, or (not ``join``: an answer to
+    send) the partitions' own buffers, to be written one after another
+    (:class:`~aioparamsync.wire.writer.Chunks`).
 
     Its version and origin are the oldest partition's, by (version, origin).
 
@@ -274,7 +279,7 @@ def assemble(name: str, layout: Layout, parts: list[Any]) -> Any:
     oldest = min(parts, key=lambda q: (q.version or 0, q.origin or ""))
     return thrift.Parameter(
         name=name,
-        data=b"".join(parts[i].data for i in range(len(parts))),
+        data=b"".join(p.data for p in parts) if join else Chunks(p.data for p in parts),
         version=oldest.version,
         dtype=layout.dtype,
         shape=None if layout.shape is None else list(layout.shape),

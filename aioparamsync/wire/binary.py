@@ -44,7 +44,7 @@ from .protocol import (
     _unpack_i64,
 )
 from .reader import MAX_DEPTH, Reader
-from .writer import ZERO_COPY_MIN_BYTES, Writer, _as_bytes_view
+from .writer import ZERO_COPY_MIN_BYTES, Chunks, Writer, _as_bytes_view
 
 __all__ = ["BinaryReader", "BinaryWriter"]
 
@@ -355,6 +355,9 @@ class BinaryWriter(Writer):
     # starts a new ``out``: hence ``out = self.out`` after anything that may.
 
     def _write_bytes(self, value: Any) -> None:
+        if type(value) is Chunks:
+            self._write_chunks(value)
+            return
         if isinstance(value, str):
             value = value.encode("utf-8")
         if type(value) is not bytes:

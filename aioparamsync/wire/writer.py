@@ -24,6 +24,20 @@ __all__ = ["Writer"]
 ZERO_COPY_MIN_BYTES = 16 * 1024
 
 
+class Chunks(tuple):
+    """Buffers written one after another as one ``binary`` value, none of them copied.
+
+    (A read of a parameter stored as partitions is answered so: its bytes are
+    the partitions' own, as they are stored.)
+    """
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(chunk).nbytes for chunk in self)
+
+
 def _as_bytes_view(value: Any) -> memoryview:
     view = value if isinstance(value, memoryview) else memoryview(value)
     if view.ndim != 1 or view.format != "B":
@@ -56,6 +70,15 @@ class Writer:
             self.size += len(view)
         else:
             self.out += view
+
+    def _write_chunks(self, value: Chunks) -> None:
+        views = [_as_bytes_view(chunk) for chunk in value]
+        n = sum(len(view) for view in views)
+        if n > MAX_I32:
+            raise LocalProtocolError(f"a value of {n} bytes exceeds Thrift's 2 GiB")
+        self._write_length(n)
+        for view in views:
+            self._write_view(view)
 
     def getvalue(self) -> tuple[list[Any], int]:
         """Answer (buffers, total length)."""
@@ -114,6 +137,9 @@ class Writer:
     def _write_value(self, ttype: int, sub: Any, value: Any) -> None:
         """Write a value of spec type ``ttype`` (``sub``: its normalised sub-spec)."""
         if ttype in _T_BYTES:
+            if type(value) is Chunks:
+                self._write_chunks(value)
+                return
             if isinstance(value, str):
                 value = value.encode("utf-8")
             view = _as_bytes_view(value)
