@@ -514,3 +514,22 @@ async def test_two_parts_of_one_push_at_one_node_are_both_folded(lone: Node) -> 
         assert await part("b") == {"b": 2}  # (a retry: not folded again)
         got = await client.get_arrays(["a", "b"])
         assert np.array_equal(got["a"], -np.ones(4)) and np.array_equal(got["b"], -np.ones(4))
+
+
+async def test_a_node_alone_keeps_the_partitions_of_a_frame_without_copying_them(
+    lone: Node,
+) -> None:
+    # (each partition is a third of its frame: alone it would be copied, so the frame would
+    # not outlive it; the partitions of one parameter are replaced together, so they keep it)
+    w = weights()
+    async with ParameterClient(lone.address, timeout=10) as client:
+        await client.update_arrays({"w": w, "v": np.ones(PER // 2, np.float32)})
+    frames = set()
+    for i in range(3):
+        data = lone.table.entry(partition_key("w", i)).data
+        assert data.obj is not None and memoryview(data.obj).nbytes >= w.nbytes, i
+        frames.add(id(data.obj))
+    assert len(frames) == 1
+    # A parameter beside them in the frame is still kept alone.
+    v = lone.table.entry("v").data
+    assert v.obj is None or memoryview(v.obj).nbytes <= v.nbytes * 4 // 3

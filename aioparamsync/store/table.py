@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, RequestError
+from ..placement import parse_key
 from ..values import rules
 from ..values.arrays import check_layout, dtype_name, from_parameter, is_bfloat16
 from ..wire import thrift
@@ -140,21 +141,50 @@ _set_applied_entries = vars(Applied)["entries"].__set__
 _set_applied_timestamp = vars(Applied)["timestamp"].__set__
 
 
-def _readonly(data: Any) -> memoryview:
+def _readonly(data: Any, together: int = 0) -> memoryview:
+    """``data`` as an entry keeps it: read-only, and keeping no more than its share alive.
+
+    ``together``: the bytes of the same buffer the other partitions of its
+    parameter in this update keep (they are replaced together).
+    """
     view = data if isinstance(data, memoryview) else memoryview(data)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     if not view.readonly:
         # A caller's own buffer could change under the store: keep a copy.
         view = memoryview(bytes(view))
-    elif (whole := view.obj) is not None and memoryview(whole).nbytes * 3 > view.nbytes * 4:
+    elif (whole := view.obj) is not None and memoryview(whole).nbytes * 3 > max(
+        view.nbytes, together
+    ) * 4:
         # A view into a larger buffer (the frame it arrived in, with other
         # parameters, or the parts of an update this node passed on): that
         # buffer would stay alive as long as this entry. Kept alone, so a
         # node holds no more than its share (at most a third more, for the
         # message's own fields, when a parameter came alone in its frame).
+        # The partitions of one parameter, every one of which a write or a
+        # fold replaces, count together: a node alone keeps its frame.
         view = memoryview(bytes(view))
     return view.toreadonly()
+
+
+def _together(together: Mapping[tuple[int, str], int], key: str, data: Any) -> int:
+    if not together or type(data) is not memoryview or data.obj is None:
+        return 0
+    parsed = parse_key(key)
+    return together.get((id(data.obj), parsed[0]), 0) if parsed is not None else 0
+
+
+def _partitions_together(params: Sequence[Any]) -> dict[tuple[int, str], int]:
+    """The bytes of each buffer the partitions of each parameter among ``params`` keep."""
+    together: dict[tuple[int, str], int] = {}
+    for p in params:
+        data = p.data
+        if type(data) is memoryview and data.obj is not None and "\x00" in p.name:
+            parsed = parse_key(p.name)
+            if parsed is not None and parsed[1] is not None:
+                key = (id(data.obj), parsed[0])
+                together[key] = together.get(key, 0) + data.nbytes
+    return together
 
 
 class ParameterTable:
@@ -280,6 +310,7 @@ class ParameterTable:
         """
         self.check(params)
         entries = self._entries
+        together = _partitions_together(params) if len(params) > 1 else {}
         made = []
         for p in params:
             current = entries.get(p.name)
@@ -305,7 +336,7 @@ class ParameterTable:
             made.append(
                 Entry(
                     p.name,
-                    _readonly(data),
+                    _readonly(data, _together(together, p.name, data)),
                     max(stored + 1, given),
                     dtype,
                     shape,
