@@ -533,3 +533,19 @@ async def test_a_node_alone_keeps_the_partitions_of_a_frame_without_copying_them
     # A parameter beside them in the frame is still kept alone.
     v = lone.table.entry("v").data
     assert v.obj is None or memoryview(v.obj).nbytes <= v.nbytes * 4 // 3
+
+
+async def test_partitions_survive_a_restart_with_a_data_dir(tmp_path: Any) -> None:
+    w = weights(60)
+    async with (
+        Node("127.0.0.1", 0, partition_bytes=PB, data_dir=tmp_path) as node,
+        ParameterClient(node.address, timeout=10) as client,
+    ):
+        await client.update_arrays({"w": w}, rules=sgd(1.0))
+        await client.push_gradients({"w": np.ones_like(w)})
+    async with Node("127.0.0.1", 0, partition_bytes=PB, data_dir=tmp_path) as node:
+        assert manifest_key("w") in node.table and "w" not in node.table
+        async with ParameterClient(node.address, timeout=10) as client:
+            got = await client.get_parameters(["w"])
+            assert got.params[0].version == 2
+            assert np.array_equal(from_parameter(got.params[0]), w - 1)
