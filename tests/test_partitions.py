@@ -194,6 +194,10 @@ def test_cut_follows_a_known_layout_and_the_rule_otherwise() -> None:
 def test_versions_of_partitions_collapse_to_their_oldest_and_keys_read_as_names() -> None:
     versions = {partition_key("w", 0): 7, partition_key("w", 1): 6, manifest_key("w"): 2, "b": 3}
     assert collapse(versions, {}) == {"w": 6, "b": 3}
+    two = Layout("<f4", None, 2 * PER, PER)
+    assert collapse(versions, {"w": two}) == {"w": 6, "b": 3}
+    with pytest.raises(RequestError, match=r"partitions \[2\] were not answered"):
+        collapse(versions, {"w": Layout("<f4", None, 3 * PER, PER)})
     message = f"no parameter {partition_key('w', 12)!r}, nor {manifest_key('w')!r}"
     assert readable(message) == "no parameter 'w[partition 12]', nor 'w[manifest]'"
 
@@ -491,7 +495,10 @@ async def test_a_node_joining_copies_partitions_and_manifests_as_they_are(
         await cluster.close()
 
 
-async def test_two_parts_of_one_push_at_one_node_are_both_folded(lone: Node) -> None:
+@pytest.mark.parametrize("epoch", [1, None])  # (a routed part, or one sent on unrouted)
+async def test_two_parts_of_one_push_at_one_node_are_both_folded(
+    lone: Node, epoch: int | None
+) -> None:
     # A routed client sends each part of a push to its primary; when primaries are down,
     # two parts under one request id may come to the same node: neither is taken for a
     # retry of the other. The same part sent again is folded once.
@@ -504,7 +511,7 @@ async def test_two_parts_of_one_push_at_one_node_are_both_folded(lone: Node) -> 
                 grads=[to_parameter(name, np.ones(4, np.float32))],
                 request_id="one-push",
                 timestamp=1,
-                epoch=1,
+                epoch=epoch,
             )
             result = await client.invoke(METHODS.push_gradients, push=push)
             return dict(result.versions)

@@ -291,7 +291,12 @@ def _fits(item: Any, layout: Layout) -> bool:
 
 
 def collapse(versions: Mapping[str, int], chosen: Mapping[str, Layout]) -> dict[str, int]:
-    """Versions of partitions and manifests as their parameters': each its oldest partition's."""
+    """Versions of partitions and manifests as their parameters': each its oldest partition's.
+
+    Raises:
+        RequestError: (UNAVAILABLE) a partition of one of ``chosen`` (cut by
+            the caller) is not in ``versions``: its part was not applied.
+    """
     if not chosen and not any("\x00" in k for k in versions):
         return dict(versions)
     out: dict[str, int] = {}
@@ -303,5 +308,12 @@ def collapse(versions: Mapping[str, int], chosen: Mapping[str, Layout]) -> dict[
         elif parsed[1] is not None:
             name = parsed[0]
             oldest[name] = min(version, oldest.get(name, version))
+    for name, layout in chosen.items():
+        missing = [i for i, key in enumerate(layout.keys(name)) if key not in versions]
+        if missing:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"{name!r}: partitions {missing} were not answered as applied; send it again",
+            )
     out.update(oldest)
     return out

@@ -17,9 +17,9 @@ a timeout or a lost connection, at this node or another) folds nothing twice.
 The :class:`PushLedger` keeps two records, each of the latest
 ``MAX_REQUEST_IDS`` request ids:
 
-* the reply of each push by its request id (a part forwarded here: by its id
-  and names), kept while it has not failed: a push sent again answers the
-  first one's reply, in flight or done, and folds nothing;
+* the reply of each push by its request id and names (the parts of one push
+  differ by their names), kept while it has not failed: a push sent again
+  answers the first one's reply, in flight or done, and folds nothing;
 * under each request id, the names this node has folded and the versions
   made: a push folded in parts may have some parts folded and others failed;
   sent again, it folds only the names no part has folded yet, and answers the
@@ -147,14 +147,11 @@ class PushLedger:
                 ErrorCode.BAD_REQUEST,
                 f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
             )
-        # A part (forwarded here by another node, or sent here by a routed
-        # client: several parts of one push may come to one node when their
-        # primaries are down) is told apart from the others and from a whole
-        # push sent here under the same id (their names differ).
-        key = request_id
-        if push.forwarded or push.epoch is not None:
-            key += "\0" + "\0".join(sorted(g.name for g in push.grads))
-        return key
+        # By its names too: the parts of one push (forwarded here by another
+        # node, or sent here by a client that cut it by primary, several of
+        # them to one node when their primaries are down) are told apart, and
+        # a push sent again is sent with the same names.
+        return request_id + "\0" + "\0".join(sorted(g.name for g in push.grads))
 
     def first_reply(self, key: str) -> asyncio.Future | None:
         """The reply to the push first sent under ``key``, if this is a retry of one."""
@@ -273,7 +270,7 @@ class GradientPushes:
         grads, before = ledger.unfolded(push)
         timestamp = push.timestamp if push.timestamp is not None else time.time_ns() // 1_000_000
         future = self._fold(method, push, grads, before, timestamp)
-        if chosen or any("\x00" in g.name for g in push.grads or ()):
+        if chosen:  # (what it cut; partitions sent as such are answered as such)
             future = _collapsed(future, chosen)
         if key is not None:
             ledger.remember_reply(key, future)
@@ -355,8 +352,7 @@ class GradientPushes:
 
         def result(applied: Applied) -> Any:
             made = update_result(applied)
-            if push.forwarded or push.epoch is not None:  # (a whole push: in replies)
-                self.ledger.remember_folded(push.request_id, made.versions)
+            self.ledger.remember_folded(push.request_id, made.versions)
             made.versions = {**before, **made.versions}
             return method.result(success=made)
 
