@@ -406,6 +406,8 @@ async def push_grads(
     encoding: str | None = None,
     ratio: float = 0.01,
     error_feedback: bool = True,
+    max_residual: float | None = None,
+    warmup: int = 0,
     request_id: str | None = None,
     timeout: Timeout = ...,
 ) -> dict[str, int]:
@@ -427,10 +429,12 @@ async def push_grads(
             that name too, so two models on one client keep theirs apart.
         encoding: how to compress the gradients on the wire (``"fp16"``,
             ``"bf16"``, ``"int8"``, ``"topk"``, ``"zlib"``; None: raw).
-        ratio: for ``"topk"``, the fraction of elements sent.
+        ratio: for ``"topk"``, the least share of elements sent.
         error_feedback: with a lossy encoding, the client keeps what
             compression left out of each gradient and adds it to the next
             (see :meth:`ParameterClient.push_gradients`).
+        max_residual, warmup: top-k's bound and sparsity warm-up, as in
+            :meth:`ParameterClient.push_gradients`.
         request_id: unique per push; a push sent again with the same id (a
             retry) is applied once (default: a new id).
         timeout: the call's deadline (seconds; default: the client's).
@@ -471,6 +475,8 @@ async def push_grads(
         encoding=encoding,
         ratio=ratio,
         error_feedback=error_feedback,
+        max_residual=max_residual,
+        warmup=warmup,
         request_id=request_id,
         timeout=timeout,
     )

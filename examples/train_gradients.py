@@ -538,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     knob("--lr", type=positive_float, default=0.05, help="learning rate of the sgd rule")
     knob("--batch", type=positive_int, default=32, help="samples in each mini-batch")
     knob("--encoding", choices=ENCODINGS, default="none", help="how gradients are sent")
-    knob("--ratio", type=unit_ratio, default=0.01, help="share of elements topk sends")
+    knob("--ratio", type=unit_ratio, default=0.01, help="least share of elements topk sends")
     knob("--samples", type=positive_int, default=16384, help="samples in the data")
     knob("--features", type=positive_int, default=256, help="features of each sample")
     knob("--seed", type=int, default=0, help="seed of the data and the mini-batches")

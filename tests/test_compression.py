@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
+from aioparamsync import ErrorCode, RequestError, adam, from_parameter, sgd, sum_rule, to_parameter
 from aioparamsync.values.compression import (
     ENCODINGS,
     PULL_ENCODINGS,
@@ -25,7 +25,7 @@ from aioparamsync.values.compression import (
     encode,
     encoded_nbytes,
 )
-from aioparamsync.values.feedback import ErrorFeedback
+from aioparamsync.values.feedback import ErrorFeedback, residual_bound
 from aioparamsync.wire import thrift
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -476,7 +476,8 @@ def test_error_feedback_sends_the_gradients_sum_minus_the_last_residual(
     grads = sent = np.zeros((20, 30))
     for _ in range(50):
         g = rng.standard_normal((20, 30)).astype(dtype)
-        param = feedback.encode("w", g, encoding, ratio=0.05)
+        # max_residual=1: top-k sends exactly the ratio (its bound is tested below).
+        param = feedback.encode("w", g, encoding, ratio=0.05, max_residual=1.0)
         assert param.dtype == to_parameter("g", g).dtype and param.shape == [20, 30]
         grads = grads + g.astype(np.float64)
         sent = sent + decode(param).astype(np.float64)
@@ -490,7 +491,7 @@ def test_error_feedback_sends_the_gradients_sum_minus_the_last_residual(
 def test_error_feedback_bookkeeping() -> None:
     feedback = ErrorFeedback()
     assert feedback.residual("w") is None and feedback.nbytes == 0
-    feedback.encode("w", np.ones((4, 5), np.float32), "topk", ratio=0.1)
+    feedback.encode("w", np.ones((4, 5), np.float32), "topk", ratio=0.1, max_residual=1.0)
     feedback.encode("b", np.ones(3), "zlib")
     assert sorted(feedback.names) == ["b", "w"]
     assert feedback.nbytes == 4 * 5 * 4 + 3 * 8
@@ -552,3 +553,93 @@ def test_topk_sgd_with_error_feedback_matches_uncompressed_and_without_it_falls_
     assert feedback - plain < 1e-3
     assert topk - plain > 0.05  # 5% of the coordinates a step: far behind at equal steps
     assert topk > 20 * feedback
+
+
+# -- top-k's residual bound ---------------------------------------------------------------
+
+
+def test_the_residual_bound_follows_the_rule() -> None:
+    assert residual_bound(sum_rule()) == 0.5
+    assert residual_bound(sgd(0.1)) == 0.5
+    assert residual_bound(sgd(0.1, momentum=0.9)) == pytest.approx(0.05)
+    assert residual_bound(adam(0.01, betas=(0.8, 0.999))) == pytest.approx(0.1)
+    assert residual_bound(None) == pytest.approx(0.05)  # not known: as momentum 0.9
+
+
+@pytest.mark.parametrize("bound", [0.5, 0.3, 0.2])
+def test_bounded_top_k_holds_back_at_most_its_bound_of_the_norm(bound: float) -> None:
+    # Heavy-tailed values (a few large, most small): top-k stays sparse.
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal(10_000) * rng.pareto(3.0, 10_000)).astype(np.float32)
+    feedback = ErrorFeedback()
+    sent = feedback.encode("w", g, "topk", ratio=0.0001, max_residual=bound)
+    assert sent.encoding == "topk"
+    residual = feedback.residual("w")
+    assert residual is not None
+    assert np.linalg.norm(residual) <= bound * np.linalg.norm(g) * (1 + 1e-6)
+    k = len(sent.indices) // 8
+    assert 1 < k < 10_000 / 3  # more than the ratio, fewer than raw would cost
+    # ... and close to the fewest: one value fewer would break the bound.
+    mags = np.sort(np.abs(g.astype(np.float64)))[::-1]
+    assert np.sqrt(np.sum(mags[k - 1 :] ** 2)) > bound * np.linalg.norm(g)
+    info = feedback.sent("w")
+    assert info is not None and info.share == k / 10_000 and info.bound == bound
+
+
+def test_top_k_goes_raw_where_it_would_be_larger_than_the_array() -> None:
+    # Dense values and a tight bound: most of them are needed, and 8 bytes of index
+    # each would make top-k larger than the raw float32 array.
+    g = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
+    feedback = ErrorFeedback()
+    sent = feedback.encode("w", g, "topk", ratio=0.01, max_residual=0.05)
+    assert not sent.encoding and sent.dtype == "<f4"
+    np.testing.assert_array_equal(decode(sent), g)
+    np.testing.assert_array_equal(feedback.residual("w"), np.zeros(1000))
+    assert feedback.sent("w").share == 1.0  # type: ignore[union-attr]
+
+
+def test_a_growing_norm_tightens_the_bound_and_it_relaxes_back() -> None:
+    rng = np.random.default_rng(5)
+    feedback = ErrorFeedback()
+    g = (rng.standard_normal(5000) * rng.pareto(1.2, 5000)).astype(np.float32)
+    feedback.encode("w", g, "topk", ratio=0.001, rule=sgd(0.1))
+    assert feedback.sent("w").bound == 0.5  # type: ignore[union-attr]
+    feedback.encode("w", 10 * g, "topk", ratio=0.001, rule=sgd(0.1))  # 10x larger: diverging?
+    assert feedback.sent("w").bound == 0.25  # type: ignore[union-attr]
+    bounds = []
+    for _ in range(30):
+        feedback.encode("w", 0.01 * g, "topk", ratio=0.001, rule=sgd(0.1))
+        bounds.append(feedback.sent("w").bound)  # type: ignore[union-attr]
+    assert bounds == sorted(bounds) and bounds[-1] == 0.5
+
+
+def test_sparsity_warm_up_starts_at_a_quarter_and_falls_to_the_ratio() -> None:
+    rng = np.random.default_rng(6)
+    feedback = ErrorFeedback()
+    shares = []
+    for _ in range(12):
+        g = (rng.standard_normal(4000) * rng.pareto(1.2, 4000)).astype(np.float32)
+        feedback.encode("w", g, "topk", ratio=0.01, max_residual=1.0, warmup=10)
+        shares.append(feedback.sent("w").share)  # type: ignore[union-attr]
+    assert shares[0] == 0.25 and shares == sorted(shares, reverse=True)
+    assert shares[9] > 0.01 and shares[10] == shares[11] == 0.01
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_residual": 1.5}, "max_residual must be in"),
+        ({"max_residual": -0.1}, "max_residual must be in"),
+        ({"warmup": -1}, "warmup is a number"),
+        ({"warmup": 2.5}, "warmup is a number"),
+        ({"warmup": True}, "warmup is a number"),
+        ({"ratio": 0.0}, "ratio must be in"),
+    ],
+)
+def test_bad_top_k_arguments_are_refused_and_keep_the_residual(kwargs: dict, match: str) -> None:
+    feedback = ErrorFeedback()
+    feedback.encode("w", np.ones(10, np.float32), "topk", ratio=0.1, max_residual=1.0)
+    before = feedback.residual("w")
+    with pytest.raises(ValueError, match=match):
+        feedback.encode("w", np.ones(10, np.float32), "topk", **({"ratio": 0.1} | kwargs))
+    np.testing.assert_array_equal(feedback.residual("w"), before)

@@ -81,16 +81,14 @@ TOPK_MARGIN = 0.03
 EPSILON = 1e-4
 # "Well below the initial loss" (ln 2 at zero weights; the optimum is ~0.29).
 WELL_BELOW = 0.5
-# topk at 5% sends 13 of 256 weights as (float32, int64) pairs: 168 payload bytes
-# a step instead of 1032. The weights and the bias may have different primaries
-# (placement hashes each name, and the runs' names differ): the client then sends
-# each its own push and pull request, ~300 bytes of envelope a step each way when
-# both go to one node, ~600 when they go to two. Measured per step: raw 1,353
-# bytes to one node, topk 701 to two; so the workers send 2.2x fewer bytes when
-# both runs' names split alike, 2.7x when both go to one node, ~3.5x at best
-# (raw split, topk not: estimated), and 1.93x at worst (raw to one node, topk
-# to two: a CI run drew that). BYTES_FACTOR is under the worst case, for every placement.
-BYTES_FACTOR = 1.8
+# topk's ratio is the least share it sends: each push sends as many of the
+# largest values as keep what it holds back under half of what there was to
+# send (sgd without momentum), raw when that would take more bytes than the
+# array. These minibatch gradients are dense: it sends most of them, mostly raw
+# (measured: 1,227,198 bytes against raw's 1,217,709, the difference the
+# envelope of names placed on two nodes instead of one). What it must not do
+# is send more than raw beyond that envelope (~600 bytes a step at most).
+BYTES_FACTOR = 1.05
 # Bounds (seconds): one run of the example (3 workers start, import numpy and
 # make the data on 2 cores, then train), and the nodes agreeing afterwards.
 RUN_TIMEOUT = 90.0
@@ -215,9 +213,9 @@ def test_topk_pushes_with_error_feedback_reach_it_too(runs: dict[str, Run]) -> N
     _check_training(runs["topk"], TOPK_MARGIN)
 
 
-def test_topk_sends_far_fewer_bytes(runs: dict[str, Run]) -> None:
+def test_topk_sends_no_more_bytes_than_raw(runs: dict[str, Run]) -> None:
     plain, topk = runs["plain"].report, runs["topk"].report
-    assert topk["bytes_sent"] * BYTES_FACTOR <= plain["bytes_sent"], (
+    assert topk["bytes_sent"] <= plain["bytes_sent"] * BYTES_FACTOR, (
         f"topk sent {topk['bytes_sent']:,} bytes, raw {plain['bytes_sent']:,}"
     )
 

@@ -123,6 +123,9 @@ class ParameterClient(ConnectionPool):
         # The last push with error feedback under a caller's request id, and what
         # it sent: sent again under that id, it goes as it went (see push_gradients).
         self._last_push: tuple[str, list[Any]] | None = None
+        # name -> the rule the node answered or this client set (top-k's bound
+        # follows the rule's momentum: see values.feedback)
+        self._rules: dict[str, Any] = {}
 
     async def close(self) -> None:
         if self.routes is not None:
@@ -225,6 +228,10 @@ class ParameterClient(ConnectionPool):
                     ]
             except TimeoutError:
                 raise CallTimeout(f"pull_parameters did not complete within {deadline} s") from None
+        rules = self._rules
+        for p in response.params:
+            if p.rule is not None:
+                rules[p.name] = p.rule
         return response
 
     def _held_timeout(
@@ -289,6 +296,9 @@ class ParameterClient(ConnectionPool):
             if acks not in ("1", "all"):
                 raise ValueError(f'acks is "1" or "all", not {acks!r}')
             update.acks = acks
+        for p in update.params:
+            if p.rule is not None:
+                self._rules[p.name] = p.rule
         routes = self.routes
         large = [
             p
@@ -310,6 +320,8 @@ class ParameterClient(ConnectionPool):
         encoding: str | None = None,
         ratio: float = 0.01,
         error_feedback: bool = True,
+        max_residual: float | None = None,
+        warmup: int = 0,
         request_id: str | None = None,
         timestamp: int | None = None,
         acks: str | None = None,
@@ -328,11 +340,24 @@ class ParameterClient(ConnectionPool):
         Args:
             grads: name -> gradient array (the parameter's shape).
             encoding: compress them: ``"fp16"``, ``"bf16"``, ``"int8"``,
-                ``"topk"`` (the ``ratio`` largest by magnitude) or ``"zlib"``.
-            ratio: the share of elements ``"topk"`` sends.
+                ``"topk"`` (the largest by magnitude) or ``"zlib"``.
+            ratio: the least share of elements ``"topk"`` sends. With error
+                feedback it sends more when that would hold back more than
+                the rule's bound (see ``max_residual``), and raw when top-k
+                would be larger than the array.
             error_feedback: with a lossy encoding, keep what compression left
                 out of each gradient and add it to the next one (so nothing
                 is lost over time; see :class:`~aioparamsync.values.feedback.ErrorFeedback`).
+            max_residual: top-k with error feedback: the share of what there
+                was to send (by norm) that a push may hold back. Default: by
+                the parameter's rule, as this client last read or set it
+                (0.5 for ``sum`` and ``sgd`` without momentum, ``0.5 * (1 -
+                momentum)`` with it, ``0.5 * (1 - beta1)`` for ``adam``; that
+                of momentum 0.9 for a rule not seen), lowered while what there
+                is to send grows. 1.0: exactly ``ratio`` (unbounded: at a
+                step size that converges uncompressed, training may diverge).
+            warmup: top-k: for each parameter's first ``warmup`` pushes, the
+                least share falls from 25% to ``ratio`` (sparsity warm-up).
             request_id: the push's id (default: a new UUID). With error
                 feedback, the last push sent under your id is sent again as
                 it was when you push under that id again (a retry after a
@@ -372,10 +397,24 @@ class ParameterClient(ConnectionPool):
                         self._feedback = ErrorFeedback()
                     feedback = self._feedback
                     kept = feedback.kept(grads)
-                    encode = feedback.encode
+                    rules = self._rules
+                    params = [
+                        feedback.encode(
+                            name,
+                            g,
+                            encoding,
+                            ratio=ratio,
+                            rule=rules.get(name),
+                            max_residual=max_residual,
+                            warmup=warmup,
+                        )
+                        for name, g in grads.items()
+                    ]
                 else:
-                    encode = compression.encode
-                params = [encode(name, g, encoding, ratio=ratio) for name, g in grads.items()]
+                    params = [
+                        compression.encode(name, g, encoding, ratio=ratio)
+                        for name, g in grads.items()
+                    ]
                 if feedback is not None and request_id is not None:
                     self._last_push = (request_id, params)
             push = thrift.GradientPush(
@@ -517,6 +556,27 @@ class ParameterClient(ConnectionPool):
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
         return await self.invoke(METHODS.ping, timeout=timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """What this client chose when it compressed, per parameter (no call is made).
+
+        ``"gradients"``: name -> what the last push with error feedback sent
+        of it (``share`` of the values, ``encoding``: None when top-k went
+        raw, ``bound``: top-k's residual bound then, ``pushes``).
+        """
+        feedback = self._feedback
+        gradients = {}
+        if feedback is not None:
+            for name in feedback.names:
+                sent = feedback.sent(name)
+                if sent is not None:
+                    gradients[name] = {
+                        "share": sent.share,
+                        "encoding": sent.encoding,
+                        "bound": sent.bound,
+                        "pushes": sent.pushes,
+                    }
+        return {"gradients": gradients}
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo`` (what ``aioparamsync-ctl stats`` shows).

@@ -3,18 +3,133 @@
 Kept by the client, one per worker (see :meth:`ParameterClient.push_gradients
 <aioparamsync.client.api.ParameterClient.push_gradients>`); pure numpy over
 :mod:`.compression`'s codecs.
+
+Why top-k needs more than error feedback. A fixed top-k ratio with error
+feedback delays each coordinate it does not send until its residual is among
+the largest: for a dense gradient at 1%, about 100 steps, and a gradient
+that many steps late is stable only for a step about ``ratio`` times the
+uncompressed one; a rule with momentum multiplies the late part by
+``1 / (1 - momentum)``. So a run at a step size that converges uncompressed
+can diverge compressed. Here top-k's ``ratio`` is the *least* share sent:
+each push sends the largest values until what it holds back is at most
+``bound`` of what there was to send, by norm (``||e|| <= bound * ||g + e||``,
+the "delta-contraction" under which error feedback is proved to converge
+at the uncompressed rate: Stich et al., NeurIPS'18; Karimireddy et al.,
+ICML'19). The bound follows the rule (:func:`residual_bound`): 0.5 for
+``sum`` and ``sgd`` without momentum, ``0.5 * (1 - momentum)`` for ``sgd``
+with momentum and ``0.5 * (1 - beta1)`` for ``adam``. When the norm of what
+there is to send grows past twice its least in the last pushes (a run
+starting to diverge, or a noisy one at its stability edge), the bound is
+halved at each such push, down to sending everything, and relaxes back 5%
+per push. A push whose top-k would take more bytes than the raw array (the
+indices cost 8 bytes each) goes raw.
+
+What it costs is measured in ``benchmarks/bench_compression.py``: on dense
+gradients (least squares, a small MLP) the bound sends 20-40% of the
+values at ``bound=0.5`` and most of them with momentum 0.9, so top-k saves
+little there and int8 (4x, always within 2x of the uncompressed loss) is
+the better choice; on heavy-tailed gradients it sends far fewer.
+
+Deep Gradient Compression's momentum correction (the worker keeps the
+velocity, the node applies it without its own momentum, with momentum
+factor masking) was measured and not adopted: with the bound above it
+converged more slowly than the node's own momentum (3.1e-3 against 3.9e-4
+of the initial loss on an ill-conditioned problem) and, at a step of
+``1 / L`` with momentum 0.9, still diverged at bound 0.5.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .compression import _CASTS, _is_float, decode, encode
+from ..wire import thrift
+from .arrays import to_parameter, wire_dtype
+from .compression import _CASTS, _is_float, _le_bytes, decode, encode
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "Sent", "residual_bound"]
+
+# The bound for a rule whose momentum is not known: that of momentum 0.9.
+UNKNOWN_RULE_BOUND = 0.05
+# What there is to send has grown this much above its least in the last
+# NORMS pushes: the bound is halved.
+GROWTH = 2.0
+NORMS = 8
+RELAX = 1.05
+# Below this the bound is 0: everything is sent.
+LEAST_BOUND = 1e-3
+# A sparsity warm-up starts at this share (Deep Gradient Compression's 75% sparsity).
+WARMUP_START = 0.25
+_INDEX_BYTES = 8
+
+
+def residual_bound(rule: Any) -> float:
+    """The share of what there was to send that top-k may hold back under ``rule``.
+
+    ``0.5 * (1 - m)`` where ``m`` is the rule's momentum (``sgd``) or
+    ``beta1`` (``adam``), 0 for ``sum``; :data:`UNKNOWN_RULE_BOUND` (that of
+    momentum 0.9) when ``rule`` is None.
+    """
+    if rule is None:
+        return UNKNOWN_RULE_BOUND
+    if rule.kind == "sgd":
+        m = rule.momentum or 0.0
+    elif rule.kind == "adam":
+        m = rule.beta1 if rule.beta1 is not None else 0.9
+    else:
+        m = 0.0
+    return 0.5 * (1.0 - m)
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What error feedback sent of one gradient at its last push.
+
+    Attributes:
+        share: the share of the values sent (1.0 for raw and elementwise encodings).
+        encoding: the encoding sent (None: raw, when top-k would have been larger).
+        bound: the residual bound in force (top-k), or None.
+        pushes: pushes of this name so far.
+    """
+
+    share: float
+    encoding: str | None
+    bound: float | None
+    pushes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Track:
+    # Replaced at every push, never changed: kept() hands out references.
+    residual: np.ndarray
+    bound: float  # the bound now (lowered by growth, relaxing back to the rule's)
+    norms: tuple[float, ...]  # ||g + e|| of the last NORMS pushes
+    sent: Sent
+
+
+def _bounded_topk(total: np.ndarray, least: int, bound: float) -> np.ndarray:
+    """The flat positions (ascending) of the fewest largest values, at least
+    ``least``, that leave at most ``bound`` of ``total``'s norm behind."""
+    flat = total.reshape(-1)
+    n = flat.size
+    energy = np.square(flat, dtype=np.float64)
+    need = (1.0 - bound * bound) * float(energy.sum())
+    k = min(n, max(1, least))
+    while True:
+        idx = np.argpartition(energy, n - k)[n - k :] if k < n else np.arange(n)
+        if k == n or float(energy[idx].sum()) >= need:
+            break
+        k = min(n, 2 * k)
+    if k > least and k < n:
+        # Within 2x: sort the candidates and keep the fewest that suffice.
+        order = idx[np.argsort(energy[idx])[::-1]]
+        fewest = int(np.searchsorted(np.cumsum(energy[order]), need)) + 1
+        idx = order[: min(k, max(least, fewest))]
+    return np.sort(idx)
 
 
 class ErrorFeedback:
@@ -24,6 +139,7 @@ class ErrorFeedback:
     residual what the receiver will not see: ``(grad + residual) -
     decode(sent)``. Over any number of steps, the decoded sends add up to the
     gradients' sum minus the last residual, so nothing is lost, only delayed.
+    For top-k, how much may be held back is bounded (see the module's text).
 
     Residuals are kept per parameter name, in float64 for float64 gradients
     and float32 otherwise, with the gradient's shape; a name whose gradient
@@ -31,79 +147,161 @@ class ErrorFeedback:
     """
 
     def __init__(self) -> None:
-        self._residuals: dict[str, np.ndarray] = {}
+        self._tracks: dict[str, _Track] = {}
 
-    def encode(self, name: str, grad: Any, encoding: str, *, ratio: float = 0.01) -> Any:
+    def encode(
+        self,
+        name: str,
+        grad: Any,
+        encoding: str,
+        *,
+        ratio: float = 0.01,
+        rule: Any = None,
+        max_residual: float | None = None,
+        warmup: int = 0,
+    ) -> Any:
         """Encode ``grad`` plus this name's residual; keep what was not sent.
 
         Args:
             name: the parameter's name (the residual's key).
             grad: the gradient; a floating array (float16/32/64, bfloat16).
             encoding: one of :data:`ENCODINGS` (zlib is exact: its residual stays 0).
-            ratio: topk: the fraction of elements to send, in (0, 1].
+            ratio: topk: the least share of the values sent, in (0, 1].
+            rule: the parameter's rule (the IDL's ``Rule``), for top-k's bound
+                (see :func:`residual_bound`); None: not known.
+            max_residual: top-k's bound instead of the rule's, in [0, 1]
+                (1: exactly ``ratio``, unbounded; 0: everything).
+            warmup: top-k: for this name's first ``warmup`` pushes, the least
+                share falls from 25% to ``ratio`` exponentially (Deep Gradient
+                Compression's sparsity warm-up); 0: none.
 
         Returns:
-            The encoded ``Parameter`` (dtype and shape of ``grad``).
+            The ``Parameter`` sent (dtype and shape of ``grad``): encoded, or
+            raw where top-k would have taken more bytes.
 
         Raises:
             TypeError: ``grad`` is not floating.
-            ValueError: an unknown encoding or bad ratio, or non-finite values for int8.
+            ValueError: an unknown encoding, a bad ratio, bound or warmup, or
+                non-finite values for int8.
         """
         g = np.asarray(grad)
         if not _is_float(g.dtype):
             raise TypeError(f"{name!r}: error feedback needs a floating gradient, not {g.dtype}")
+        if encoding == "topk" and not 0.0 < ratio <= 1.0:
+            raise ValueError(f"{name!r}: topk ratio must be in (0, 1], got {ratio}")
+        if max_residual is not None and not 0.0 <= max_residual <= 1.0:
+            raise ValueError(f"{name!r}: max_residual must be in [0, 1], got {max_residual}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"{name!r}: warmup is a number of pushes >= 0, not {warmup!r}")
         work = np.float64 if g.dtype.itemsize == 8 else np.float32
-        residual = self._residuals.get(name)  # of dtype work, when there is one
+        track = self._tracks.get(name)
+        if track is not None and track.residual.shape != g.shape:
+            track = None  # a new shape starts over
+        pushes = track.sent.pushes if track is not None else 0
         with np.errstate(**_CASTS):  # inf and NaN gradients are values, as in encode
             total = g.astype(work)  # a copy: it becomes the next residual
-            if residual is not None and residual.shape == g.shape:
-                np.add(total, residual, out=total)
-            # Sent in the gradient's dtype: what that cast loses is kept in the residual too.
-            sent = encode(name, total.astype(g.dtype, copy=False), encoding, ratio=ratio)
+            if track is not None:
+                np.add(total, track.residual, out=total)
+            norm = float(np.linalg.norm(total.reshape(-1).astype(np.float64, copy=False)))
+            norms = ((track.norms if track is not None else ()) + (norm,))[-NORMS:]
+            bound = None
+            if encoding == "topk":
+                rule_bound = max_residual if max_residual is not None else residual_bound(rule)
+                if track is None:
+                    bound = rule_bound
+                else:  # relaxing back (from 0 too: everything was sent)
+                    bound = min(rule_bound, max(track.bound, LEAST_BOUND) * RELAX)
+                earlier = norms[:-1]
+                growing = earlier and math.isfinite(norm) and norm > GROWTH * min(earlier)
+                if max_residual is None and growing:
+                    bound = bound / 2
+                if bound < LEAST_BOUND and max_residual is None:
+                    bound = 0.0
+                least = ratio
+                if warmup and pushes < warmup and ratio < WARMUP_START:
+                    # Geometrically from WARMUP_START down to ratio.
+                    least = WARMUP_START * (ratio / WARMUP_START) ** (pushes / warmup)
+                sent, share = self._topk(name, total, g.dtype, least, bound)
+            else:
+                # Sent in the gradient's dtype: what that cast loses is kept in the residual too.
+                sent, share = encode(name, total.astype(g.dtype, copy=False), encoding), 1.0
             np.subtract(total, decode(sent).astype(work, copy=False), out=total)
         # What is not finite is not carried on: a value fp16 cannot hold was
         # sent as inf, and inf - inf would make this element NaN in every push
         # after it.
         total[~np.isfinite(total)] = 0
-        self._residuals[name] = total
+        self._tracks[name] = _Track(
+            total,
+            bound if bound is not None else 0.0,
+            norms,
+            Sent(share, sent.encoding, bound, pushes + 1),
+        )
         return sent
 
-    def kept(self, names: Iterable[str]) -> dict[str, np.ndarray | None]:
-        """The residuals of ``names`` as they are now, for :meth:`restore`.
+    @staticmethod
+    def _topk(
+        name: str, total: np.ndarray, dtype: np.dtype, least: float, bound: float
+    ) -> tuple[Any, float]:
+        n = total.size
+        if n == 0:
+            return to_parameter(name, total.astype(dtype)), 1.0
+        idx = _bounded_topk(total, math.ceil(least * n), bound)
+        k = idx.size
+        itemsize = dtype.itemsize
+        if k * (itemsize + _INDEX_BYTES) >= n * itemsize:
+            # A copy: ``total`` becomes the residual.
+            return to_parameter(name, total.astype(dtype)), 1.0
+        sent = thrift.Parameter(
+            name=name,
+            data=_le_bytes(total.reshape(-1)[idx].astype(dtype)),
+            dtype=wire_dtype(dtype),
+            shape=list(total.shape),
+            encoding="topk",
+            indices=idx.astype("<i8").tobytes(),
+        )
+        return sent, k / n
 
-        No copy: :meth:`encode` replaces a residual, it never changes one.
+    def kept(self, names: Iterable[str]) -> dict[str, Any]:
+        """What is kept for ``names`` as it is now, for :meth:`restore`.
+
+        No copy: :meth:`encode` replaces what it keeps, it never changes it.
         """
-        return {name: self._residuals.get(name) for name in names}
+        return {name: self._tracks.get(name) for name in names}
 
-    def restore(self, kept: Mapping[str, np.ndarray | None]) -> None:
-        """Put back the residuals :meth:`kept` answered (a push the node did not apply)."""
-        for name, residual in kept.items():
-            if residual is None:
-                self._residuals.pop(name, None)
+    def restore(self, kept: Mapping[str, Any]) -> None:
+        """Put back what :meth:`kept` answered (a push the node did not apply)."""
+        for name, track in kept.items():
+            if track is None:
+                self._tracks.pop(name, None)
             else:
-                self._residuals[name] = residual
+                self._tracks[name] = track
 
     def residual(self, name: str) -> np.ndarray | None:
         """A copy of the residual kept for ``name``, or ``None`` when there is none."""
-        residual = self._residuals.get(name)
-        return None if residual is None else residual.copy()
+        track = self._tracks.get(name)
+        return None if track is None else track.residual.copy()
+
+    def sent(self, name: str) -> Sent | None:
+        """What the last push of ``name`` sent (share, encoding, bound), or None."""
+        track = self._tracks.get(name)
+        return None if track is None else track.sent
 
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of ``name``, or every residual (``None``)."""
         if name is None:
-            self._residuals.clear()
+            self._tracks.clear()
         else:
-            self._residuals.pop(name, None)
+            self._tracks.pop(name, None)
 
     @property
     def names(self) -> Sequence[str]:
         """The names that have a residual."""
-        return tuple(self._residuals)
+        return tuple(self._tracks)
 
     @property
     def nbytes(self) -> int:
         """Memory the residuals take, in bytes."""
-        return sum(r.nbytes for r in self._residuals.values())
+        return sum(t.residual.nbytes for t in self._tracks.values())
 
     def __repr__(self) -> str:
-        return f"<ErrorFeedback [{len(self._residuals)} residuals, {self.nbytes} bytes]>"
+        return f"<ErrorFeedback [{len(self._tracks)} residuals, {self.nbytes} bytes]>"
