@@ -126,6 +126,12 @@ class ParameterClient(ConnectionPool):
         # name -> the rule the node answered or this client set (top-k's bound
         # follows the rule's momentum: see values.feedback)
         self._rules: dict[str, Any] = {}
+        # encoding="auto" (values.adaptive), made when first asked for
+        self._auto: Any = None
+        self._auto_pull: Any = None
+        self._busy = 0.0  # seconds in measured calls since the last push ended
+        self._pushed_at: float | None = None  # when the last auto push ended
+        self._read_sizes: dict[str, tuple[int, int]] = {}  # name -> (raw bytes, itemsize)
 
     async def close(self) -> None:
         if self.routes is not None:
@@ -190,6 +196,13 @@ class ParameterClient(ConnectionPool):
         """
         if isinstance(names, (str, bytes)):
             raise TypeError("names must be a list of names, not one string")
+        auto = None
+        if encoding == "auto":
+            if names is None:
+                raise ValueError('encoding="auto" needs the names (their sizes are what it weighs)')
+            auto = self._pull_controller()
+            sizes = {n: self._read_sizes[n] for n in names if n in self._read_sizes}
+            encoding = auto.choose(sizes).encoding if sizes else None
         request = thrift.ParameterRequest(
             param_names=list(names) if names is not None else [],
             min_version=min_version,
@@ -232,7 +245,27 @@ class ParameterClient(ConnectionPool):
         for p in response.params:
             if p.rule is not None:
                 rules[p.name] = p.rule
+        if auto is not None or self._auto is not None:
+            seconds, nbytes = time.monotonic() - started, 0
+            for p in response.params:
+                n = memoryview(p.data).nbytes
+                nbytes += n
+                if auto is not None and p.dtype and not p.encoding:
+                    from ..values.arrays import parse_dtype
+
+                    self._read_sizes[p.name] = (n, parse_dtype(p.dtype).itemsize)
+            self._busy += seconds
+            for controller in (self._auto, self._auto_pull):
+                if controller is not None:
+                    controller.observe_call(nbytes, seconds)
         return response
+
+    def _pull_controller(self) -> Any:
+        if self._auto_pull is None:
+            from ..values.adaptive import PULL_CHOICES, EncodingController
+
+            self._auto_pull = EncodingController(choices=PULL_CHOICES)
+        return self._auto_pull
 
     def _held_timeout(
         self, wait: float, timeout: float | EllipsisType | None
@@ -322,6 +355,7 @@ class ParameterClient(ConnectionPool):
         error_feedback: bool = True,
         max_residual: float | None = None,
         warmup: int = 0,
+        target: float = 0.2,
         request_id: str | None = None,
         timestamp: int | None = None,
         acks: str | None = None,
@@ -358,6 +392,14 @@ class ParameterClient(ConnectionPool):
                 step size that converges uncompressed, training may diverge).
             warmup: top-k: for each parameter's first ``warmup`` pushes, the
                 least share falls from 25% to ``ratio`` (sparsity warm-up).
+            target: ``encoding="auto"``: the share of a step communication
+                may take. Each push then picks, from what this client has
+                measured (the link's round trip and throughput over its
+                pushes and reads, the time it takes to encode, the worker's
+                compute time between pushes), the least lossy of none, bf16,
+                int8, top-k 10% and 1% that keeps under it, or the fastest
+                when none does; ``stats()["auto"]`` shows the figures and the
+                choice. Error feedback is always on with "auto".
             request_id: the push's id (default: a new UUID). With error
                 feedback, the last push sent under your id is sent again as
                 it was when you push under that id again (a retry after a
@@ -380,6 +422,10 @@ class ParameterClient(ConnectionPool):
             raise ValueError(f'acks is "1" or "all", not {acks!r}')
         feedback, kept = None, {}
         last = self._last_push
+        auto = None
+        if encoding == "auto":
+            auto, encoding, ratio, max_residual = self._auto_choice(grads, target)
+            error_feedback = True
         try:
             if request_id is not None and last is not None and last[0] == request_id:
                 # Sent again (a retry): what went the first time. Error feedback
@@ -398,18 +444,28 @@ class ParameterClient(ConnectionPool):
                     feedback = self._feedback
                     kept = feedback.kept(grads)
                     rules = self._rules
-                    params = [
-                        feedback.encode(
-                            name,
-                            g,
-                            encoding,
-                            ratio=ratio,
-                            rule=rules.get(name),
-                            max_residual=max_residual,
-                            warmup=warmup,
+                    params = []
+                    for name, g in grads.items():
+                        began = time.perf_counter()
+                        params.append(
+                            feedback.encode(
+                                name,
+                                g,
+                                encoding,
+                                ratio=ratio,
+                                rule=rules.get(name),
+                                max_residual=max_residual,
+                                warmup=warmup,
+                            )
                         )
-                        for name, g in grads.items()
-                    ]
+                        if auto is not None:
+                            auto.observe_encode(
+                                auto.last.choice,
+                                np.asarray(g).nbytes,
+                                _payload(params[-1]),
+                                time.perf_counter() - began,
+                                name,
+                            )
                 else:
                     params = [
                         compression.encode(name, g, encoding, ratio=ratio)
@@ -423,7 +479,12 @@ class ParameterClient(ConnectionPool):
                 timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
                 acks=acks,
             )
+            began = time.monotonic()
             result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
+            if self._auto is not None:
+                ended = time.monotonic()
+                self._auto.observe_call(sum(_payload(p) for p in params), ended - began)
+                self._busy, self._pushed_at = 0.0, ended
         except (RequestError, TypeError, ValueError):
             # Not applied (refused by the node, or never sent): error feedback
             # keeps the residuals it had, so what this push would have sent is
@@ -436,6 +497,30 @@ class ParameterClient(ConnectionPool):
                 self._last_push = None  # (to be encoded again, from the old residuals)
             raise
         return dict(result.versions)
+
+    def _auto_choice(
+        self, grads: Mapping[str, Any], target: float
+    ) -> tuple[Any, str, float, float | None]:
+        """encoding="auto": (the controller, encoding, ratio, max_residual) for this push."""
+        from ..values.adaptive import EncodingController
+
+        if self._auto is None:
+            self._auto = EncodingController(target)
+        auto = self._auto
+        if target != auto.target:
+            auto.target = EncodingController(target).target  # (checked there)
+        if self._pushed_at is not None:
+            auto.observe_compute(max(0.0, time.monotonic() - self._pushed_at - self._busy))
+        sizes = {}
+        for name, g in grads.items():
+            a = np.asarray(g)
+            sizes[name] = (a.nbytes, a.dtype.itemsize)
+        choice = auto.choose(sizes)
+        if choice.encoding is not None:
+            return auto, choice.encoding, choice.ratio or 0.01, None
+        # Raw, through error feedback all the same: what earlier compressed
+        # pushes held back goes with it (top-k with bound 0 sends everything, raw).
+        return auto, "topk", 1.0, 0.0
 
     async def barrier(
         self,
@@ -576,7 +661,12 @@ class ParameterClient(ConnectionPool):
                         "bound": sent.bound,
                         "pushes": sent.pushes,
                     }
-        return {"gradients": gradients}
+        out: dict[str, Any] = {"gradients": gradients}
+        if self._auto is not None:
+            out["auto"] = self._auto.stats()
+        if self._auto_pull is not None:
+            out["auto_pull"] = self._auto_pull.stats()
+        return out
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo`` (what ``aioparamsync-ctl stats`` shows).
@@ -601,6 +691,12 @@ class ParameterClient(ConnectionPool):
         barrier held (what it waits for, whom, and for how many seconds).
         """
         return await self.invoke(METHODS.info, timeout=timeout)
+
+
+def _payload(p: Any) -> int:
+    """The bytes a Parameter's data (and top-k's indices) take on the wire."""
+    n = memoryview(p.data).nbytes
+    return n + len(p.indices) if p.indices is not None else n
 
 
 def _array(p: Any) -> np.ndarray:

@@ -243,7 +243,7 @@ class ErrorFeedback:
         name: str, total: np.ndarray, dtype: np.dtype, least: float, bound: float
     ) -> tuple[Any, float]:
         n = total.size
-        if n == 0:
+        if n == 0 or bound <= 0.0:  # everything: raw (a copy: total becomes the residual)
             return to_parameter(name, total.astype(dtype)), 1.0
         idx = _bounded_topk(total, math.ceil(least * n), bound)
         k = idx.size
