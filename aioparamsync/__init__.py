@@ -69,6 +69,7 @@ __all__ = [
     "RequestError",
     "Rule",
     "ServerError",
+    "StaleSync",
     "__version__",
     "adam",
     "from_parameter",
@@ -82,6 +83,7 @@ __all__ = [
 _PUBLIC: dict[str, tuple[str, str]] = {
     "Node": (".node", "Node"),
     "ParameterClient": (".client.api", "ParameterClient"),
+    "StaleSync": (".client.stale", "StaleSync"),
     "from_parameter": (".values.arrays", "from_parameter"),
     "to_parameter": (".values.arrays", "to_parameter"),
     "adam": (".values.rules", "adam"),

@@ -233,3 +233,54 @@ async def test_auto_refuses_what_it_cannot_weigh(client: ParameterClient) -> Non
     # A pull with "auto" before any read of the name: raw.
     got = await client.get_parameters(["w"], encoding="auto")
     assert not got.params[0].encoding
+
+
+# -- staleness="auto" through a node ------------------------------------------------------
+
+
+async def test_stale_sync_lets_a_fast_worker_run_ahead_of_a_straggler(node: Node) -> None:
+    from aioparamsync import StaleSync, sum_rule
+
+    steps = 16
+    async with ParameterClient(node.address) as fast, ParameterClient(node.address) as slow:
+        await fast.update_arrays({"w": np.zeros(4, np.float32)}, rules=sum_rule())
+        auto = StaleSync(fast, ["w"], 2, staleness="auto", initial=0, window=3, high=6)
+        fixed = StaleSync(slow, ["w"], 2, staleness=0)
+
+        async def work(sync: StaleSync, client: ParameterClient, pause: float) -> list[int]:
+            behind = []  # how many pushes each read had beyond what its bound asked
+            for step in range(steps):
+                least = 2 * (step - sync.bound)
+                await sync.pull(step)
+                behind.append((await client.get_parameters(["w"])).params[0].version - least)
+                await asyncio.sleep(pause)
+                await client.push_gradients({"w": np.ones(4, np.float32)})
+                sync.done()
+            return behind
+
+        seen, _ = await asyncio.gather(work(auto, fast, 0.0), work(fixed, slow, 0.03))
+    # Every read at bound 0 waited for the straggler: the bound grew, a step per window.
+    assert auto.bound > 0 and fixed.bound == 0
+    assert all(why == "reads waited for stragglers" for _, _, why in auto.stats()["changes"])
+    # And each read honoured the bound it had: at least 2 x (step - bound) pushes in.
+    assert min(seen) >= 0, seen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, "world_size"),
+        ({"world_size": True}, ValueError, "world_size"),
+        ({"staleness": -1}, ValueError, "staleness is a number"),
+        ({"staleness": "fast"}, ValueError, "staleness is a number"),
+        ({"staleness": 2, "window": 3}, ValueError, "only for staleness='auto'"),
+        ({"staleness": "auto", "initial": 9, "high": 4}, ValueError, "staleness needs"),
+        ({"names": "w"}, TypeError, "not one string"),
+    ],
+)
+def test_stale_sync_refuses_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    from aioparamsync import StaleSync
+
+    args = {"names": ["w"], "world_size": 2} | kwargs
+    with pytest.raises(error, match=match):
+        StaleSync(None, args.pop("names"), args.pop("world_size"), **args)
