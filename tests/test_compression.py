@@ -611,6 +611,10 @@ def test_a_growing_norm_tightens_the_bound_and_it_relaxes_back() -> None:
         feedback.encode("w", 0.01 * g, "topk", ratio=0.001, rule=sgd(0.1))
         bounds.append(feedback.sent("w").bound)  # type: ignore[union-attr]
     assert bounds == sorted(bounds) and bounds[-1] == 0.5
+    # A bound given for one push (everything: 0) is not carried on to the next.
+    feedback.encode("w", g, "topk", ratio=0.001, max_residual=0.0)
+    feedback.encode("w", 0.01 * g, "topk", ratio=0.001, rule=sgd(0.1))
+    assert feedback.sent("w").bound == 0.5  # type: ignore[union-attr]
 
 
 def test_sparsity_warm_up_starts_at_a_quarter_and_falls_to_the_ratio() -> None:

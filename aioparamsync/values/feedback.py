@@ -108,7 +108,7 @@ class Sent:
 class _Track:
     # Replaced at every push, never changed: kept() hands out references.
     residual: np.ndarray
-    bound: float  # the bound now (lowered by growth, relaxing back to the rule's)
+    bound: float | None  # the rule's bound now (lowered by growth, relaxing back), or None
     norms: tuple[float, ...]  # ||g + e|| of the last NORMS pushes
     sent: Sent
 
@@ -209,7 +209,7 @@ class ErrorFeedback:
             bound = None
             if encoding == "topk":
                 rule_bound = max_residual if max_residual is not None else residual_bound(rule)
-                if track is None:
+                if track is None or track.bound is None or max_residual is not None:
                     bound = rule_bound
                 else:  # relaxing back (from 0 too: everything was sent)
                     bound = min(rule_bound, max(track.bound, LEAST_BOUND) * RELAX)
@@ -234,7 +234,7 @@ class ErrorFeedback:
         total[~np.isfinite(total)] = 0
         self._tracks[name] = _Track(
             total,
-            bound if bound is not None else 0.0,
+            bound if max_residual is None else None,  # a bound given is not carried on
             norms,
             Sent(share, sent.encoding, bound, pushes + 1),
         )
