@@ -285,8 +285,9 @@ async def test_gradients_fold_per_partition_by_the_parameters_rule(lone: Node) -
         await client.update_arrays({"w": w}, rules=sgd(0.5))
         assert await client.push_gradients({"w": g}) == {"w": 2}
         assert np.allclose((await client.get_arrays(["w"]))["w"], w - 0.5 * g, atol=1e-6)
-        # topk: the 10% largest, cut by their indices; error feedback keeps the rest.
-        await client.push_gradients({"w": g}, encoding="topk", ratio=0.1)
+        # topk: the 10% largest, cut by their indices; error feedback keeps the rest
+        # (max_residual=1: exactly the ratio, not more where the bound would need it).
+        await client.push_gradients({"w": g}, encoding="topk", ratio=0.1, max_residual=1.0)
         sent = compression.decode(compression.encode("w", g, "topk", ratio=0.1))
         got = (await client.get_arrays(["w"]))["w"]
         assert np.allclose(got, w - 0.5 * g - 0.5 * sent, atol=1e-5)
