@@ -174,7 +174,7 @@ class ErrorFeedback:
             max_residual: top-k's bound instead of the rule's, in [0, 1]
                 (1: exactly ``ratio``, unbounded; 0: everything).
             warmup: top-k: for this name's first ``warmup`` pushes, the least
-                share falls from 25% to ``ratio`` exponentially (Deep Gradient
+                share falls from 25% to ``ratio`` geometrically (Deep Gradient
                 Compression's sparsity warm-up); 0: none.
 
         Returns:
