@@ -585,3 +585,86 @@ async def test_idle_timeout_closes_silent_connections(spawn) -> None:
     rc, _ = await stop(node)
     assert rc == 0
     assert_clean(node.stderr)
+
+
+# -- configuration by environment ---------------------------------------------------------
+
+
+def test_every_flag_has_a_variable_and_the_command_line_wins() -> None:
+    from aioparamsync.cli.node import env_name, from_environment
+
+    parser = build_parser()
+    assert env_name("--data-dir") == "AIOPARAMSYNC_DATA_DIR"
+    env = {
+        "AIOPARAMSYNC_PORT": "9191",
+        "AIOPARAMSYNC_PEERS": "127.0.0.1:9000,127.0.0.1:9001",
+        "AIOPARAMSYNC_PARTITION_BYTES": "1MiB",
+        "AIOPARAMSYNC_IGNORE_CORRUPT_SNAPSHOT": "yes",
+        "AIOPARAMSYNC_LOG_LEVEL": "debug",
+        "OTHER": "x",
+    }
+    args = parser.parse_args([*from_environment(parser, ["--port", "9292"], env), "--port", "9292"])
+    assert args.port == 9292  # the flag wins
+    assert args.peers == [("127.0.0.1", 9000), ("127.0.0.1", 9001)]
+    assert args.partition_bytes == 1 << 20 and args.ignore_corrupt_snapshot
+    assert args.log_level == "debug"
+    # A switch set false is not set; nothing set is the defaults.
+    off = {"AIOPARAMSYNC_IGNORE_CORRUPT_SNAPSHOT": "off"}
+    assert not parser.parse_args(from_environment(parser, [], off)).ignore_corrupt_snapshot
+    assert from_environment(parser, [], {}) == []
+    assert parser.parse_args([*from_environment(parser, ["--port=1"], env), "--port=1"]).port == 1
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("AIOPARAMSYNC_PORT", "abc", "AIOPARAMSYNC_PORT='abc' (for --port): 'abc' is not a port"),
+        ("AIOPARAMSYNC_LOG_LEVEL", "loud", "(for --log-level): one of debug, info"),
+        ("AIOPARAMSYNC_IGNORE_CORRUPT_SNAPSHOT", "maybe", "a switch is one of 1/true"),
+        ("AIOPARAMSYNC_PARTITION_BYTES", "-3", "AIOPARAMSYNC_PARTITION_BYTES='-3'"),
+    ],
+)
+def test_a_bad_variable_is_refused_naming_it(variable: str, value: str, message: str) -> None:
+    import os
+
+    result = subprocess.run(
+        NODE,
+        env={**os.environ, variable: value},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_help_says_flags_can_come_from_the_environment() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "AIOPARAMSYNC_<FLAG>" in result.stdout and "wins over its variable" in result.stdout
+
+
+async def test_a_node_configured_by_environment_serves() -> None:
+    import os
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *NODE,
+        env={**os.environ, "AIOPARAMSYNC_PORT": str(port), "AIOPARAMSYNC_NODE_ID": "from-env"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = b""
+        while b"listening on" not in line:  # (log lines come first)
+            line = await asyncio.wait_for(proc.stderr.readline(), START_TIMEOUT)
+            assert line, "the node exited before it listened"
+        assert f"listening on 127.0.0.1:{port}" in line.decode(), line
+        async with ParameterClient(f"127.0.0.1:{port}") as client:
+            assert await client.ping() == "from-env"
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), START_TIMEOUT)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .._version import __version__
 from ..cluster.links import DEFAULT_REPAIR_INTERVAL
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an aioparamsync parameter-server node: it holds its parameters in "
         "memory, and with --data-dir keeps them on disk too. It speaks Thrift (framed or "
         "buffered, binary or compact) on one port.",
+        epilog=f"Every flag can also be set in the environment as {ENV_PREFIX}<FLAG> (e.g. "
+        f"{ENV_PREFIX}PEERS for --peers, {ENV_PREFIX}DATA_DIR for --data-dir; a switch such as "
+        "--ignore-corrupt-snapshot takes 1/true/yes/on or 0/false/no/off); a flag given on "
+        "the command line wins over its variable.",
     )
     parser.add_argument(
         "--host",
@@ -390,9 +395,58 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+ENV_PREFIX = "AIOPARAMSYNC_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a flag: ``--data-dir`` -> ``AIOPARAMSYNC_DATA_DIR``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def from_environment(
+    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
+) -> list[str]:
+    """The flags set in ``environ`` and not in ``argv``, as arguments to put before ``argv``.
+
+    Each value is checked as its flag's would be, and a bad one is refused
+    naming its variable (``parser.error``: exit status 2).
+    """
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    extra: list[str] = []
+    for action in parser._actions:
+        flags = [f for f in action.option_strings if f.startswith("--")]
+        if not flags or action.dest in ("help", "version"):
+            continue
+        flag = flags[0]
+        name = env_name(flag)
+        value = environ.get(name)
+        if value is None or any(f in given for f in action.option_strings):
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            word = value.strip().lower()
+            if word not in _TRUE + _FALSE:
+                parser.error(
+                    f"{name}={value!r}: a switch is one of 1/true/yes/on or 0/false/no/off"
+                )
+            if word in _TRUE:
+                extra.append(flag)
+            continue
+        try:
+            converted = action.type(value) if callable(action.type) else value
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            parser.error(f"{name}={value!r} (for {flag}): {exc}")
+        if action.choices is not None and converted not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            parser.error(f"{name}={value!r} (for {flag}): one of {choices}")
+        extra.append(f"{flag}={value}")
+    return extra
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args([*from_environment(parser, argv, os.environ), *argv])
     if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
         # (a node in memory that was meant to keep its data)
         parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
