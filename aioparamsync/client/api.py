@@ -126,12 +126,7 @@ class ParameterClient(ConnectionPool):
         # name -> the rule the node answered or this client set (top-k's bound
         # follows the rule's momentum: see values.feedback)
         self._rules: dict[str, Any] = {}
-        # encoding="auto" (values.adaptive), made when first asked for
-        self._auto: Any = None
-        self._auto_pull: Any = None
-        self._busy = 0.0  # seconds in measured calls since the last push ended
-        self._pushed_at: float | None = None  # when the last auto push ended
-        self._read_sizes: dict[str, tuple[int, int]] = {}  # name -> (raw bytes, itemsize)
+        self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
 
     async def close(self) -> None:
         if self.routes is not None:
@@ -196,13 +191,10 @@ class ParameterClient(ConnectionPool):
         """
         if isinstance(names, (str, bytes)):
             raise TypeError("names must be a list of names, not one string")
-        auto = None
         if encoding == "auto":
             if names is None:
                 raise ValueError('encoding="auto" needs the names (their sizes are what it weighs)')
-            auto = self._pull_controller()
-            sizes = {n: self._read_sizes[n] for n in names if n in self._read_sizes}
-            encoding = auto.choose(sizes).encoding if sizes else None
+            encoding = self._auto_of().pull_encoding(names)
         request = thrift.ParameterRequest(
             param_names=list(names) if names is not None else [],
             min_version=min_version,
@@ -245,27 +237,16 @@ class ParameterClient(ConnectionPool):
         for p in response.params:
             if p.rule is not None:
                 rules[p.name] = p.rule
-        if auto is not None or self._auto is not None:
-            seconds, nbytes = time.monotonic() - started, 0
-            for p in response.params:
-                n = memoryview(p.data).nbytes
-                nbytes += n
-                if auto is not None and p.dtype and not p.encoding:
-                    from ..values.arrays import parse_dtype
-
-                    self._read_sizes[p.name] = (n, parse_dtype(p.dtype).itemsize)
-            self._busy += seconds
-            for controller in (self._auto, self._auto_pull):
-                if controller is not None:
-                    controller.observe_call(nbytes, seconds)
+        if self._auto is not None and self._auto.measuring:
+            self._auto.observe_read(response.params, time.monotonic() - started)
         return response
 
-    def _pull_controller(self) -> Any:
-        if self._auto_pull is None:
-            from ..values.adaptive import PULL_CHOICES, EncodingController
+    def _auto_of(self) -> Any:
+        if self._auto is None:
+            from .auto import Auto
 
-            self._auto_pull = EncodingController(choices=PULL_CHOICES)
-        return self._auto_pull
+            self._auto = Auto()
+        return self._auto
 
     def _held_timeout(
         self, wait: float, timeout: float | EllipsisType | None
@@ -424,7 +405,8 @@ class ParameterClient(ConnectionPool):
         last = self._last_push
         auto = None
         if encoding == "auto":
-            auto, encoding, ratio, max_residual = self._auto_choice(grads, target)
+            auto = self._auto_of()
+            encoding, ratio, max_residual = auto.push_choice(grads, target)
             error_feedback = True
         try:
             if request_id is not None and last is not None and last[0] == request_id:
@@ -459,13 +441,7 @@ class ParameterClient(ConnectionPool):
                             )
                         )
                         if auto is not None:
-                            auto.observe_encode(
-                                auto.last.choice,
-                                np.asarray(g).nbytes,
-                                _payload(params[-1]),
-                                time.perf_counter() - began,
-                                name,
-                            )
+                            auto.observe_encode(name, g, params[-1], time.perf_counter() - began)
                 else:
                     params = [
                         compression.encode(name, g, encoding, ratio=ratio)
@@ -481,10 +457,8 @@ class ParameterClient(ConnectionPool):
             )
             began = time.monotonic()
             result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
-            if self._auto is not None:
-                ended = time.monotonic()
-                self._auto.observe_call(sum(_payload(p) for p in params), ended - began)
-                self._busy, self._pushed_at = 0.0, ended
+            if self._auto is not None and self._auto.push is not None:
+                self._auto.observe_push(params, time.monotonic() - began)
         except (RequestError, TypeError, ValueError):
             # Not applied (refused by the node, or never sent): error feedback
             # keeps the residuals it had, so what this push would have sent is
@@ -497,30 +471,6 @@ class ParameterClient(ConnectionPool):
                 self._last_push = None  # (to be encoded again, from the old residuals)
             raise
         return dict(result.versions)
-
-    def _auto_choice(
-        self, grads: Mapping[str, Any], target: float
-    ) -> tuple[Any, str, float, float | None]:
-        """encoding="auto": (the controller, encoding, ratio, max_residual) for this push."""
-        from ..values.adaptive import EncodingController
-
-        if self._auto is None:
-            self._auto = EncodingController(target)
-        auto = self._auto
-        if target != auto.target:
-            auto.target = EncodingController(target).target  # (checked there)
-        if self._pushed_at is not None:
-            auto.observe_compute(max(0.0, time.monotonic() - self._pushed_at - self._busy))
-        sizes = {}
-        for name, g in grads.items():
-            a = np.asarray(g)
-            sizes[name] = (a.nbytes, a.dtype.itemsize)
-        choice = auto.choose(sizes)
-        if choice.encoding is not None:
-            return auto, choice.encoding, choice.ratio or 0.01, None
-        # Raw, through error feedback all the same: what earlier compressed
-        # pushes held back goes with it (top-k with bound 0 sends everything, raw).
-        return auto, "topk", 1.0, 0.0
 
     async def barrier(
         self,
@@ -663,9 +613,7 @@ class ParameterClient(ConnectionPool):
                     }
         out: dict[str, Any] = {"gradients": gradients}
         if self._auto is not None:
-            out["auto"] = self._auto.stats()
-        if self._auto_pull is not None:
-            out["auto_pull"] = self._auto_pull.stats()
+            out.update(self._auto.stats())
         return out
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
@@ -691,12 +639,6 @@ class ParameterClient(ConnectionPool):
         barrier held (what it waits for, whom, and for how many seconds).
         """
         return await self.invoke(METHODS.info, timeout=timeout)
-
-
-def _payload(p: Any) -> int:
-    """The bytes a Parameter's data (and top-k's indices) take on the wire."""
-    n = memoryview(p.data).nbytes
-    return n + len(p.indices) if p.indices is not None else n
 
 
 def _array(p: Any) -> np.ndarray:

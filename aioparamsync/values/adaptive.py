@@ -185,9 +185,9 @@ class EncodingController:
         predicted: dict[str, float] = {}
         best: Choice | None = None
         cheapest, cheapest_cost = self.choices[0], math.inf
+        raw_total = sum(raw for raw, _ in sizes.values())
         for choice in self.choices:
             wire = sum(raw * self._share(n, choice, item) for n, (raw, item) in sizes.items())
-            raw_total = sum(raw for raw, _ in sizes.values())
             encode = self._encode_cost.get(choice.encoding)
             if encode is None:
                 # Not measured yet: as if free, so that it is tried once and measured.
