@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from cluster_helpers import ProcessCluster, eventually
+from cluster_helpers import LocalCluster, ProcessCluster, eventually, node_client, primary_of
 
 from aioparamsync import (
     CallTimeout,
@@ -21,7 +21,9 @@ from aioparamsync import (
     sum_rule,
     thrift,
 )
+from aioparamsync.placement import Placement
 from aioparamsync.server import holds as waiting_module
+from aioparamsync.values.arrays import to_parameter
 from aioparamsync.values.compression import encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -549,6 +551,110 @@ async def test_gradients_pushed_at_every_node_are_all_folded() -> None:
                 await cl.close()
     finally:
         await procs.close()
+
+
+async def test_a_part_passed_on_to_a_node_that_is_not_its_primary_is_refused() -> None:
+    """A node passes a part on with its epoch; the receiver folds it only as the
+    name's primary, else answers MOVED and folds nothing. A part sent to a next
+    replica (its owner out of reach) goes without an epoch and is folded there."""
+    cluster = LocalCluster()
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        await cluster.formed([a, b])
+        async with node_client(a.address) as ca:
+            await ca.update_arrays({"w": np.zeros(2, np.float32)}, rules=sum_rule())
+        primary = primary_of([a, b], "w")
+        other = b if primary is a else a
+        await eventually(lambda: assert_("w" in other.table), timeout=10)
+        grads = [to_parameter("w", ones(2))]
+        async with node_client(other.address) as client:
+            part = thrift.GradientPush(
+                grads=grads, request_id="r1", forwarded=True, epoch=other.cluster.epoch
+            )
+            with pytest.raises(RequestError) as info:
+                await client.call("push_gradients", push=part)
+            assert info.value.code == ErrorCode.MOVED
+            assert info.value.epoch == other.cluster.epoch and "not the primary" in str(info.value)
+            assert other.table.entry("w").version == 1  # nothing folded
+            # The same part without an epoch: a next replica's, folded where it arrives.
+            part = thrift.GradientPush(grads=grads, request_id="r1", forwarded=True)
+            versions = dict((await client.call("push_gradients", push=part)).versions)
+            assert versions == {"w": 2}
+        async with node_client(primary.address) as client:
+            part = thrift.GradientPush(
+                grads=grads, request_id="r2", forwarded=True, epoch=primary.cluster.epoch
+            )
+            assert dict((await client.call("push_gradients", push=part)).versions) == {"w": 3}
+            assert (await client.get_arrays(["w"], min_version=3, wait=5))["w"].tolist() == [2, 2]
+    finally:
+        await cluster.close()
+
+
+async def test_no_gradient_is_lost_while_a_node_joins_and_takes_over_names() -> None:
+    """Pushes go on at two nodes while a third joins and becomes the primary of some
+    of their names: every gradient is folded once (two primaries of one name at
+    once would each make its next version, and last-writer-wins drop one)."""
+    procs = ProcessCluster(repair_interval=0.5)
+    clients: list[ParameterClient] = []
+    try:
+        a = await procs.spawn()
+        b = await procs.spawn(peers=[a])
+        clients = [a.client(), b.client()]
+
+        async def meshed(n: int) -> None:
+            infos = [await cl.info() for cl in clients]
+            ups = [len([p for p in i.peers or [] if p.state == "up"]) for i in infos]
+            assert ups == [n - 1] * n, f"peers up: {ups}"
+
+        await eventually(lambda: meshed(2), timeout=20)
+        names = [f"layer{i}" for i in range(24)]
+        await clients[0].update_arrays(
+            {n: np.zeros(4, np.float32) for n in names}, rules=sum_rule()
+        )
+        pushes = {"a": 60, "b": 60, "c": 30}
+        pushed = {"a": 0, "b": 0, "c": 0}
+
+        async def worker(label: str, cl: ParameterClient) -> None:
+            await cl.get_arrays(names, min_version=1, wait=20)
+            for _ in range(pushes[label]):
+                await cl.push_gradients({n: ones(4) for n in names})
+                pushed[label] += 1
+                await asyncio.sleep(0.005)
+
+        workers = [
+            asyncio.ensure_future(worker(x, cl)) for x, cl in zip("ab", clients, strict=True)
+        ]
+        await eventually(lambda: assert_(pushed["a"] >= 10), timeout=20)
+        c = await procs.spawn(peers=[a])  # (joins while a and b push)
+        clients.append(c.client())
+        workers.append(asyncio.ensure_future(worker("c", clients[2])))
+        await asyncio.gather(*workers)
+        assert pushed["a"] + pushed["b"] < sum(pushes.values()), "c joined after the pushes"
+
+        topology = await clients[0].topology()
+        placement = Placement([m.node_id for m in topology.members], None)
+        taken = [
+            n for n in names if placement.primary(n, {c.node_id, a.node_id, b.node_id}) == c.node_id
+        ]
+        assert taken, "the node that joined is the primary of none of the names"
+        total = float(sum(pushes.values()))
+
+        async def folded() -> None:
+            for cl in clients:
+                got = await cl.get_arrays(names)
+                wrong = {n: g[0] for n, g in got.items() if g.tolist() != [total] * 4}
+                assert not wrong, f"{len(wrong)} of {len(names)} wrong: {wrong}"
+
+        await eventually(folded, timeout=20)
+    finally:
+        for cl in clients:
+            await cl.close()
+        await procs.close()
+
+
+def assert_(condition: bool) -> None:
+    assert condition
 
 
 async def test_plain_bytes_pull_zlib_encoded(client: ParameterClient) -> None:

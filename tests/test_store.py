@@ -234,6 +234,24 @@ async def test_a_cancelled_update_is_not_applied() -> None:
     await writer
 
 
+async def test_applied_waits_for_what_was_queued_before_it_only() -> None:
+    store = ParameterStore()
+    await store.applied()  # (nothing queued: at once, even with no writer)
+    before = [store.submit([P("a")], i) for i in range(3)]
+    barrier = asyncio.ensure_future(store.applied())
+    after = store.submit([P("b")], 9)
+    await asyncio.sleep(0)
+    assert not barrier.done()  # (no writer yet)
+    writer = asyncio.create_task(store.run())
+    await barrier
+    assert all(f.done() for f in before) and store.table.entry("a").version == 3
+    assert store.updates_applied >= 3  # (the barrier itself is not an update)
+    await after
+    assert store.updates_applied == 4
+    store.close()
+    await writer
+
+
 # -- merge: last writer wins on (version, origin) -----------------------------------
 
 

@@ -318,6 +318,14 @@ class PeerLink:
         self._announce_due = True
         self._wakeup.set()
 
+    async def pull(self) -> bool:
+        """Repair now: pull what the peer holds newer (False: the link is not up)."""
+        client = self.client
+        if self.state != LinkState.UP or client is None:
+            return False
+        await self._repair(client)
+        return True
+
     def confirm(self) -> asyncio.Future[bool]:
         """A future: True once what was offered so far reached the peer and was applied.
 

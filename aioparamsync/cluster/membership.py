@@ -163,6 +163,8 @@ class Cluster:
         self.live: frozenset[str] = frozenset()
         self.by_id: dict[str, PeerLink] = {}
         self._view: Any = None  # what the epoch was last bumped for
+        #: while this node takes over as the primary of its keys (see join): done then
+        self.settling: asyncio.Future[None] | None = None
         #: set at every new epoch (the rebalancer clears it)
         self.changed = asyncio.Event()
         self._departed: set[str] = set()  # ids of members that left (not learned again)
@@ -639,7 +641,34 @@ class Cluster:
                 )
                 break
             await asyncio.sleep(0.05)
-        self.set_state(UP)
+        await self._take_over()
+
+    async def _take_over(self) -> None:
+        """Say this node is up, and become the primary of its keys once no one else is.
+
+        Until every member up has answered that it knows (each answers once
+        what it folded as their primary is applied: see the announce handler)
+        and this node has pulled what they folded, it folds nothing
+        (:attr:`settling`): two primaries of one key at once would each make
+        its next version, and last-writer-wins would drop one of the two.
+        """
+        settling = self.settling = asyncio.get_running_loop().create_future()
+        try:
+            self.set_state(UP)
+            if any(link.state == LinkState.UP for link in self.links.values()):
+                await self._tell_all()
+                await self._pull_all()
+        finally:
+            self.settling = None
+            settling.set_result(None)
+
+    async def _pull_all(self) -> None:
+        """Pull from every member up what it holds newer than this node, now."""
+        links = [link for link in self.links.values() if link.state == LinkState.UP]
+        results = await asyncio.gather(*(link.pull() for link in links), return_exceptions=True)
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("could not pull from %s as this node took over: %s", link.name, result)
 
     # -- the store's feed ---------------------------------------------------------
 

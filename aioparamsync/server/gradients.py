@@ -12,6 +12,15 @@ that replica, or none is up). After a part folded by another node, the reply
 waits a little (``ARRIVAL_WAIT_MS``) for the versions made there to replicate
 here, so that the pusher's next read here sees them.
 
+One primary at a time. A part is passed on with this node's epoch; a node
+that is not the primary of its names in its own view answers ``MOVED``
+(nothing folded), and the part goes again to the names' primaries as this
+node sees them by then (views differ for a moment while a member joins or
+leaves). A part passed on to a next replica because its owner could not be
+reached goes without an epoch, and is folded where it arrives. A node that
+joins folds nothing until the others have stopped folding its keys (see
+``Cluster.settling``).
+
 Idempotence: a push may carry a request id, so that a push sent again (after
 a timeout or a lost connection, at this node or another) folds nothing twice.
 The :class:`PushLedger` keeps two records, each of the latest
@@ -46,6 +55,7 @@ from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import parse_key
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
+from .routing import moved
 
 if TYPE_CHECKING:
     from ..store.table import Applied
@@ -63,7 +73,7 @@ MAX_REQUEST_ID_BYTES = 256
 # results to replicate here, so the pusher's next read here sees them (ms).
 ARRIVAL_WAIT_MS = 2_000
 # Waits before asking an owner again to fold gradients of a parameter it does
-# not hold yet (seconds).
+# not hold yet, or a part's primaries again after one answered MOVED (seconds).
 FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
 
 
@@ -260,6 +270,8 @@ class GradientPushes:
                         ErrorCode.BAD_REQUEST,
                         f"{g.name!r}: a parameter's name may not hold NUL (nothing was folded)",
                     )
+        if push.forwarded and push.epoch is not None:
+            self._check_primary(push)
         chosen: dict[str, Any] = {}
         if self.partition_bytes and not push.forwarded and push.grads:
             push, chosen = self._cut(push)
@@ -275,6 +287,16 @@ class GradientPushes:
         if key is not None:
             ledger.remember_reply(key, future)
         return future
+
+    def _check_primary(self, push: Any) -> None:
+        """Refuse (MOVED) a part passed on here by a node that took this one for the
+        primary of names it is not the primary of now."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        elsewhere = [g.name for g in push.grads or () if cluster.owner(g.name) is not None]
+        if elsewhere:
+            raise moved(cluster, elsewhere, "is not the primary of", "nothing was folded")
 
     def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
         """``push`` with the gradients of large parameters cut as their partitions are."""
@@ -356,21 +378,21 @@ class GradientPushes:
             made.versions = {**before, **made.versions}
             return method.result(success=made)
 
-        folded = self.store.submit(
-            decoded_parameters(grads, self.max_decoded_bytes),
-            timestamp,
-            gradients=True,
-            then=None if self._acks_all(push) else result,
-        )
-        if not self._acks_all(push):
-            return folded
+        decoded = decoded_parameters(grads, self.max_decoded_bytes)
+        acks_all = self._acks_all(push)
+        settling = self.cluster.settling if self.cluster is not None else None
+        if settling is None and not acks_all:
+            return self.store.submit(decoded, timestamp, gradients=True, then=result)
 
-        async def replicated() -> Any:
-            applied = await folded
-            await self.cluster.replicated([e.name for e in applied.entries])
+        async def folded() -> Any:
+            if settling is not None:
+                await settling
+            applied = await self.store.submit(decoded, timestamp, gradients=True)
+            if acks_all:
+                await self.cluster.replicated([e.name for e in applied.entries])
             return result(applied)
 
-        return asyncio.ensure_future(replicated())
+        return asyncio.ensure_future(folded())
 
     async def _forward(
         self,
@@ -390,19 +412,43 @@ class GradientPushes:
         ``before``: the versions of the names folded by earlier tries.
         """
 
-        async def fold(owner: Any, grads: list[Any], tried: frozenset[str] = frozenset()) -> Any:
+        cluster = self.cluster
+
+        async def again(grads: list[Any], tried: frozenset[str], moves: int) -> Any:
+            parts: dict[Any, list[Any]] = {}
+            for g in grads:
+                parts.setdefault(cluster.owner(g.name, tried), []).append(g)
+            folded = await asyncio.gather(*(fold(o, gs, tried, moves) for o, gs in parts.items()))
+            return merge_results(folded)
+
+        async def fold(
+            owner: Any, grads: list[Any], tried: frozenset[str] = frozenset(), moves: int = 0
+        ) -> Any:
             if owner is not None:
                 forwarded = thrift.GradientPush(
                     grads=grads,
                     request_id=push.request_id,
                     timestamp=timestamp,
                     forwarded=True,
-                    acks=push.acks or self.cluster.acks,
+                    # (to a next replica, its owner out of reach: folded where it arrives)
+                    epoch=None if tried else cluster.epoch,
+                    acks=push.acks or cluster.acks,
                 )
                 try:
                     result = await self._forward_to(owner, forwarded)
-                except RequestError:
-                    raise
+                except RequestError as exc:
+                    if exc.code != ErrorCode.MOVED:
+                        raise
+                    # Its primary changed, as the owner sees it: to the primaries
+                    # as this node sees them after a while.
+                    if moves >= len(FORWARD_RETRY_DELAYS):
+                        raise RequestError(
+                            ErrorCode.UNAVAILABLE,
+                            f"gradients of {len(grads)} parameters were not folded: the nodes "
+                            f"disagree on their primary ({exc.message}); push again",
+                        ) from None
+                    await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
+                    return await again(grads, tried, moves + 1)
                 except ParamSyncError as exc:
                     self.forward_failures += 1
                     log.warning(
@@ -415,23 +461,19 @@ class GradientPushes:
                     # Each to its next live replica (the owner is down): here only when
                     # this node is that replica, or none is up.
                     tried = tried | {owner.node_id}
-                    nexts: dict[Any, list[Any]] = {}
-                    for g in grads:
-                        nexts.setdefault(self.cluster.owner(g.name, tried), []).append(g)
-                    if list(nexts) != [None]:
-                        folded = await asyncio.gather(
-                            *(fold(o, gs, tried) for o, gs in nexts.items())
-                        )
-                        return merge_results(folded)
+                    if any(cluster.owner(g.name, tried) is not None for g in grads):
+                        return await again(grads, tried, moves)
                 else:
                     self.forwarded += 1
                     await self._arrival(result.versions)
                     return result
+            if cluster.settling is not None:
+                await cluster.settling
             applied = await self.store.submit(
                 decoded_parameters(grads, self.max_decoded_bytes), timestamp, gradients=True
             )
             if self._acks_all(push):
-                await self.cluster.replicated([e.name for e in applied.entries])
+                await cluster.replicated([e.name for e in applied.entries])
             return update_result(applied)
 
         results = await asyncio.gather(

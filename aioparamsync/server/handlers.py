@@ -538,7 +538,13 @@ class ParameterService:
     def _announce(self, method: Method, args: Any) -> Any:
         if self.cluster is None or args.member is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "announce needs a member")
-        return method.result(success=self.cluster.announced(args.member))
+        members = self.cluster.announced(args.member)
+        # Answered once what this node folded as the primary of keys that the
+        # announcement may have moved is applied: a member that says it is up
+        # takes them over after every answer (see Cluster.join).
+        return _then(
+            asyncio.ensure_future(self.store.applied()), lambda _: method.result(success=members)
+        )
 
     def _digest(self, method: Method, args: Any) -> Any:
         table = self.store.table

@@ -42,7 +42,7 @@ from ..placement import LIVE, Placement, barrier_key
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
 
-__all__ = ["Routed", "Router"]
+__all__ = ["Routed", "Router", "moved"]
 
 # The deadline of a call passed on to another node (seconds), past the wait a
 # held one (a long poll, a barrier) asks for: a node that froze is given up on.
@@ -73,12 +73,17 @@ class Routed(Protocol):
     async def replicated(self, names: Iterable[str]) -> None: ...
 
 
-def _moved(cluster: Routed, names: Sequence[str]) -> RequestError:
+def moved(
+    cluster: Routed,
+    names: Sequence[str],
+    what: str = "does not hold",
+    then: str = "ask a node for the topology",
+) -> RequestError:
+    """The ``MOVED`` error for ``names`` (what this node does not do for them), with its epoch."""
     shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
     return RequestError(
         ErrorCode.MOVED,
-        f"node {cluster.me.node_id} does not hold {shown} at epoch {cluster.epoch}: ask a node "
-        "for the topology",
+        f"node {cluster.me.node_id} {what} {shown} at epoch {cluster.epoch}: {then}",
         epoch=cluster.epoch,
     )
 
@@ -112,7 +117,7 @@ class Router:
             return
         missing = [n for n in names if not (serving and placement.holds(me, n))]
         if missing:
-            raise _moved(cluster, missing)
+            raise moved(cluster, missing)
 
     def read_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
         """``names`` by the node to read each from (None: here); None when all are here."""

@@ -238,6 +238,21 @@ class ParameterStore:
         self._wake()
         return await future
 
+    async def applied(self) -> None:
+        """Wait until every update queued before this call is applied (a barrier).
+
+        A node that stops being a key's primary waits so before it says it has:
+        the folds it took as primary are in its table when the new one asks.
+        """
+        if self._closed or not self._queue:
+            return
+        future = Answer(loop=self._loop or asyncio.get_running_loop())
+        future.eager = None
+        # (an empty drop: in order with the others, and no more)
+        self._queue.append(({}, 0, _DROP, future, None))  # type: ignore[arg-type]
+        self._wake()
+        await future
+
     async def run(self) -> None:
         """The writer. Runs until :meth:`close`, then applies what was queued and returns.
 
