@@ -9,20 +9,24 @@ import os
 import ssl as ssl_module
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from .client.api import Address, parse_address, parse_addresses
+from .cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
+from .cluster.discovery import DnsDiscovery, Resolver
 from .cluster.links import DEFAULT_REPAIR_INTERVAL, member_name
 from .cluster.membership import DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING, Cluster
+from .errors import ErrorCode, RequestError
 from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
-from .placement import DEFAULT_REPLICATION_FACTOR, JOINING, UP
+from .placement import DEFAULT_REPLICATION_FACTOR, JOINING, LEFT, UP
 from .server.handlers import ParameterService
 from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .store.table import Limits, ParameterTable
 from .store.writer import ParameterStore
 from .values.partitions import DEFAULT_PARTITION_BYTES
 from .values.pieces import MAX_UPLOAD_BYTES
-from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, thrift
+from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, METHODS, thrift
 
 __all__ = ["Node", "unspecified_host"]
 
@@ -106,6 +110,10 @@ class Node:
             float32 are stored as partitions, each placed on its own (see
             :mod:`aioparamsync.values.partitions`); 0: every one whole. The
             same on every node of a cluster.
+        peers_dns: ``name:port`` whose every address is a member (a Kubernetes
+            headless Service), resolved as the node starts and again every
+            ``peers_dns_interval`` seconds (see :mod:`aioparamsync.cluster.discovery`).
+        resolve: how ``peers_dns`` is resolved (default: the system's resolver).
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -140,6 +148,9 @@ class Node:
         acks: str = "1",
         drain_timeout: float = 60.0,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        peers_dns: Address | None = None,
+        peers_dns_interval: float = DNS_INTERVAL,
+        resolve: Resolver | None = None,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -158,7 +169,8 @@ class Node:
                 f"advertise={self._advertise[0]!r} means every interface, not an address "
                 "peers can reach: give this node's address on their network"
             )
-        if self._advertise is None and self.seeds and unspecified_host(host):
+        self._dns = parse_address(peers_dns) if peers_dns is not None else None
+        if self._advertise is None and (self.seeds or self._dns) and unspecified_host(host):
             told = f"[{host}]" if ":" in host else host or "0.0.0.0"
             raise ValueError(
                 f"host={host!r} (every interface) with peers needs advertise=(host, port): "
@@ -186,6 +198,12 @@ class Node:
             acks=acks,
         )
         self.drain_timeout = drain_timeout
+        #: the members found by DNS (``peers_dns``), or None
+        self.discovery = (
+            DnsDiscovery(self.cluster, *self._dns, interval=peers_dns_interval, resolve=resolve)
+            if self._dns is not None
+            else None
+        )
         self.service = ParameterService(
             self.store,
             self.cluster,
@@ -196,8 +214,11 @@ class Node:
         self.server = Server(self.service, self.config)
         self.service.counters = self.server.counters
         self.service.on_drain = self._drain_requested
+        self.service.on_shutdown = self._shutdown_requested
         #: set once the node has left its cluster (a drain): it is to be stopped
         self.left = asyncio.Event()
+        #: set once the node was told to shut down: it is to be stopped, not leave
+        self.shutting_down = asyncio.Event()
         self._joining: asyncio.Task[None] | None = None
         self._leaving: asyncio.Task[int] | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -279,7 +300,12 @@ class Node:
         # writes win ties.
         self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
-        self.cluster.start(self.seeds)
+        seeds = list(self.seeds)
+        if self.discovery is not None:
+            seeds += [a for a in await self.discovery.seeds() if a not in seeds]
+        self.cluster.start(seeds)
+        if self.discovery is not None:
+            self.discovery.start()
         if self.cluster.state == JOINING:
             self._joining = asyncio.create_task(self.cluster.join(), name="aioparamsync-join")
         kept = f"data in {self.data_dir.path}" if self.data_dir is not None else "in memory"
@@ -345,6 +371,62 @@ class Node:
     def _drain_requested(self, timeout: float | None) -> asyncio.Future:
         return asyncio.ensure_future(self.leave(timeout))
 
+    async def shutdown(self, *, cluster: bool = True, snapshot: bool = False) -> Any:
+        """Ask this node (and, with ``cluster``, every member it knows) to stop.
+
+        Each member is told concurrently and answers at once; none hands
+        anything off (they all stop). With ``snapshot``, a node with a data
+        directory takes no more writes and writes its final snapshot before it
+        answers (else it writes it as it stops). Then :attr:`shutting_down` is
+        set: whoever runs the node stops it (``aioparamsync-node`` does, and
+        exits 0). Answers a ``ShutdownResult``.
+        """
+        told: list[Any] = []
+        unreached: list[str] = []
+        if cluster:
+            links = [
+                link
+                for link in self.cluster.links.values()
+                if link.node_id and link.member_state != LEFT
+            ]
+            request = thrift.ShutdownRequest(cluster=False, snapshot=snapshot)
+
+            async def tell(link: Any) -> Any:
+                return await link.proxy().invoke(METHODS.shutdown, request=request)
+
+            results = await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
+            for link, result in zip(links, results, strict=True):
+                if isinstance(result, Exception):
+                    log.warning("could not tell %s to shut down: %s", link.name, result)
+                    unreached.append(link.address)
+                else:
+                    told.append(result)
+        wrote = False
+        if snapshot and self.data_dir is not None and self._writer is not None:
+            self.store.close()  # (writes are refused from now: the snapshot is the last word)
+            await self._writer
+            wrote = True
+        log.info("node %s shutting down (asked to)", self.node_id)
+        self.shutting_down.set()
+        return thrift.ShutdownResult(
+            stopping=1 + sum(r.stopping for r in told),
+            snapshots=int(wrote) + sum(r.snapshots for r in told),
+            unreached=unreached or None,
+        )
+
+    def _shutdown_requested(self, request: Any) -> asyncio.Future:
+        ssl = self.config.ssl
+        if ssl is not None and ssl.verify_mode != ssl_module.CERT_REQUIRED:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                "a node serving TLS without verifying its clients (no --tls-ca) takes no "
+                "shutdown: anyone could stop it",
+            )
+        cluster = request.cluster is None or request.cluster
+        return asyncio.ensure_future(
+            self.shutdown(cluster=cluster, snapshot=bool(request.snapshot))
+        )
+
     async def stop(self, grace: float = 5.0, *, leave: bool = True) -> None:
         """Stop gracefully: what was acknowledged is sent on and kept.
 
@@ -362,6 +444,8 @@ class Node:
             if self._joining is not None:
                 self._joining.cancel()
                 await asyncio.wait({self._joining})
+            if self.discovery is not None:
+                await self.discovery.stop()
             await self.server.close(grace)
             self.service.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up

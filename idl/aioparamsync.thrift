@@ -277,6 +277,25 @@ struct DigestRequest {
     4: optional list<string> names,
 }
 
+// Stop nodes (so that a job's cluster ends with its workers).
+struct ShutdownRequest {
+    // Every member this node knows too (default), or this node alone.
+    1: optional bool cluster,
+    // Each node with a data directory takes no more writes and writes its
+    // final snapshot before it answers; else it writes it as it stops.
+    2: optional bool snapshot,
+}
+
+// What a shutdown set going.
+struct ShutdownResult {
+    // The nodes that answered and are stopping (this one included).
+    1: required i32 stopping,
+    // Of those, the ones that wrote their final snapshot before answering.
+    2: required i32 snapshots,
+    // Members that could not be told, as host:port.
+    3: optional list<string> unreached,
+}
+
 // What a node holds of one parameter (anti-entropy compares these).
 struct DigestEntry {
     1: required string name,
@@ -365,4 +384,8 @@ service ParameterSyncService {
     // A planned leave: the node hands every key it holds to its next
     // holders, answers how many it handed off, and exits.
     i64 drain(1: i32 wait_ms) throws (1: ParameterError error),
+    // Stop the node, and every member it knows (no hand-off: they all stop),
+    // each after its final snapshot where it has a data directory. Refused
+    // over TLS unless the node verifies client certificates.
+    ShutdownResult shutdown(1: ShutdownRequest request) throws (1: ParameterError error),
 }

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trustme
-from cluster_helpers import eventually, run_process
+from cluster_helpers import ProcessCluster, eventually, run_process
 
-from aioparamsync import Node, ParameterClient, __version__, thrift
+from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, __version__, thrift
 from aioparamsync.cli.ctl import main
 from aioparamsync.store.table import Limits
 from aioparamsync.tls import server_context
@@ -725,3 +725,132 @@ def test_drain_refuses_a_wait_that_is_no_number_of_seconds(capsys) -> None:
         main(["drain", "--wait", "-3", "127.0.0.1:9"])
     assert exited.value.code == 2
     assert "--wait" in capsys.readouterr().err
+
+
+# -- shutdown -------------------------------------------------------------------------------
+
+
+async def test_shutdown_stops_every_node_of_the_cluster(capsys) -> None:
+    async with (
+        Node("127.0.0.1", 0, node_id="a") as a,
+        Node("127.0.0.1", 0, node_id="b", peers=[a.address]) as b,
+    ):
+
+        def formed() -> None:
+            assert a.cluster.state == b.cluster.state == "up" and len(a.cluster.live) == 2
+
+        await eventually(formed, timeout=SETTLE_TIMEOUT)
+        rc, out, err = await ctl(capsys, "shutdown", text(a.address))
+        assert (rc, err) == (0, "")
+        assert out == f"{text(a.address)}: 2 nodes stopping, 0 wrote their final snapshot\n"
+        assert a.shutting_down.is_set() and b.shutting_down.is_set()
+        assert not a.left.is_set()  # (no hand-off: every node stops)
+
+
+async def test_shutdown_of_this_node_only_as_json(capsys) -> None:
+    async with (
+        Node("127.0.0.1", 0, node_id="a") as a,
+        Node("127.0.0.1", 0, node_id="b", peers=[a.address]) as b,
+    ):
+        await eventually(lambda: assert_up(a, b), timeout=SETTLE_TIMEOUT)
+        rc, out, err = await ctl(capsys, "--json", "shutdown", "--only-this-node", text(b.address))
+        assert (rc, err) == (0, "")
+        assert json.loads(out) == {
+            "address": text(b.address),
+            "stopping": 1,
+            "snapshots": 0,
+            "unreached": [],
+        }
+        assert b.shutting_down.is_set() and not a.shutting_down.is_set()
+
+
+def assert_up(*nodes: Node) -> None:
+    for node in nodes:
+        assert node.cluster.state == "up" and len(node.cluster.live) == len(nodes)
+
+
+async def test_shutdown_with_snapshot_writes_it_before_answering_and_refuses_writes_after(
+    tmp_path, capsys
+) -> None:
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        await client.update_arrays({"w": np.arange(4, dtype=np.float32)})
+        rc, out, err = await ctl(capsys, "shutdown", "--snapshot", text(node.address))
+        assert (rc, err) == (0, "")
+        assert out.endswith(": 1 nodes stopping, 1 wrote their final snapshot\n")
+        snapshots = list(tmp_path.glob("*.safetensors"))
+        assert snapshots, sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(RequestError) as refused:
+            await client.update_arrays({"w": np.zeros(4, np.float32)})
+        assert refused.value.code == ErrorCode.UNAVAILABLE
+        assert (await client.get_arrays(["w"]))["w"].tolist() == [0, 1, 2, 3]  # reads go on
+    async with Node("127.0.0.1", 0, data_dir=tmp_path) as again:
+        assert again.table.entry("w").version == 1
+
+
+async def test_shutdown_names_the_members_it_could_not_reach_and_exits_1(capsys) -> None:
+    async with Node("127.0.0.1", 0, node_id="a") as a:
+        b = Node("127.0.0.1", 0, node_id="b", peers=[a.address])
+        await b.start()
+        await eventually(lambda: assert_up(a, b), timeout=SETTLE_TIMEOUT)
+        b_address = text(b.address)
+        await b.stop(leave=False)  # (down, not left: a still counts it a member)
+        await eventually(lambda: assert_(a.cluster.by_id["b"].state != "up"), timeout=10)
+        rc, out, err = await ctl(capsys, "shutdown", text(a.address))
+        assert rc == 1, (out, err)
+        assert f"not reached: {b_address}" in out
+        assert a.shutting_down.is_set()
+
+
+def assert_(condition: bool) -> None:
+    assert condition
+
+
+async def test_a_tls_node_takes_shutdown_only_from_clients_it_verifies(tmp_path, capsys) -> None:
+    ca = trustme.CA()
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "node", "client")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(files["node"]))
+    ca.issue_cert("worker").private_key_and_cert_chain_pem.write_to_path(str(files["client"]))
+    tls = ["--tls-ca", str(files["ca"])]
+    async with Node("127.0.0.1", 0, ssl=server_context(str(files["node"]))) as node:
+        rc, out, err = await ctl(capsys, "shutdown", text(node.address), *tls)
+        assert_one_line_error(rc, out, err, "without verifying its clients", "--tls-ca")
+        assert not node.shutting_down.is_set()
+    verifying = server_context(str(files["node"]), cafile=str(files["ca"]))
+    async with Node("127.0.0.1", 0, ssl=verifying) as node:
+        rc, out, err = await ctl(
+            capsys, "shutdown", text(node.address), *tls, "--tls-cert", str(files["client"])
+        )
+        assert (rc, err) == (0, ""), err
+        assert node.shutting_down.is_set()
+
+
+async def test_a_job_ends_the_cluster_its_node_processes_exit_0_after_their_snapshots(
+    tmp_path,
+) -> None:
+    """What a Kubernetes Job's last worker does: the node processes exit, and come
+    back from their snapshots."""
+    procs = ProcessCluster()
+    try:
+        dirs = [tmp_path / name for name in ("a", "b")]
+        a = await procs.spawn(extra=["--data-dir", str(dirs[0])])
+        b = await procs.spawn(peers=[a], extra=["--data-dir", str(dirs[1])])
+        async with ParameterClient(a.address, timeout=10) as client:
+
+            async def meshed() -> None:
+                info = await client.info()
+                assert [p.state for p in info.peers or []] == ["up"]
+
+            await eventually(meshed, timeout=SETTLE_TIMEOUT)
+            await client.update_arrays({"w": np.ones(3, np.float32)}, acks="all")
+            result = await client.shutdown_cluster(snapshot=True)
+        assert (result.stopping, result.snapshots, result.unreached) == (2, 2, None)
+        assert [await p.wait_exit() for p in (a, b)] == [0, 0]
+        for data_dir in dirs:
+            async with Node("127.0.0.1", 0, data_dir=data_dir) as again:
+                assert again.table.entry("w").version == 1
+    finally:
+        await procs.close()

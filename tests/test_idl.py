@@ -81,6 +81,7 @@ def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
     writes = {m.name for m in METHODS if m.writes}
     assert writes == {
         "update_parameters", "push_parameters", "broadcast_update", "push_gradients", "drain",
+        "shutdown",
     }  # fmt: skip
     # never retried behind the caller's back: the writes a second delivery would apply twice
     assert {m.name for m in METHODS if not m.idempotent} == writes - {"push_gradients"}
@@ -89,6 +90,7 @@ def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
         "pull_parameters": "wait_ms",
         "barrier": "always",
         "drain": "always",
+        "shutdown": "always",
     }
     assert METHODS.broadcast_update.oneway and not METHODS.push_parameters.oneway
 

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect a running aioparamsync node and its cluster. No command "
-        "changes it, but drain, which makes it leave its cluster.",
+        "changes it, but drain, which makes it leave its cluster, and shutdown, which stops "
+        "the cluster.",
         epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
         "refused, or is no node; 2 bad arguments; 3 (get) some name is not on the node.",
     )
@@ -181,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="the longest the node hands keys off before it leaves anyway (default: its "
         "--drain-timeout); the command's --timeout should be longer",
+    )
+    shutdown = command(
+        "shutdown",
+        "stop every node of the node's cluster (none hands anything off), so a job ends",
+    )
+    shutdown.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="each node with a data directory takes no more writes and writes its final "
+        "snapshot before it answers (else it writes it as it stops)",
+    )
+    shutdown.add_argument(
+        "--only-this-node",
+        action="store_true",
+        help="stop this node alone (its peers see it down, as a node to come back)",
     )
     return parser
 
@@ -470,6 +486,28 @@ async def drain(client: ParameterClient, args: argparse.Namespace) -> int:
     return OK
 
 
+async def shutdown(client: ParameterClient, args: argparse.Namespace) -> int:
+    request = thrift.ShutdownRequest(cluster=not args.only_this_node, snapshot=args.snapshot)
+    result = await client.call("shutdown", request=request, timeout=args.timeout)
+    address = f"{client.host}:{client.port}"
+    unreached = list(result.unreached or [])
+    if args.json:
+        print_json(
+            {
+                "address": address,
+                "stopping": result.stopping,
+                "snapshots": result.snapshots,
+                "unreached": unreached,
+            }
+        )
+    else:
+        print(
+            f"{address}: {result.stopping} nodes stopping, {result.snapshots} wrote their final "
+            "snapshot" + (f"; not reached: {', '.join(unreached)}" if unreached else "")
+        )
+    return FAILED if unreached else OK
+
+
 Command = Callable[[ParameterClient, argparse.Namespace], Coroutine[Any, Any, int]]
 COMMANDS: dict[str, Command] = {
     "stats": stats,
@@ -480,6 +518,7 @@ COMMANDS: dict[str, Command] = {
     "ping": ping,
     "topology": topology,
     "drain": drain,
+    "shutdown": shutdown,
 }
 
 

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from .._version import __version__
+from ..client.environment import ENV_PREFIX, switch
+from ..cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
 from ..cluster.links import DEFAULT_REPAIR_INTERVAL
 from ..cluster.membership import ACKS, DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING
 from ..metrics import MetricsBindError
@@ -131,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST:PORT,...",
         help="members of the cluster to join; any one live member will do",
+    )
+    parser.add_argument(
+        "--peers-dns",
+        type=address,
+        metavar="NAME:PORT",
+        help="members of the cluster: every address of NAME (a Kubernetes headless "
+        "Service), resolved as the node starts and again every --peers-dns-interval seconds, "
+        "so members that come are joined without a list",
+    )
+    parser.add_argument(
+        "--peers-dns-interval",
+        type=positive_seconds,
+        default=DNS_INTERVAL,
+        metavar="SECONDS",
+        help="how often --peers-dns is resolved again (default: %(default)s)",
     )
     parser.add_argument(
         "--advertise",
@@ -362,6 +379,8 @@ async def serve(args: argparse.Namespace) -> int:
         acks=args.acks,
         drain_timeout=args.drain_timeout,
         partition_bytes=args.partition_bytes,
+        peers_dns=args.peers_dns,
+        peers_dns_interval=args.peers_dns_interval,
     )
     try:
         await node.start()
@@ -384,19 +403,19 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     host, port = node.address
     print(f"aioparamsync-node {node.node_id} listening on {host}:{port}", flush=True)
-    stopping = asyncio.ensure_future(stop.wait())
-    left = asyncio.ensure_future(node.left.wait())  # drained: 'aioparamsync-ctl drain'
-    await asyncio.wait({stopping, left}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    left.cancel()
+    waits = [
+        asyncio.ensure_future(stop.wait()),
+        asyncio.ensure_future(node.left.wait()),  # drained: 'aioparamsync-ctl drain'
+        asyncio.ensure_future(node.shutting_down.wait()),  # 'aioparamsync-ctl shutdown'
+    ]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
     log.info("shutting down")
-    await node.stop()
+    # (told to shut down, the whole cluster stops: nothing to hand off, nor anyone to take it)
+    await node.stop(leave=not node.shutting_down.is_set())
     log.info("stopped")
     return 0
-
-
-ENV_PREFIX = "AIOPARAMSYNC_"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def env_name(flag: str) -> str:
@@ -424,13 +443,11 @@ def from_environment(
         if value is None or any(f in given for f in action.option_strings):
             continue
         if isinstance(action, argparse._StoreTrueAction):
-            word = value.strip().lower()
-            if word not in _TRUE + _FALSE:
-                parser.error(
-                    f"{name}={value!r}: a switch is one of 1/true/yes/on or 0/false/no/off"
-                )
-            if word in _TRUE:
-                extra.append(flag)
+            try:
+                if switch(name, value):
+                    extra.append(flag)
+            except ValueError as exc:
+                parser.error(str(exc))
             continue
         try:
             converted = action.type(value) if callable(action.type) else value
@@ -450,11 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
         # (a node in memory that was meant to keep its data)
         parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
-    if args.peers and args.advertise is None and unspecified_host(args.host):
+    if (args.peers or args.peers_dns) and args.advertise is None and unspecified_host(args.host):
         # (peers would be told HOST:PORT, and reach themselves or nothing)
+        given = "--peers" if args.peers else "--peers-dns"
         parser.error(
             f"--host {args.host} listens on every interface, which is no address to give "
-            "peers: with --peers, pass --advertise HOST:PORT with an address the peers can reach"
+            f"peers: with {given}, pass --advertise HOST:PORT with an address the peers can "
+            "reach"
         )
     args.fsync = args.fsync or "batch"
     logging.basicConfig(

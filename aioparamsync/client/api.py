@@ -128,6 +128,22 @@ class ParameterClient(ConnectionPool):
         self._rules: dict[str, Any] = {}
         self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> ParameterClient:
+        """A client of the nodes the environment names (default: ``os.environ``).
+
+        ``AIOPARAMSYNC_ADDRESSES`` (else ``AIOPARAMSYNC_PEERS_DNS``) and the TLS
+        files ``AIOPARAMSYNC_TLS_CA``, ``_TLS_CERT``, ``_TLS_KEY``, as the nodes
+        read them (see :mod:`.environment`); ``kwargs`` are the constructor's.
+
+        Raises:
+            ValueError: no addresses, or a variable that is not what it should be
+                (the message names it).
+        """
+        from .environment import client_options
+
+        return cls(**{**client_options(environ), **kwargs})
+
     async def close(self) -> None:
         if self.routes is not None:
             await self.routes.close()
@@ -146,6 +162,21 @@ class ParameterClient(ConnectionPool):
     async def topology(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The cluster as the node sees it (the IDL's ``Topology``: epoch, members, R)."""
         return await self.invoke(METHODS.topology, timeout=timeout)
+
+    async def shutdown_cluster(
+        self, *, snapshot: bool = False, timeout: float | EllipsisType | None = ...
+    ) -> Any:
+        """Stop every node of the cluster, so a job's cluster ends with its workers.
+
+        The node tells every member it knows; none hands anything off. With
+        ``snapshot``, each node with a data directory takes no more writes and
+        writes its final snapshot before it answers (else as it stops). Answers
+        the IDL's ``ShutdownResult``: ``stopping`` nodes, ``snapshots`` written,
+        ``unreached`` members. A node serving TLS refuses it unless it verifies
+        its clients' certificates (``--tls-ca``).
+        """
+        request = thrift.ShutdownRequest(cluster=True, snapshot=snapshot)
+        return await self.invoke(METHODS.shutdown, timeout=timeout, request=request)
 
     async def get_parameters(
         self,

@@ -123,6 +123,8 @@ class ParameterService:
         self.router = Router(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)
         self.on_drain: Callable[[float | None], asyncio.Future] | None = None
+        #: what answers a shutdown (the node's: see Node.shutdown)
+        self.on_shutdown: Callable[[Any], asyncio.Future] | None = None
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -139,6 +141,7 @@ class ParameterService:
             METHODS.topology: self._topology,
             METHODS.digest_for: self._digest_for,
             METHODS.drain: self._drain,
+            METHODS.shutdown: self._shutdown,
         }
         if missing := [m.name for m in METHODS if m not in handlers]:
             raise RuntimeError(f"IDL methods without a handler: {missing}")
@@ -534,6 +537,12 @@ class ParameterService:
             raise RequestError(ErrorCode.BAD_REQUEST, "this node cannot be drained")
         wait = args.wait_ms / 1000 if args.wait_ms is not None and args.wait_ms > 0 else None
         return _then(self.on_drain(wait), lambda n: method.result(success=n))
+
+    def _shutdown(self, method: Method, args: Any) -> asyncio.Future:
+        if self.on_shutdown is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "this node cannot be shut down")
+        request = args.request or thrift.ShutdownRequest()
+        return _then(self.on_shutdown(request), lambda r: method.result(success=r))
 
     def _announce(self, method: Method, args: Any) -> Any:
         if self.cluster is None or args.member is None:

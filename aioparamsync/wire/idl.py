@@ -68,6 +68,7 @@ _TRAITS: dict[str, dict[str, Any]] = {
     "pull_parameters": {"held": "wait_ms"},
     "barrier": {"held": "always"},
     "drain": {"held": "always", "writes": True, "idempotent": False},
+    "shutdown": {"held": "always", "writes": True, "idempotent": False},
 }
 
 
@@ -112,6 +113,7 @@ class Methods:
     topology: Method
     digest_for: Method
     drain: Method
+    shutdown: Method
 
     def __init__(self, methods: dict[str, Method]) -> None:
         declared = set(type(self).__annotations__)
