@@ -56,6 +56,12 @@ Metrics (every name starts with ``aioparamsync_``):
   waited), ``peer_state{peer,state}`` (1 for its state, 0 for the others),
   ``peer_info{peer,node_id}``;
 - ``node_info{node_id,version}``, and the ``process_*`` metrics.
+
+The same port answers the probes of an orchestrator (Kubernetes' liveness and
+readiness): ``/healthz`` is 200 while the node's event loop runs a callback
+within ``HEALTH_WAIT`` seconds (503: it is stuck, restart it), ``/readyz`` 200
+while the node has joined and caught up (503 while it joins, takes its keys
+over, leaves or shuts down: send it no traffic); each says why in a line.
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ MEMBER_STATES = ("joining", "up", "down", "failed", "leaving", "left")
 
 log = logging.getLogger(__name__)
 
+# How long /healthz waits for the event loop to run a callback (seconds).
+HEALTH_WAIT = 5.0
+
 
 class Metered(Protocol):
     """The parts of a node its metrics read (a :class:`~aioparamsync.node.Node` has them)."""
@@ -101,6 +110,8 @@ class Metered(Protocol):
     store: ParameterStore
     service: ParameterService
     cluster: Cluster
+
+    def readiness(self) -> tuple[bool, str]: ...
 
 
 # Upper bounds of the latency histograms' buckets (seconds).
@@ -456,6 +467,8 @@ class NodeMetrics:
         self.registry.register(_NodeCollector(node, self.calls))
         ProcessCollector(registry=self.registry)
         node.server.call_observer = self.calls.observe
+        self._node = node
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -473,11 +486,9 @@ class NodeMetrics:
         Raises:
             MetricsBindError: the address cannot be listened on.
         """
-        from prometheus_client import start_http_server
-
+        self._loop = asyncio.get_running_loop()
         try:
-            # prometheus-client >= 0.20 answers the server and its thread.
-            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._httpd, self._thread = _serve(host, port, self._app())
         except OSError as exc:
             error = MetricsBindError(
                 f"cannot serve metrics on {_hostport(host, port)}: {exc.strerror or exc}"
@@ -486,6 +497,37 @@ class NodeMetrics:
             raise error from exc
         assert self.address is not None
         log.info("metrics on http://%s/metrics", _hostport(*self.address))
+
+    def _app(self) -> Any:
+        """The WSGI app: the probes, and the metrics at every other path."""
+        from prometheus_client import make_wsgi_app
+
+        metrics = make_wsgi_app(self.registry)
+        probes = {"/healthz": self.alive, "/readyz": self._node.readiness}
+
+        def app(environ: dict[str, Any], start_response: Any) -> Any:
+            probe = probes.get(environ.get("PATH_INFO", ""))
+            if probe is None:
+                return metrics(environ, start_response)
+            ok, why = probe()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"{why}\n".encode()]
+
+        return app
+
+    def alive(self) -> tuple[bool, str]:
+        """Whether the event loop runs a callback within ``HEALTH_WAIT`` s (from a thread)."""
+        loop, ran = self._loop, threading.Event()
+        try:
+            if loop is None:
+                raise RuntimeError("not started")
+            loop.call_soon_threadsafe(ran.set)
+        except RuntimeError as exc:  # (a closed loop)
+            return False, f"the event loop is gone: {exc}"
+        if not ran.wait(HEALTH_WAIT):
+            return False, f"the event loop did not answer in {HEALTH_WAIT:g} s"
+        return True, "alive"
 
     async def close(self) -> None:
         """Stop the endpoint and release its port (the call statistics stay)."""
@@ -501,3 +543,23 @@ class NodeMetrics:
                 thread.join()
 
         await asyncio.to_thread(stop)
+
+
+def _serve(host: str, port: int, app: Any) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``app`` on ``host:port`` from a daemon thread, one thread per request."""
+    import socket
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # (scrapes are not news)
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = make_server(host, port, app, Server, handler_class=Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, name="aioparamsync-metrics", daemon=True)
+    thread.start()
+    return httpd, thread

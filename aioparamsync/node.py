@@ -371,6 +371,22 @@ class Node:
     def _drain_requested(self, timeout: float | None) -> asyncio.Future:
         return asyncio.ensure_future(self.leave(timeout))
 
+    def readiness(self) -> tuple[bool, str]:
+        """Whether to send this node traffic (``/readyz``), and why: it has joined its
+        cluster and caught up, and is not leaving or shutting down."""
+        state = self.cluster.state
+        if self._writer is None:
+            return False, "not started"
+        if self.shutting_down.is_set():
+            return False, "shutting down"
+        if state == JOINING:
+            return False, "joining: pulling what it will hold"
+        if state != UP:
+            return False, state
+        if self.cluster.settling is not None:
+            return False, "taking over as the primary of its keys"
+        return True, f"up at epoch {self.cluster.epoch}"
+
     async def shutdown(self, *, cluster: bool = True, snapshot: bool = False) -> Any:
         """Ask this node (and, with ``cluster``, every member it knows) to stop.
 

@@ -13,6 +13,8 @@ import socket
 import struct
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +34,7 @@ from aioparamsync import (
     sum_rule,
     to_parameter,
 )
+from aioparamsync import metrics as metrics_module
 from aioparamsync.metrics import LATENCY_BUCKETS, CallStats, MetricsBindError
 from aioparamsync.wire.framing import LARGE_FRAME_BYTES
 
@@ -415,3 +418,71 @@ def test_the_cli_without_prometheus_client_exits_1() -> None:
     assert result.stdout == ""
     assert "--metrics-port: metrics need the prometheus-client package" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- the probes: /healthz and /readyz ---------------------------------------------------------
+
+
+def _probe(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def probe(node: Node, path: str) -> tuple[int, str]:
+    host, port = node.metrics_address or ("", 0)
+    return await asyncio.to_thread(_probe, f"http://{host}:{port}{path}")
+
+
+async def test_healthz_says_alive_while_the_loop_runs_and_not_when_it_is_stuck(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(metrics_module, "HEALTH_WAIT", 0.5)
+    async with Node("127.0.0.1", 0, metrics_port=0) as node:
+        assert await probe(node, "/healthz") == (200, "alive\n")
+        assert node.metrics is not None
+        # The loop stuck (a blocking call on it): the probe, from its thread, says so.
+        loop = asyncio.get_running_loop()
+        answer = loop.run_in_executor(None, _probe, probe_url(node, "/healthz"))
+        time.sleep(1.5)  # noqa: ASYNC251 (blocks the loop on purpose)
+        status, text = await answer
+        assert status == 503 and "did not answer" in text, (status, text)
+        assert await probe(node, "/healthz") == (200, "alive\n")
+
+
+def probe_url(node: Node, path: str) -> str:
+    host, port = node.metrics_address or ("", 0)
+    return f"http://{host}:{port}{path}"
+
+
+async def test_readyz_follows_joining_taking_over_leaving_and_shutting_down() -> None:
+    async with Node("127.0.0.1", 0, node_id="a") as a:
+        b = Node("127.0.0.1", 0, node_id="b", peers=[a.address], metrics_port=0)
+        await b.start()
+        try:
+            # (b joins: not ready until it has pulled what it holds and taken it over)
+            status, text = await probe(b, "/readyz")
+            if status == 503:
+                assert text.startswith(("joining", "taking over")), text
+
+            async def ready() -> None:
+                assert await probe(b, "/readyz") == (200, f"up at epoch {b.cluster.epoch}\n")
+
+            await eventually(ready, timeout=15)
+            await b.leave(timeout=5)
+            assert await probe(b, "/readyz") == (503, "left\n")
+            assert (await probe(b, "/healthz"))[0] == 200  # (alive all the same)
+        finally:
+            await b.stop()
+
+
+async def test_readyz_is_503_once_a_node_is_told_to_shut_down() -> None:
+    async with Node("127.0.0.1", 0, metrics_port=0) as node:
+        assert (await probe(node, "/readyz"))[0] == 200
+        await node.shutdown()
+        assert await probe(node, "/readyz") == (503, "shutting down\n")
+        # every other path is still the metrics
+        content_type, _ = await asyncio.to_thread(_get, probe_url(node, "/metrics"))
+        assert content_type.startswith("text/plain")
