@@ -57,6 +57,7 @@ __all__ = [
     "ErrorCode",
     "LocalProtocolError",
     "NetworkError",
+    "Launch",
     "Node",
     "ParamSyncError",
     "Parameter",
@@ -81,6 +82,7 @@ __all__ = [
 
 # Each lazy name: the module that defines it, and its name there.
 _PUBLIC: dict[str, tuple[str, str]] = {
+    "Launch": (".client.launch", "Launch"),
     "Node": (".node", "Node"),
     "ParameterClient": (".client.api", "ParameterClient"),
     "StaleSync": (".client.stale", "StaleSync"),

@@ -22,6 +22,11 @@ Sizes: a push or a pull is one call, so one state dict must fit in the
 client's and the node's largest frame (``max_frame_bytes``, 256 MiB by
 default). That is what makes a push atomic and a pull one consistent
 snapshot.
+
+Workers launched by torchrun (``torchrun --nproc-per-node N train.py``) or a
+PyTorchJob: :class:`Launch` (``Launch.from_env()``) reads their rank and world
+size, and the nodes' addresses, from the environment those set (see
+:mod:`aioparamsync.client.launch`; ``examples/torchrun_train.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
+from .client.launch import Launch
 from .values.arrays import from_parameter, is_bfloat16
 
 if TYPE_CHECKING:
     from .client.api import ParameterClient
 
 __all__ = [
+    "Launch",
     "from_numpy",
     "load_into",
     "pull_state_dict",

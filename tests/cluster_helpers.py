@@ -443,7 +443,9 @@ async def assert_mesh_over_wire(nodes: Iterable[NodeProcess]) -> None:
 RETRY_WIRE = (AssertionError, NetworkError)
 
 
-async def run_process(*argv: str, timeout: float) -> tuple[int, str, str]:
+async def run_process(
+    *argv: str, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     """Run ``argv`` to its end without blocking the loop; past ``timeout`` s kill it (by PID).
 
     Answers (exit code, stdout, stderr). A timeout raises ``TimeoutError``.
@@ -453,6 +455,7 @@ async def run_process(*argv: str, timeout: float) -> tuple[int, str, str]:
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     try:
         async with asyncio.timeout(timeout):
