@@ -481,7 +481,7 @@ class NodeMetrics:
         return str(host), int(port)
 
     def start(self, host: str, port: int) -> None:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a thread.
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` from a thread.
 
         Raises:
             MetricsBindError: the address cannot be listened on.
