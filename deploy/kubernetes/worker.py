@@ -9,12 +9,11 @@ in by ``w``'s sgd rule; once every rank is done, rank 0 stops the cluster after 
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 
 import aioparamsync
-from aioparamsync import ParameterClient
+from aioparamsync import Launch, ParameterClient
 
 STEPS = 20
 TARGET = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
@@ -42,8 +41,8 @@ async def connect() -> ParameterClient:
 
 
 async def main() -> None:
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
+    launch = Launch.from_env()  # RANK (the completion index) and WORLD_SIZE
+    rank = launch.rank
     client = await connect()
     async with client:
         # Created only if absent, so a rank 0 restarted (or a Job run again on the cluster's
@@ -59,7 +58,7 @@ async def main() -> None:
             await client.push_gradients({"w": w - TARGET})
         w = (await client.get_arrays(["w"]))["w"]
         print(f"rank {rank}: w = {w}, loss {0.5 * float(np.sum((w - TARGET) ** 2)):.6f}")
-        await client.barrier("done", worker=str(rank), step=1, world_size=world)
+        await launch.barrier(client, "done", 1)
         if rank == 0:
             await client.shutdown_cluster(snapshot=True)
             print("rank 0: cluster shut down after a snapshot")
