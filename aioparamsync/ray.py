@@ -1,223 +1,519 @@
-"""A cluster of nodes as Ray actors, spread over a Ray cluster; workers use the ordinary client.
+"""Ray: a cluster of nodes run as Ray actors, one per Ray node, for Ray workers.
 
-Needs ``pip install '.[ray]'`` (in the checkout); ``import aioparamsync`` never
-imports ray. ::
+Import it yourself (``import aioparamsync.ray``); ``import aioparamsync``
+never imports ray. Needs ``pip install 'aioparamsync[ray]'`` on the driver
+and on every Ray node (the actors import aioparamsync there).
 
+::
+
+    import asyncio
+
+    import numpy as np
     import ray
+
+    import aioparamsync
     import aioparamsync.ray
 
+
+    @ray.remote
+    def train(addresses, rank):
+        async def run():
+            async with aioparamsync.ParameterClient(addresses) as client:
+                for step in range(100):
+                    arrays = await client.get_arrays(["w"])
+                    grad = compute_gradient(arrays["w"], rank, step)  # your model's
+                    await client.push_gradients({"w": grad})
+
+        asyncio.run(run())
+
+
     ray.init()
-    with aioparamsync.ray.start_cluster() as cluster:  # one node per Ray node
+    with aioparamsync.ray.start_cluster(replication_factor=2) as cluster:
 
-        @ray.remote
-        def train(addresses: list[str]) -> None:
-            async def run() -> None:
-                async with aioparamsync.ParameterClient(addresses) as client:
-                    ...  # get_arrays, push_gradients, as anywhere
+        async def setup():
+            async with cluster.client() as client:
+                w = np.zeros(1000, np.float32)
+                await client.update_arrays({"w": w}, rules={"w": aioparamsync.sgd(0.1)})
 
-            asyncio.run(run())
+        asyncio.run(setup())
+        ray.get([train.remote(cluster.addresses, rank) for rank in range(8)])
+        # or: train.options(runtime_env={"env_vars": cluster.addresses_env()}), and in
+        # the worker aioparamsync.ParameterClient.from_env()
 
-        ray.get([train.remote(cluster.addresses) for _ in range(4)])
+Workers are ordinary Ray tasks or actors with the ordinary client: nothing
+here runs in them. A worker is given the nodes' addresses (any one live node
+will do: the client learns the others from it).
 
-(or pass ``runtime_env={"env_vars": cluster.addresses_env()}`` to the tasks and
-use ``ParameterClient.from_env()`` there).
+Theory of operation. :func:`start_cluster` reserves one bundle of
+``num_cpus`` CPUs per node in a placement group of strategy SPREAD, which
+puts the bundles on distinct Ray nodes as far as there are some (with more
+nodes than Ray nodes, some Ray nodes hold several). Each node is an async
+actor named ``{name}-node-{i}`` (in the namespace ``name`` unless told), whose
+event loop runs one :class:`aioparamsync.Node`. It listens on the address of
+the Ray node it runs on (``ray.util.get_node_ip_address()``), on a port the
+OS picks unless ``port`` is given, and its node id is its actor's name, so
+it keeps its identity, and the keys placement gives it, across restarts.
 
-Theory of operation. :func:`start_cluster` reserves a placement group of one
-bundle per node with the ``SPREAD`` strategy (Ray puts the bundles on
-different Ray nodes where it can), and starts in each bundle an async actor
-(named ``{name}-node-{i}``, in the namespace ``name``) that runs an
-:class:`aioparamsync.Node` in the actor's own event loop, listening on the
-address Ray knows the Ray node it runs on by (its ``NodeManagerAddress``; in a
-Ray instance pinned to ``127.0.0.1``, loopback) and a port the OS picks. The
-node's id is its actor's name, stable across restarts. The nodes start one
-after the other, each with the addresses of those already up as its peers,
-and :func:`start_cluster` answers once every node sees the others up.
+An actor finds its cluster by itself, from its constructor, which Ray runs
+again when it restarts the actor (``max_restarts``): it asks its siblings,
+by name, for their addresses and starts with those as its peers. It waits
+for the siblings before it (``{name}-node-0`` to ``-{i-1}``), and takes those
+after it only if they are up already. So at the first start node 0 starts
+alone and node ``i`` joins nodes 0 to ``i-1``, and a restarted node joins
+whoever is up. A node waits only for nodes before it, so no two wait for each
+other, and when every node restarts at once they form one cluster again
+(node 0 alone, the others joining it); a node that finds no one starts alone.
+A node restarted on the same Ray node, with ``data_dir``, recovers from its
+snapshot and log (``data_dir/node-{i}`` on that Ray node's disk); restarted
+on another Ray node, or in memory, it starts empty. Either way it joins as
+any joining node does: it pulls what it holds from its replicas
+(anti-entropy) before it takes writes as a primary. Its address changes
+with its port; :meth:`RayCluster.refresh` asks again. Ray restarts an actor
+without end by default (``max_restarts=-1``): a parameter server is to
+outlive the workers' faults; a bounded number leaves a node that died that
+many times dead, and the cluster goes on without it (its keys re-replicated
+past the failure timeout).
 
-Restarts. The actors have ``max_restarts=-1``: Ray starts a dead one again
-(on the same bundle). A restarted actor starts its node at its next call
-(:meth:`RayCluster.refresh` makes one), and finds the cluster by itself: it
-asks its live siblings for their addresses (a sibling answers where it is,
-without starting anything, so two restarting at once do not wait on each
-other), joins them under its old id at its new address (its peers' links
-follow it), and pulls what it holds, as any node that joins does. With
-``data_dir``, a node keeps its log and snapshots in ``data_dir/node-{i}`` on
-its Ray node's disk and recovers from them when it comes back on the same
-machine; elsewhere it starts empty and catches up from its replicas.
+The cluster lives with the job that started it (the placement group and
+the actors fate-share with their creator) unless shut down before, by
+:meth:`RayCluster.shutdown` (every node stops, none handing off,
+then the actors and the placement group are removed). A node that is told
+to drain or to shut down (``aioparamsync-ctl drain``,
+``client.shutdown_cluster()``) stops as ``aioparamsync-node`` would, and its
+actor stays, holding no node, until the cluster is shut down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .placement import DEFAULT_REPLICATION_FACTOR, UP
+
+MISSING = (
+    "aioparamsync.ray needs Ray: pip install 'aioparamsync[ray]' "
+    "(in the aioparamsync checkout: pip install '.[ray]')"
+)
 
 try:
-    import ray  # type: ignore[import-not-found, unused-ignore]
-    from ray.util.placement_group import (  # type: ignore[import-not-found, unused-ignore]
-        placement_group,
-        remove_placement_group,
-    )
+    import ray  # type: ignore[import-not-found, unused-ignore]  # Ray (imports are absolute)
     from ray.util.scheduling_strategies import (  # type: ignore[import-not-found, unused-ignore]
         PlacementGroupSchedulingStrategy,
     )
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(
-        "aioparamsync.ray needs Ray: pip install '.[ray]' (in the checkout)", name="ray"
-    ) from exc
+except ImportError as exc:
+    raise ImportError(MISSING, name="ray") from exc
 
-from .client.api import ParameterClient
-from .node import Node
+if TYPE_CHECKING:
+    from .client.api import ParameterClient
+    from .node import Node
 
-__all__ = ["RayCluster", "start_cluster"]
+__all__ = [
+    "ADDRESSES_VARIABLE",
+    "MISSING",
+    "NodeActor",
+    "RayCluster",
+    "RESERVED_OPTIONS",
+    "start_cluster",
+]
 
-# How long start_cluster waits for the placement group, the nodes and the mesh (seconds).
-START_TIMEOUT = 120.0
+log = logging.getLogger(__name__)
+
+#: the variable :meth:`ParameterClient.from_env` reads the nodes' addresses from
+ADDRESSES_VARIABLE = "AIOPARAMSYNC_ADDRESSES"
+#: the Node arguments :func:`start_cluster` sets itself (not in ``node_options``)
+RESERVED_OPTIONS = frozenset(
+    {"host", "port", "node_id", "peers", "advertise", "data_dir", "replication_factor"}
+)
+# Contexts do not pickle, so they cannot travel to the actors; peers_dns would
+# compete with the actors' own discovery.
+UNSUPPORTED_OPTIONS = frozenset({"ssl", "peer_ssl", "peers_dns", "resolve"})
+# How long a node that stops finishes its calls and sends its outboxes (seconds).
+STOP_GRACE = 5.0
+# How long a starting node asks a sibling after it, which may be dead or
+# restarting, whether it is up (seconds).
+ASK_TIMEOUT = 5.0
+POLL_INTERVAL = 0.05
 
 
-def _ray_node_address() -> str:
-    """The address Ray knows the Ray node this runs on by (its ``NodeManagerAddress``: with
-    ``ray start --node-ip-address`` or ``ray.init(_node_ip_address=...)``, the one given)."""
-    me = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == me:
-            return str(node["NodeManagerAddress"])
-    return str(ray.util.get_node_ip_address())
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class _NodeActor:
-    """One node in a Ray actor (see the module). Its node starts at its first call."""
+def _actor_name(name: str, index: int) -> str:
+    return f"{name}-node-{index}"
 
-    def __init__(self, name: str, index: int, count: int, options: Mapping[str, Any]) -> None:
-        self.name, self.index, self.count = name, index, count
-        self.options = dict(options)
+
+class NodeActor:
+    """One node of a :class:`RayCluster`, as a Ray async actor.
+
+    Made by :func:`start_cluster` (not by hand): Ray runs the constructor in
+    the actor's event loop, at its creation and at each restart, and the
+    constructor starts the node there, in the background, so that a
+    restarted actor rejoins without being told to. Its methods answer once
+    the node is up.
+
+    Args:
+        index: the node's place among its siblings (0 to ``size - 1``).
+        size: how many siblings there are.
+        name: the cluster's name: the actors are ``{name}-node-{i}``.
+        namespace: the Ray namespace of the actors.
+        port: the port to listen on (0: one the OS picks).
+        data_dir: the directory of the cluster on each Ray node (this node's
+            is ``data_dir/node-{index}``); None: in memory.
+        replication_factor: as :class:`aioparamsync.Node`'s.
+        node_options: more arguments of :class:`aioparamsync.Node`.
+        join_timeout: how long to wait for the siblings before this one.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        size: int,
+        name: str,
+        namespace: str,
+        port: int,
+        data_dir: str | None,
+        replication_factor: int | None,
+        node_options: Mapping[str, Any],
+        join_timeout: float,
+    ) -> None:
+        self.index = index
+        self.size = size
+        self.name = name
+        self.namespace = namespace
+        self.port = port
+        self.data_dir = os.path.join(data_dir, f"node-{index}") if data_dir else None
+        self.replication_factor = replication_factor
+        self.node_options = dict(node_options)
+        self.join_timeout = join_timeout
         self.node: Node | None = None
-        self._starting: asyncio.Future[Node] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None
+        # Ray runs an async actor's constructor in its event loop: the node starts
+        # now, by itself (else at the first call).
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._starting: asyncio.Task[Node] | None = None
+        else:
+            self._starting = loop.create_task(self._start(), name="aioparamsync-ray-start")
 
-    def _actor_name(self, index: int) -> str:
-        return f"{self.name}-node-{index}"
+    @property
+    def node_id(self) -> str:
+        return _actor_name(self.name, self.index)
 
-    async def _node(self) -> Node:
+    async def _ready(self) -> Node:
         if self._starting is None:
-            self._starting = asyncio.ensure_future(self._start())
-        return await asyncio.shield(self._starting)
-
-    async def _start(self) -> Node:
-        host = _ray_node_address()
-        options = dict(self.options)
-        data_dir = options.pop("data_dir", None)
-        if data_dir is not None:
-            data_dir = os.path.join(data_dir, f"node-{self.index}")
-        node = Node(
-            host,
-            options.pop("port", 0),
-            node_id=self._actor_name(self.index),
-            peers=await self._siblings(),
-            data_dir=data_dir,
-            **options,
-        )
-        await node.start()
-        self.node = node
+            self._starting = asyncio.create_task(self._start(), name="aioparamsync-ray-start")
+        node = await asyncio.shield(self._starting)
+        if self._stopping is not None:
+            raise RuntimeError(f"node {self.node_id} was stopped")
         return node
 
-    async def _siblings(self) -> list[tuple[str, int]]:
-        """Where the other nodes are, as they answer now (none started: none)."""
-        found: list[tuple[str, int]] = []
-        for i in range(self.count):
-            if i == self.index:
-                continue
-            try:
-                sibling = ray.get_actor(self._actor_name(i), namespace=self.name)
-                address: Any = await asyncio.wait_for(sibling.where.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - (not made yet, dead, restarting: not a peer now)
-                continue
-            if address is not None:
-                found.append((str(address[0]), int(address[1])))
-        return found
+    async def _start(self) -> Node:
+        from .node import Node
 
-    async def where(self) -> tuple[str, int] | None:
-        """This node's address if it runs, else None (it starts nothing)."""
-        node = self.node
-        return node.address if node is not None else None
+        peers = await self._siblings()
+        host = ray.util.get_node_ip_address()
+        node = Node(
+            host,
+            self.port,
+            node_id=self.node_id,
+            peers=peers,
+            data_dir=self.data_dir,
+            replication_factor=self.replication_factor,
+            **self.node_options,
+        )
+        try:
+            await node.start()
+        except Exception:
+            log.exception("node %s could not start", self.node_id)
+            raise
+        self.node = node
+        self._watcher = asyncio.create_task(self._watch(node), name="aioparamsync-ray-watch")
+        log.info(
+            "node %s up at %s, joining %s",
+            self.node_id,
+            _address(*node.address),
+            ", ".join(peers) or "no one",
+        )
+        return node
+
+    async def _siblings(self) -> list[str]:
+        """The addresses of the siblings to join: those before this one (waited
+        for), and those after it that are up already."""
+        others = [j for j in range(self.size) if j != self.index]
+        found = await asyncio.gather(*(self._ask(j, wait=j < self.index) for j in others))
+        return [address for address in found if address is not None]
+
+    async def _ask(self, index: int, *, wait: bool) -> str | None:
+        name = _actor_name(self.name, index)
+        try:
+            sibling = await asyncio.to_thread(ray.get_actor, name, namespace=self.namespace)
+        except ValueError:
+            return None  # no such actor (any more)
+        call: Any = sibling.address if wait else sibling.current_address
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(call.remote().future()),
+                self.join_timeout if wait else ASK_TIMEOUT,
+            )
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            # (one before this one should answer; one after may not be there yet)
+            log.log(
+                logging.WARNING if wait else logging.DEBUG,
+                "node %s: no address from %s (%s); starting without it",
+                self.node_id,
+                name,
+                type(exc).__name__,
+            )
+            return None
+
+    async def _watch(self, node: Node) -> None:
+        """Stop the node when it is told to drain or to shut down (by a client)."""
+        waits = [
+            asyncio.ensure_future(node.left.wait()),
+            asyncio.ensure_future(node.shutting_down.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        log.info("node %s was told to stop: stopping", self.node_id)
+        await asyncio.shield(self._stop())
+
+    def _stop(self) -> asyncio.Future[None]:
+        """Stop the node, once (callers share the one stop)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop_node())
+        return self._stopping
+
+    async def _stop_node(self) -> None:
+        watcher = self._watcher
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+            await asyncio.wait({self._starting})
+        if self.node is not None:
+            await self.node.stop(STOP_GRACE, leave=False)
+
+    # -- what the driver calls ------------------------------------------------------
 
     async def address(self) -> str:
-        """This node's ``host:port``, starting it first if it does not run."""
-        host, port = (await self._node()).address
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        """``host:port`` of the node, once it is up.
 
-    async def peers_up(self) -> int:
-        """How many of its peers this node sees up."""
-        node = await self._node()
-        return sum(1 for link in node.cluster.links.values() if link.state == "up")
+        Raises:
+            Exception: why it could not start (the node's error).
+        """
+        node = await self._ready()
+        return _address(*node.address)
 
-    async def stop(self, snapshot: bool) -> None:
-        """Stop the node (every node of the cluster stops: nothing is handed off)."""
+    async def current_address(self) -> str | None:
+        """``host:port`` of the node if it is up now, else None (no waiting)."""
         node = self.node
-        if node is None:
-            return
-        if snapshot:
+        if node is None or self._stopping is not None:
+            return None
+        return _address(*node.address)
+
+    async def describe(self) -> dict[str, Any]:
+        """What the node is: its id, address, state, Ray node, process (``pid``: a restart
+        makes a new one), directory, and how many parameters it holds."""
+        node = await self._ready()
+        return {
+            "index": self.index,
+            "node_id": node.node_id,
+            "address": _address(*node.address),
+            "state": node.cluster.state,
+            "ready": node.readiness()[0],
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "data_dir": self.data_dir,
+            "parameters": len(node.table),
+        }
+
+    async def wait_meshed(self, node_ids: Sequence[str], timeout: float) -> None:
+        """Wait until this node is ready (joined and caught up) and sees every one of
+        ``node_ids`` up.
+
+        Raises:
+            TimeoutError: not so within ``timeout`` seconds (the message says what lacks).
+        """
+        node = await self._ready()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            ready, why = node.readiness()
+            members = node.cluster.topology().members
+            up = {m.node_id for m in members if m.state == UP}
+            missing = [i for i in node_ids if i not in up]
+            if ready and not missing:
+                return
+            if loop.time() >= deadline:
+                seen = ", ".join(f"{m.node_id} {m.state}" for m in members)
+                raise TimeoutError(
+                    f"node {self.node_id} not meshed within {timeout} s: "
+                    + (f"not ready ({why}); " if not ready else "")
+                    + (f"does not see {', '.join(missing)} up; " if missing else "")
+                    + f"it sees {seen}"
+                )
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def stop(self, snapshot: bool = False) -> None:
+        """Stop the node, handing nothing off (the whole cluster stops).
+
+        With ``snapshot`` and a data directory, the node first takes no more
+        writes and writes its final snapshot (else it writes it as it stops).
+        """
+        node = self.node
+        if snapshot and node is not None and self._stopping is None:
             await node.shutdown(cluster=False, snapshot=True)
-        await node.stop(leave=False)
-        self.node = None
+        await asyncio.shield(self._stop())
+
+
+_RemoteNode: Any = ray.remote(NodeActor)
 
 
 class RayCluster:
-    """The nodes :func:`start_cluster` started: their addresses, a client, and the end."""
+    """Nodes running as Ray actors (see the module); made by :func:`start_cluster`.
 
-    def __init__(self, name: str, actors: list[Any], group: Any) -> None:
+    Use it as a context manager, or call :meth:`shutdown`.
+
+    Attributes:
+        name, namespace: the actors are ``{name}-node-{i}`` in that namespace.
+        actors: the actors' handles, in order.
+        placement_group: the placement group that holds their bundles.
+        addresses: ``host:port`` of every node, as of the start or the last
+            :meth:`refresh` (a restarted node listens on a new port).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        actors: Sequence[Any],
+        placement_group: Any,
+    ) -> None:
         self.name = name
-        self.actors = actors
-        self.placement_group = group
-        #: each node's ``host:port``, as last asked (see :meth:`refresh`)
+        self.namespace = namespace
+        self.actors = list(actors)
+        self.placement_group = placement_group
         self.addresses: list[str] = []
+        self._closed = False
 
     def __repr__(self) -> str:
-        return f"<RayCluster {self.name!r} {len(self.actors)} nodes: {', '.join(self.addresses)}>"
+        state = "shut down" if self._closed else ", ".join(self.addresses)
+        return f"<RayCluster {self.name!r}: {len(self.actors)} nodes, {state}>"
 
-    def refresh(self, timeout: float = START_TIMEOUT) -> list[str]:
-        """Ask every node where it is (a node restarted by Ray starts then): the addresses."""
-        self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=timeout)
-        return self.addresses
+    @property
+    def node_ids(self) -> list[str]:
+        """Each node's id (its actor's name)."""
+        return [_actor_name(self.name, i) for i in range(len(self.actors))]
 
-    def addresses_env(self) -> dict[str, str]:
-        """``{"AIOPARAMSYNC_ADDRESSES": ...}``, for workers' ``runtime_env`` env_vars."""
-        return {"AIOPARAMSYNC_ADDRESSES": ",".join(self.addresses)}
+    def _call(
+        self, method: str, *args: Any, timeout: float, what: str, retry: bool = True
+    ) -> list[Any]:
+        """Call ``method`` on every actor; every answer, in order.
 
-    def client(self, **kwargs: Any) -> ParameterClient:
-        """A client of the nodes (any one live node will do: it learns the others)."""
-        return ParameterClient(self.addresses, **kwargs)
-
-    def wait_meshed(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait until every node sees every other up.
+        A call that fails because its actor died is made again (with
+        ``retry``) while Ray still has that actor: it is restarting, and
+        answers once it is back.
 
         Raises:
-            TimeoutError: not so within ``timeout`` seconds.
+            TimeoutError: a node did not answer within ``timeout`` seconds (named).
+            RayActorError: an actor is gone for good (or died, without ``retry``).
         """
         deadline = time.monotonic() + timeout
-        want = len(self.actors) - 1
-        while True:
-            ups = ray.get([a.peers_up.remote() for a in self.actors], timeout=timeout)
-            if all(n >= want for n in ups):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the nodes see {ups} peers up, not {want} each")
-            time.sleep(0.1)
+        results: dict[int, Any] = {}
+        calls = {i: getattr(a, method).remote(*args) for i, a in enumerate(self.actors)}
+        while calls:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=max(left, 0))
+            if not ready:
+                late = ", ".join(self.node_ids[i] for i in calls)
+                raise TimeoutError(f"{what}: no answer within {timeout} s from {late}")
+            for i, ref in list(calls.items()):
+                if ref not in ready:
+                    continue
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    if not retry or not _exists(self.node_ids[i], self.namespace):
+                        raise
+                    time.sleep(POLL_INTERVAL)  # (restarting: ask again)
+                    calls[i] = getattr(self.actors[i], method).remote(*args)
+                else:
+                    del calls[i]
+        return [results[i] for i in range(len(self.actors))]
 
-    def shutdown(self, snapshot: bool = False) -> None:
-        """Stop every node (after a final snapshot, with ``snapshot``), then remove the
-        actors and the placement group."""
+    def refresh(self, timeout: float = 60.0) -> list[str]:
+        """Ask every node for its address again; a restarting one answers once it is up
+        (on a new port, unless ``port`` was given).
+
+        A node killed a moment ago may still answer as it was: Ray's kill
+        takes effect shortly after it returns.
+
+        Returns:
+            The addresses, also in :attr:`addresses`.
+
+        Raises:
+            TimeoutError: a node did not answer within ``timeout`` seconds.
+        """
+        self.addresses = self._call("address", timeout=timeout, what="addresses")
+        return list(self.addresses)
+
+    def wait_meshed(self, timeout: float = 60.0) -> None:
+        """Wait until every node is ready (joined, caught up) and sees every other one up.
+
+        Raises:
+            TimeoutError: not so within ``timeout`` seconds (the message says what lacks).
+        """
+        self._call("wait_meshed", self.node_ids, timeout, timeout=timeout + 10.0, what="meshing")
+
+    def nodes(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """What each node is (see :meth:`NodeActor.describe`)."""
+        return self._call("describe", timeout=timeout, what="describe")
+
+    def client(self, **kwargs: Any) -> ParameterClient:
+        """A :class:`aioparamsync.ParameterClient` of every node (``kwargs``: its own).
+
+        Use it in an event loop (``async with cluster.client() as client``).
+        """
+        from .client.api import ParameterClient
+
+        return ParameterClient(self.addresses, **kwargs)
+
+    def addresses_env(self) -> dict[str, str]:
+        """The environment a worker's client reads the nodes from
+        (:meth:`ParameterClient.from_env`): for ``runtime_env={"env_vars": ...}``."""
+        return {ADDRESSES_VARIABLE: ",".join(self.addresses)}
+
+    def shutdown(self, snapshot: bool = False, timeout: float = 60.0) -> None:
+        """Stop every node, then remove the actors and the placement group.
+
+        Each node stops gracefully, handing nothing off (they all stop): what
+        it acknowledged is applied, and, with a data directory, in its final
+        snapshot. With ``snapshot``, each node with a data directory first
+        takes no more writes and writes that snapshot. A node that does not
+        answer within ``timeout`` seconds is killed all the same. Answers
+        once the actors are gone and the placement group is removed, so that
+        the name can be used again. Shutting down twice does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.get([a.stop.remote(snapshot) for a in self.actors], timeout=START_TIMEOUT)
-        finally:
-            for actor in self.actors:
-                with contextlib.suppress(ray.exceptions.RayError, ValueError):
-                    ray.kill(actor, no_restart=True)
-            with contextlib.suppress(ray.exceptions.RayError, ValueError):
-                remove_placement_group(self.placement_group)
-            self.actors = []
+            self._call("stop", snapshot, timeout=timeout, what="stop", retry=False)
+        except Exception as exc:  # noqa: BLE001 (what failed is logged; the rest goes on)
+            log.warning("cluster %s: not every node stopped gracefully: %s", self.name, exc)
+        _remove(self.actors, self.placement_group, self.name, self.namespace, timeout)
 
     def __enter__(self) -> RayCluster:
         return self
@@ -226,62 +522,191 @@ class RayCluster:
         self.shutdown()
 
 
+def _remove(
+    actors: Iterable[Any], placement_group: Any, name: str, namespace: str, timeout: float
+) -> None:
+    """Kill the actors (no restart) and remove the placement group; wait until both are gone."""
+    actors = list(actors)
+    for actor in actors:
+        with contextlib.suppress(Exception):  # (already dead)
+            ray.kill(actor, no_restart=True)
+    ray.util.remove_placement_group(placement_group)
+    deadline = time.monotonic() + timeout
+    names = [_actor_name(name, i) for i in range(len(actors))]
+    while True:
+        alive = [n for n in names if _exists(n, namespace)]
+        state = ray.util.placement_group_table(placement_group).get("state")
+        if not alive and state in ("REMOVED", None):
+            return
+        if time.monotonic() >= deadline:
+            log.warning(
+                "cluster %s: after %s s, actors %s remain and the placement group is %s",
+                name,
+                timeout,
+                ", ".join(alive) or "none",
+                state,
+            )
+            return
+        time.sleep(POLL_INTERVAL)
+
+
+def _exists(actor_name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(actor_name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_count(value: Any, what: str, *, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be an integer of at least {least}, not {value!r}")
+    return value
+
+
+def _ray_nodes(num_cpus: float, resources: Mapping[str, float]) -> int:
+    """How many alive Ray nodes could hold a node's bundle (by their total resources)."""
+    wanted = {"CPU": num_cpus, **resources}
+    return sum(
+        1
+        for n in ray.nodes()
+        if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) >= v for k, v in wanted.items())
+    )
+
+
 def start_cluster(
     num_nodes: int | None = None,
     *,
-    name: str = "aioparamsync",
-    num_cpus: float = 1,
-    data_dir: str | None = None,
+    replication_factor: int | None = DEFAULT_REPLICATION_FACTOR,
     port: int = 0,
-    timeout: float = START_TIMEOUT,
-    **node_options: Any,
+    data_dir: str | os.PathLike[str] | None = None,
+    num_cpus: float = 1,
+    resources: Mapping[str, float] | None = None,
+    node_options: Mapping[str, Any] | None = None,
+    name: str = "aioparamsync",
+    namespace: str | None = None,
+    max_restarts: int = -1,
+    timeout: float = 120.0,
 ) -> RayCluster:
-    """Start ``num_nodes`` nodes as Ray actors spread over the Ray cluster (see the module).
+    """Start nodes as Ray actors, one per Ray node by default, and wait until they are meshed.
+
+    Connects to Ray (``ray.init()``) if the process has not yet. Answers once
+    every node is up, has joined and sees every other one up.
 
     Args:
-        num_nodes: how many (default: one per alive Ray node).
-        name: the actors' prefix and namespace (two clusters need two names).
-        num_cpus: the CPUs each node's bundle reserves (fractions are fine).
-        data_dir: where each node keeps its data on its Ray node (``data_dir/node-{i}``);
-            None: in memory.
-        port: each node's port (0: one the OS picks; a fixed one needs one node per
-            Ray node).
-        timeout: the longest to wait for the placement group, the nodes and the mesh.
+        num_nodes: how many nodes (None: one per alive Ray node that has the
+            resources of one). SPREAD puts them on distinct Ray nodes as far
+            as there are some; more go where there is room.
+        replication_factor: how many nodes hold each key (None: every node).
+        port: the port every node listens on (0: one the OS picks for each).
+            A fixed port takes one node per Ray node: two on one Ray node
+            would collide (the second fails to start).
+        data_dir: an absolute path on every Ray node's disk (each node keeps
+            its log and snapshots in ``data_dir/node-{i}``); None: in memory.
+        num_cpus: the CPUs reserved for each node (above 0; fractions too).
+        resources: more resources reserved for each node (Ray's custom ones).
         node_options: more arguments of :class:`aioparamsync.Node`
-            (``replication_factor``, ``acks``, ``failure_timeout``...).
+            (``repair_interval``, ``fsync``, ``metrics_port``...), which must
+            pickle; not those set here (:data:`RESERVED_OPTIONS`), nor TLS
+            contexts.
+        name: the cluster's name: the actors are ``{name}-node-{i}``, which is
+            also each node's id. Unique in its namespace while it runs.
+        namespace: the Ray namespace of the actors (None: ``name``), where
+            ``ray.get_actor`` finds them from any job.
+        max_restarts: how many times Ray restarts a node's actor that died
+            (-1: always; 0: never). A restarted node rejoins by itself.
+        timeout: seconds for the placement group, the nodes' start and the mesh.
+
+    Returns:
+        The cluster, its :attr:`~RayCluster.addresses` known.
 
     Raises:
-        ValueError: a number out of range; TimeoutError: the cluster did not form in time.
+        ValueError: an argument out of its range (the message says which).
+        TimeoutError: the bundles could not be placed (not enough resources),
+            or the nodes did not start or mesh, within ``timeout`` (what was
+            started is removed).
     """
+    if num_nodes is not None:
+        _check_count(num_nodes, "num_nodes", least=1)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        raise ValueError(f"port must be 0 (any free port) or a port number, not {port!r}")
+    if (
+        isinstance(num_cpus, bool)
+        or not isinstance(num_cpus, int | float)
+        or not (num_cpus > 0 and math.isfinite(num_cpus))
+    ):
+        raise ValueError(f"num_cpus must be a number above 0, not {num_cpus!r}")
+    if replication_factor is not None:
+        _check_count(replication_factor, "replication_factor", least=1)
+    _check_count(max_restarts, "max_restarts", least=-1)
+    if not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds above 0, not {timeout!r}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, not {name!r}")
+    options = dict(node_options or {})
+    for bad, why in (
+        (RESERVED_OPTIONS, "set by start_cluster"),
+        (UNSUPPORTED_OPTIONS, "not supported"),
+    ):
+        clash = sorted(bad & set(options))
+        if clash:
+            raise ValueError(f"node_options {', '.join(clash)}: {why} (see its arguments)")
+    extra = dict(resources or {})
+    directory = os.fspath(data_dir) if data_dir is not None else None
+    if directory is not None and not os.path.isabs(directory):
+        # (the actors' working directory is not the driver's, nor on its machine)
+        raise ValueError(f"data_dir must be an absolute path on the Ray nodes, not {directory!r}")
+
+    if not ray.is_initialized():
+        ray.init()
     if num_nodes is None:
-        num_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a whole number of at least 1, not {num_nodes!r}")
-    if not num_cpus >= 0:
-        raise ValueError(f"num_cpus must not be negative, not {num_cpus!r}")
-    group = placement_group([{"CPU": num_cpus}] * num_nodes, strategy="SPREAD")
+        num_nodes = _ray_nodes(float(num_cpus), extra)
+        if num_nodes == 0:
+            raise ValueError(
+                f"no alive Ray node has {num_cpus} CPUs{' and ' + str(extra) if extra else ''} "
+                "for a node: lower num_cpus or give num_nodes"
+            )
+    namespace = namespace or name
+    deadline = time.monotonic() + timeout
+
+    bundle = {"CPU": float(num_cpus), **extra}
+    group = ray.util.placement_group(
+        [dict(bundle) for _ in range(num_nodes)], strategy="SPREAD", name=f"{name}-nodes"
+    )
     actors: list[Any] = []
-    cluster = RayCluster(name, actors, group)
     try:
-        ray.get(group.ready(), timeout=timeout)
-        remote: Any = ray.remote(_NodeActor)
-        options = {**node_options, "data_dir": data_dir, "port": port}
+        if not group.wait(timeout_seconds=timeout):
+            raise TimeoutError(
+                f"could not place {num_nodes} bundles of {bundle} within {timeout} s: the Ray "
+                f"cluster has {ray.available_resources()} available"
+            )
         for i in range(num_nodes):
-            actor: Any = remote.options(
-                name=f"{name}-node-{i}",
-                namespace=name,
-                num_cpus=num_cpus,
-                max_restarts=-1,
-                max_concurrency=1000,
+            actor = _RemoteNode.options(
+                name=_actor_name(name, i),
+                namespace=namespace,
+                max_restarts=max_restarts,
+                num_cpus=float(num_cpus),
+                resources=extra or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=i
                 ),
-            ).remote(name, i, num_nodes, options)
+            ).remote(
+                i,
+                num_nodes,
+                name,
+                namespace,
+                port,
+                directory,
+                replication_factor,
+                options,
+                timeout,
+            )
             actors.append(actor)
-            ray.get(actor.address.remote(), timeout=timeout)  # (each joins those before it)
-        cluster.refresh(timeout)
-        cluster.wait_meshed(timeout)
+        cluster = RayCluster(name, namespace, actors, group)
+        cluster.refresh(max(deadline - time.monotonic(), 1.0))
+        cluster.wait_meshed(max(deadline - time.monotonic(), 1.0))
     except BaseException:
-        cluster.shutdown()
+        _remove(actors, group, name, namespace, 30.0)
         raise
+    log.info("cluster %s up: %s", name, ", ".join(cluster.addresses))
     return cluster
