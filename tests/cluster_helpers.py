@@ -43,6 +43,11 @@ State = dict[str, tuple[int, str, bytes]]
 # -- polling -------------------------------------------------------------------------------
 
 
+def assert_(condition: bool) -> None:
+    """``assert condition``, as a call (for ``eventually(lambda: assert_(...))``)."""
+    assert condition
+
+
 async def eventually(
     check: Callable[[], Any],
     *,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trustme
-from cluster_helpers import ProcessCluster, eventually, run_process
+from cluster_helpers import ProcessCluster, assert_, eventually, run_process
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, __version__, thrift
 from aioparamsync.cli.ctl import main
@@ -730,16 +730,17 @@ def test_drain_refuses_a_wait_that_is_no_number_of_seconds(capsys) -> None:
 # -- shutdown -------------------------------------------------------------------------------
 
 
+def assert_up(*nodes: Node) -> None:
+    for node in nodes:
+        assert node.cluster.state == "up" and len(node.cluster.live) == len(nodes)
+
+
 async def test_shutdown_stops_every_node_of_the_cluster(capsys) -> None:
     async with (
         Node("127.0.0.1", 0, node_id="a") as a,
         Node("127.0.0.1", 0, node_id="b", peers=[a.address]) as b,
     ):
-
-        def formed() -> None:
-            assert a.cluster.state == b.cluster.state == "up" and len(a.cluster.live) == 2
-
-        await eventually(formed, timeout=SETTLE_TIMEOUT)
+        await eventually(lambda: assert_up(a, b), timeout=SETTLE_TIMEOUT)
         rc, out, err = await ctl(capsys, "shutdown", text(a.address))
         assert (rc, err) == (0, "")
         assert out == f"{text(a.address)}: 2 nodes stopping, 0 wrote their final snapshot\n"
@@ -762,11 +763,6 @@ async def test_shutdown_of_this_node_only_as_json(capsys) -> None:
             "unreached": [],
         }
         assert b.shutting_down.is_set() and not a.shutting_down.is_set()
-
-
-def assert_up(*nodes: Node) -> None:
-    for node in nodes:
-        assert node.cluster.state == "up" and len(node.cluster.live) == len(nodes)
 
 
 async def test_shutdown_with_snapshot_writes_it_before_answering_and_refuses_writes_after(
@@ -802,10 +798,6 @@ async def test_shutdown_names_the_members_it_could_not_reach_and_exits_1(capsys)
         assert rc == 1, (out, err)
         assert f"not reached: {b_address}" in out
         assert a.shutting_down.is_set()
-
-
-def assert_(condition: bool) -> None:
-    assert condition
 
 
 async def test_a_tls_node_takes_shutdown_only_from_clients_it_verifies(tmp_path, capsys) -> None:

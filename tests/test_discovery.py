@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from cluster_helpers import ProcessCluster, eventually
+from cluster_helpers import ProcessCluster, assert_, eventually
 
 from aioparamsync import Node, ParameterClient
 from aioparamsync.cluster.discovery import DnsDiscovery, resolve_all
@@ -162,10 +162,6 @@ def test_a_bad_dns_flag_from_the_environment_names_its_variable() -> None:
 
 def assert_equal(got: object, expected: object) -> None:
     assert got == expected, got
-
-
-def assert_(condition: bool) -> None:
-    assert condition
 
 
 async def test_stopping_a_node_stops_its_discovery() -> None:

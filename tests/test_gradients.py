@@ -7,7 +7,14 @@ import time
 
 import numpy as np
 import pytest
-from cluster_helpers import LocalCluster, ProcessCluster, eventually, node_client, primary_of
+from cluster_helpers import (
+    LocalCluster,
+    ProcessCluster,
+    assert_,
+    eventually,
+    node_client,
+    primary_of,
+)
 
 from aioparamsync import (
     CallTimeout,
@@ -651,10 +658,6 @@ async def test_no_gradient_is_lost_while_a_node_joins_and_takes_over_names() -> 
         for cl in clients:
             await cl.close()
         await procs.close()
-
-
-def assert_(condition: bool) -> None:
-    assert condition
 
 
 async def test_plain_bytes_pull_zlib_encoded(client: ParameterClient) -> None:
