@@ -353,6 +353,14 @@ class _NodeCollector:
             "Parts of gradient pushes folded by their owner, another node.",
             service.pushes_forwarded,
         )
+        received = CounterMetricFamily(
+            PREFIX + "gradients_received",
+            "Gradients received from clients, by the encoding they came in (none: raw).",
+            labels=["encoding"],
+        )
+        for encoding, n in sorted(service.gradients.encodings.items()):
+            received.add_metric([encoding], n)
+        yield received
         yield counter(
             "gradient_forward_failures",
             "Parts of gradient pushes whose owner could not be reached (folded here).",

@@ -173,6 +173,7 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
         await client.update_arrays({"w": np.zeros(2)}, rules=sum_rule())
         await client.push_gradients({"w": np.ones(2)}, request_id="once")
         await client.push_gradients({"w": np.ones(2)}, request_id="once")
+        await client.push_gradients({"w": np.ones(2)}, encoding="int8")
         with pytest.raises(RequestError):
             await client.get_parameters(["w"], min_version=9, wait=0.05)
         held = [
@@ -193,7 +194,10 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
             assert value(samples, "gradient_pushes_repeated_total") == 1
             assert value(samples, "gradient_pushes_forwarded_total") == 0
             assert value(samples, "gradient_forward_failures_total") == 0
-            assert value(samples, "requests_total", method="push_gradients") == 2
+            assert value(samples, "requests_total", method="push_gradients") == 3
+            # Each gradient as it came (the one sent again counts again).
+            assert value(samples, "gradients_received_total", encoding="none") == 2
+            assert value(samples, "gradients_received_total", encoding="int8") == 1
         finally:
             for call in held:
                 call.cancel()

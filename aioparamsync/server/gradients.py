@@ -238,6 +238,9 @@ class GradientPushes:
         self.ledger = PushLedger()
         self.forwarded = 0  # gradient pushes folded by their owner, another node
         self.forward_failures = 0  # ... that could not reach it, and were folded here
+        # Gradients received from clients, by the encoding they came in ("none": raw):
+        # what the clients' encoding="auto" chose, seen from the node.
+        self.encodings: collections.Counter[str] = collections.Counter()
 
     def push(self, method: Method, args: Any) -> asyncio.Future:
         """Answer a push: a future of its reply.
@@ -272,6 +275,8 @@ class GradientPushes:
                     )
         if push.forwarded and push.epoch is not None:
             self._check_primary(push)
+        if not push.forwarded and push.grads:
+            self.encodings.update(g.encoding or "none" for g in push.grads)
         chosen: dict[str, Any] = {}
         if self.partition_bytes and not push.forwarded and push.grads:
             push, chosen = self._cut(push)
