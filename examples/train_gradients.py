@@ -31,7 +31,8 @@ What it does:
    each then loops ``--steps`` times: pull the weights (``get_arrays``),
    compute the gradient of the mean logistic loss on a mini-batch of its
    shard (numpy), ``push_gradients`` (``--encoding``, ``--ratio``; lossy
-   encodings keep an error-feedback residual). No worker waits for another.
+   encodings keep an error-feedback residual; ``--encoding auto`` chooses at
+   each push, and the report says what it chose). No worker waits for another.
 4. **The report.** The coordinator waits until the nodes agree on the model,
    pulls it, and prints (and with ``--json`` writes) the full-data loss it
    reached, beside the loss of **single-process SGD** on the same data: the
@@ -81,8 +82,9 @@ from aioparamsync.values.arrays import from_parameter  # noqa: E402
 
 # This script: a worker process runs it again, with --worker-rank.
 SCRIPT = str(Path(__file__).resolve())
-# The encodings a push may use ("none": raw float32).
-ENCODINGS = ("none", "fp16", "bf16", "int8", "topk", "zlib")
+# The encodings a push may use ("none": raw float32; "auto": chosen at each push
+# from the link and the compute time the worker measures).
+ENCODINGS = ("none", "fp16", "bf16", "int8", "topk", "zlib", "auto")
 # The "true" model's weights have this norm: its logits have about this standard
 # deviation, so most labels are clear and some are not (the optimum is ~0.29).
 TRUE_SCALE = 4.0
@@ -205,6 +207,7 @@ class WorkerReport:
     bytes_received: int = 0
     seconds: float = 0.0
     stopped_by: str = "steps"  # or "time limit", "coordinator gone"
+    chose: dict[str, int] = field(default_factory=dict)  # --encoding auto: choice -> pushes
 
 
 def watch_stdin(gone: threading.Event) -> None:
@@ -251,6 +254,8 @@ async def train_worker(args: argparse.Namespace, mine: Data, node: str) -> Worke
         report.seconds = time.monotonic() - started
         report.bytes_sent = client.traffic["bytes_sent"]
         report.bytes_received = client.traffic["bytes_received"]
+        if encoding == "auto":
+            report.chose = dict(client.stats()["auto"]["counts"])
     return report
 
 
@@ -304,6 +309,7 @@ class Result:
     nodes_agree: bool = False
     max_weight_difference: float = math.nan  # between the nodes' final weights
     worker_reports: list[dict[str, Any]] = field(default_factory=list)
+    auto_chose: dict[str, int] = field(default_factory=dict)  # --encoding auto, all workers
 
 
 async def wait_until_all_hold(nodes: Sequence[str], names: Sequence[str], version: int) -> None:
@@ -458,6 +464,9 @@ async def coordinate(args: argparse.Namespace, argv: Sequence[str]) -> Result:
     result.gradients_pushed = sum(r.steps for r in reports)
     result.bytes_sent = sum(r.bytes_sent for r in reports)
     result.bytes_received = sum(r.bytes_received for r in reports)
+    for r in reports:
+        for choice, n in r.chose.items():
+            result.auto_chose[choice] = result.auto_chose.get(choice, 0) + n
 
     agree, arrays, version, difference = await agreed_state(nodes, names)
     result.nodes_agree = agree
@@ -491,6 +500,9 @@ def print_result(r: Result) -> None:
         f"traffic: workers sent {r.bytes_sent:,} bytes ({per_push:.0f} per step, pull "
         f"included), received {r.bytes_received:,}"
     )
+    if r.auto_chose:
+        chose = ", ".join(f"{c} x{n}" for c, n in sorted(r.auto_chose.items()))
+        print(f"encoding auto chose: {chose}")
     steps_per_second = r.gradients_pushed / r.wall_seconds if r.wall_seconds else 0.0
     print(f"time: {r.wall_seconds:.2f} s of training, {steps_per_second:.0f} steps/s")
     agree = "agree" if r.nodes_agree else "do NOT agree"
