@@ -329,6 +329,46 @@ async def test_push_grads_takes_an_sgd_step_on_the_node(client: ParameterClient)
     assert await ps_torch.push_grads(client, net, prefix="g/", request_id="step-1") == versions
 
 
+async def _train_mlp(
+    client: ParameterClient, prefix: str, rule: object, **push: object
+) -> tuple[float, float, float]:
+    """An MLP trained through the node by ``rule``: the first and last loss, and the
+    mean share of the first layer's weight that the pushes sent."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    x = torch.randn(256, 8)
+    y = torch.sin(x[:, :1]) + 0.5 * x[:, 1:2]
+    await ps_torch.push_state_dict(client, model, prefix=prefix, rule=rule)
+    losses, shares = [], []
+    for _ in range(150):
+        await ps_torch.load_into(client, model, prefix=prefix)
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        await ps_torch.push_grads(client, model, prefix=prefix, **push)
+        sent = client.stats()["gradients"].get(f"{prefix}0.weight")
+        shares.append(1.0 if sent is None else sent["share"])
+    return losses[0], losses[-1], sum(shares) / len(shares)
+
+
+@pytest.mark.parametrize(
+    "rule", [rules.sgd(0.5), rules.sgd(0.1, momentum=0.9)], ids=["sgd", "momentum 0.9"]
+)
+async def test_a_model_trained_with_compressed_gradients_converges_like_one_trained_raw(
+    client: ParameterClient, rule: object
+) -> None:
+    # 1% with momentum 0.9: the case a fixed top-k ratio diverged in (values/feedback.py).
+    first, raw, _ = await _train_mlp(client, "raw/", rule)
+    assert raw < 0.05 * first, (first, raw)  # not vacuous: the raw run learns
+    for encoding, ratio in (("topk", 0.01), ("topk", 0.25), ("int8", None)):
+        prefix = f"{encoding}{ratio}/"
+        _, last, share = await _train_mlp(client, prefix, rule, encoding=encoding, ratio=ratio)
+        assert last < 0.05 * first and last < 2 * raw + 1e-3, (encoding, ratio, first, raw, last)
+        if encoding == "topk" and rule.momentum == 0:
+            assert share < 0.9, (ratio, share)  # top-k left values out, often
+
+
 async def test_push_grads_steps_every_key_of_a_tied_weight_and_passes_the_encoding_on(
     client: ParameterClient,
 ) -> None:
