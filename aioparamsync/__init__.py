@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .client.api import ParameterClient
     from .node import Node
     from .values.arrays import from_parameter, to_parameter
-    from .values.rules import adam, sgd, sum_rule
+    from .values.rules import adagrad, adam, sgd, sum_rule
     from .wire import thrift
 
     Parameter = thrift.Parameter
@@ -72,6 +72,7 @@ __all__ = [
     "ServerError",
     "StaleSync",
     "__version__",
+    "adagrad",
     "adam",
     "from_parameter",
     "sgd",
@@ -88,6 +89,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "StaleSync": (".client.stale", "StaleSync"),
     "from_parameter": (".values.arrays", "from_parameter"),
     "to_parameter": (".values.arrays", "to_parameter"),
+    "adagrad": (".values.rules", "adagrad"),
     "adam": (".values.rules", "adam"),
     "sgd": (".values.rules", "sgd"),
     "sum_rule": (".values.rules", "sum_rule"),

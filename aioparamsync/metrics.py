@@ -332,6 +332,11 @@ class _NodeCollector:
         yield counter("updates_applied", "Updates applied.", s["updates_applied"])
         yield counter("updates_refused", "Updates refused.", s["updates_refused"])
 
+        r = node.service.rows.tables.statistics()
+        yield gauge("tables", "Embedding tables this node knows.", r["tables"])
+        yield gauge("table_rows", "Rows of embedding tables held here.", r["rows"])
+        yield gauge("table_bytes", "Bytes of tables' rows (and their state) held.", r["row_bytes"])
+
         # -- training: waits and gradients --------------------------------------------
         service = node.service
         w = service.waiting.statistics()

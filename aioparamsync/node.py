@@ -19,6 +19,7 @@ from .cluster.membership import DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING, Cl
 from .errors import ErrorCode, RequestError
 from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
+from .persistence.rows import RowStore
 from .placement import DEFAULT_REPLICATION_FACTOR, JOINING, LEFT, UP
 from .server.handlers import ParameterService
 from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
@@ -184,6 +185,12 @@ class Node:
             else None
         )
         self.store = ParameterStore(self.table, data_dir=self.data_dir)
+        #: the files of the embedding tables, in the data directory's rows/ (None: in memory)
+        self.row_store = (
+            RowStore(self.data_dir.path, fsync=fsync, sync_interval=self.data_dir.sync_interval)
+            if self.data_dir is not None
+            else None
+        )
         # Who this node is, to its peers: known once it listens (port 0).
         self.cluster = Cluster(
             self.store,
@@ -215,6 +222,7 @@ class Node:
         self.service.counters = self.server.counters
         self.service.on_drain = self._drain_requested
         self.service.on_shutdown = self._shutdown_requested
+        self.cluster.rebalancer.hooks.append(self.service.rows.rebalance)
         #: set once the node has left its cluster (a drain): it is to be stopped
         self.left = asyncio.Event()
         #: set once the node was told to shut down: it is to be stopped, not leave
@@ -251,6 +259,15 @@ class Node:
     def port(self) -> int:
         return self.address[1]
 
+    def _close_files(self) -> None:
+        """Close the tables' files (their last snapshot written), then the data directory."""
+        assert self.data_dir is not None
+        try:
+            if self.row_store is not None:
+                self.row_store.close()
+        finally:
+            self.data_dir.close()
+
     async def start(self) -> None:
         """Recover the data directory (if any), start the store's writer, and listen.
 
@@ -270,13 +287,20 @@ class Node:
                 found.records,
                 found.torn_bytes,
             )
+            assert self.row_store is not None
+            try:
+                await asyncio.to_thread(self.row_store.recover, self.service.rows.tables)
+            except BaseException:
+                self.data_dir.close()
+                raise
+            self.service.rows.log = self.row_store.log
         if self.metrics_port is not None:
             metrics = NodeMetrics(self)
             try:
                 metrics.start(self.config.host, self.metrics_port)
             except BaseException:
                 if self.data_dir is not None:
-                    self.data_dir.close()  # (its lock too: the directory is free again)
+                    self._close_files()  # (its lock too: the directory is free again)
                 raise
             self.metrics = metrics
         self._writer = asyncio.create_task(self.store.run(), name="aioparamsync-store-writer")
@@ -289,7 +313,7 @@ class Node:
             self.store.close()
             await self._writer
             if self.data_dir is not None:
-                self.data_dir.close()
+                self._close_files()
             raise
         adv_host, adv_port = self._advertise or self.address
         if not self.table.node_id:
@@ -464,6 +488,7 @@ class Node:
                 await self.discovery.stop()
             await self.server.close(grace)
             self.service.close()
+            await self.service.rows.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
             self.store.close()
@@ -471,7 +496,7 @@ class Node:
                 await self._writer  # applies what was queued; writes the last snapshot
                 self._writer = None
             if self.data_dir is not None:
-                self.data_dir.close()
+                self._close_files()
         finally:
             if self.metrics is not None:  # last: it can be scraped while the node drains
                 await self.metrics.close()

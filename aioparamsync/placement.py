@@ -28,10 +28,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Container, Iterable, Sequence
 
+import numpy as np
+
 __all__ = [
     "DEFAULT_REPLICATION_FACTOR",
     "Placement",
     "barrier_key",
+    "bucket_key",
+    "bucket_of",
+    "mix64",
     "is_reserved",
     "manifest_key",
     "parse_key",
@@ -108,6 +113,33 @@ def placed_by(key: str) -> str:
 def barrier_key(group: str) -> str:
     """The key a barrier group is placed by: its primary holds the barrier."""
     return f"\x00barrier\x00{group}"
+
+
+def bucket_key(table: str, bucket: int) -> str:
+    """The key bucket ``bucket`` of embedding table ``table`` is placed by: its replicas
+    hold the bucket's rows, its primary folds their gradients."""
+    return f"\x00rows\x00{table}\x00{bucket}"
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of every value of ``x`` (uint64): a fixed, well-mixed hash."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def bucket_of(ids: np.ndarray, buckets: int) -> np.ndarray:
+    """The bucket of each row id (int64) of a table of ``buckets`` buckets, as int64.
+
+    A hash, not ``id % buckets``: ids that are multiples of a stride (hashed
+    features often are) spread over every bucket.
+    """
+    return (mix64(ids.view(np.uint64)) % np.uint64(buckets)).astype(np.int64)
 
 
 def _score(member: str, key: str) -> bytes:

@@ -21,7 +21,11 @@ struct Rule {
     // "sum": w += g. "sgd": with weight decay wd and momentum mu (buffer b,
     // b = g' on the first step): g' = g + wd*w; b = mu*b + g'; w -= lr*b
     // (torch.optim.SGD). "adam": torch.optim.Adam's rule, its state (m, v,
-    // step) kept by the node. Other kinds are refused.
+    // step) kept by the node. "adagrad" (embedding tables' rows only):
+    // torch.optim.Adagrad's rule, s += g^2; w -= lr * g / (sqrt(s) + eps),
+    // s starting at initial_accumulator. For rows, "adam" is lazy: only the
+    // rows a push touches step, each by its own step count. Other kinds are
+    // refused.
     1: required string kind,
     2: optional double lr = 0.01,
     3: optional double momentum = 0.0,
@@ -29,6 +33,7 @@ struct Rule {
     5: optional double beta1 = 0.9,
     6: optional double beta2 = 0.999,
     7: optional double eps = 1e-8,
+    8: optional double initial_accumulator = 0.0,
 }
 
 struct Parameter {
@@ -185,6 +190,109 @@ struct GradientPush {
     // As in ParameterUpdate: the caller's topology epoch, and when to answer.
     5: optional i64 epoch,
     6: optional string acks,
+}
+
+// An embedding table: rows of `dim` values by int64 id, each made on its
+// first touch (pull or push) by the initializer, a pure function of (table,
+// seed, id), so every replica and every restart makes the same row. Rows are
+// placed in `buckets` buckets (by a hash of the id), each bucket a key as a
+// parameter's name is: its replicas hold its rows, its primary folds them.
+struct Table {
+    1: required string name,
+    2: required i32 dim,
+    // numpy's dtype string of the values ("<f4" when absent; "<f2", "<f8"
+    // and "bfloat16" too).
+    3: optional string dtype,
+    // "zeros" (when absent), "uniform" (U(-scale, scale)) or "normal"
+    // (N(0, scale^2)).
+    4: optional string init,
+    5: optional double scale,
+    6: optional i64 seed,
+    // How row gradients fold: "sgd" (lr only), "adagrad" (when absent, with
+    // lr 0.01) or "adam".
+    7: optional Rule rule,
+    // Fixed at creation (64 when absent).
+    8: optional i32 buckets,
+    // Rows untouched this long are dropped (and made anew on their next touch);
+    // absent or 0: never.
+    9: optional double row_ttl_seconds,
+    // Set by a node passing the table on to the other members.
+    10: optional bool forwarded,
+}
+
+// Read rows of a table.
+struct RowsRequest {
+    1: required string table,
+    // The ids, little-endian int64, repeats allowed.
+    2: required binary ids,
+    // Answer the rows so encoded ("fp16", "bf16", "int8"); absent: raw.
+    3: optional string encoding,
+    // As in ParameterRequest: the caller's topology epoch (set: a node
+    // answers MOVED for rows of a bucket it does not hold; absent: it asks
+    // the buckets' holders).
+    4: optional i64 epoch,
+}
+
+// Rows (a pull's answer, a push's gradients): one array of (count, dim)
+// values, C order, in the order of the ids they were asked or sent by.
+struct Rows {
+    1: required i64 count,
+    2: required i32 dim,
+    // numpy's dtype string of the decoded values.
+    3: required string dtype,
+    // The values, raw or as `encoding` says: "fp16", "bf16" (the values in
+    // that type), "int8" (round(value / scale) of the row, a float32 scale
+    // per row in `scales`).
+    4: required binary data,
+    5: optional string encoding,
+    6: optional binary scales,
+}
+
+// Row gradients for push_row_gradients: the gradients of repeated ids are
+// summed, then each row folds once.
+struct RowPush {
+    1: required string table,
+    // little-endian int64, one per gradient row
+    2: required binary ids,
+    3: required Rows grads,
+    // As in GradientPush.
+    4: optional string request_id,
+    5: optional i64 epoch,
+    6: optional string acks,
+    // Set by a node passing a part on to the buckets' primary.
+    7: optional bool forwarded,
+}
+
+// What a row push did.
+struct RowsResult {
+    // distinct rows folded
+    1: required i64 rows,
+    // of them, rows made by this push (their first touch)
+    2: required i64 created,
+}
+
+// Rows a bucket's primary sends its replicas (and a node hands on when a
+// bucket moves): every value and every state of each row, which the
+// receiver keeps unless it holds the row at the same or a newer version.
+struct RowDelta {
+    1: required Table table,
+    2: required i32 bucket,
+    3: required binary ids,
+    // little-endian int64 per row: the row's version (its folds so far)
+    4: required binary versions,
+    5: required binary rows,
+    // The rule's state arrays of the rows, each (count, dim) of the values'
+    // working dtype (adagrad: s; adam: m, v), then adam's step per row
+    // (little-endian int64).
+    6: optional list<binary> state,
+    7: required string from_peer,
+}
+
+// Ask a node for every row it holds of one bucket (a node that takes a bucket
+// over, or repairs it).
+struct BucketRequest {
+    1: required string table,
+    2: required i32 bucket,
 }
 
 // A worker arriving at a barrier (bulk-synchronous training).
@@ -388,4 +496,19 @@ service ParameterSyncService {
     // each after its final snapshot where it has a data directory. Refused
     // over TLS unless the node verifies client certificates.
     ShutdownResult shutdown(1: ShutdownRequest request) throws (1: ParameterError error),
+
+    // Embedding tables. create_table makes the table on every member (the
+    // same table again is no error; another with the same name is) and
+    // answers it, defaults filled in.
+    Table create_table(1: Table table) throws (1: ParameterError error),
+    list<Table> tables() throws (1: ParameterError error),
+    // The rows of the ids, in their order, made where new.
+    Rows pull_rows(1: RowsRequest request) throws (1: ParameterError error),
+    // Fold row gradients by the table's rule, each row atomically; a push is
+    // applied once by its request_id.
+    RowsResult push_row_gradients(1: RowPush push) throws (1: ParameterError error),
+    // Between nodes: rows for a bucket's replicas (see RowDelta); answers
+    // how many rows it kept.
+    i64 replicate_rows(1: RowDelta delta) throws (1: ParameterError error),
+    RowDelta bucket_rows(1: BucketRequest request) throws (1: ParameterError error),
 }

@@ -32,6 +32,7 @@ from .addresses import parse_addresses as parse_addresses  # (importable from he
 from .fetch import fetch
 from .pool import ConnectionPool
 from .routing import ROUTED, Routes
+from .rows import TableClient
 from .updates import make_update, push_in_pieces
 
 __all__ = ["ParameterClient", "parse_address"]
@@ -49,7 +50,7 @@ HOLD_MARGIN = 5.0
 MAX_WAIT_MS = 2**31 - 1
 
 
-class ParameterClient(ConnectionPool):
+class ParameterClient(TableClient, ConnectionPool):
     """An async client of a node (or of the first reachable of several).
 
     Safe to share among many coroutines: calls are pipelined over a small pool
@@ -127,6 +128,7 @@ class ParameterClient(ConnectionPool):
         # follows the rule's momentum: see values.feedback)
         self._rules: dict[str, Any] = {}
         self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
+        self._tables = {}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> ParameterClient:

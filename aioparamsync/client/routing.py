@@ -346,32 +346,15 @@ class Routes:
         parts = self._parts(m, value)
         if parts is None or (len(parts) == 1 and None in parts):
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
-        topology = self.topology
-        assert topology is not None
 
         async def part(target: str | None, sub: Any) -> Any:
             if target is None or moves >= MAX_MOVES:
                 # (no live replica known, or moved too often: the node passes it on)
                 sub.epoch = None
                 return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: sub})
-            sub.epoch = topology.epoch
-            pool = self._pool(topology.addresses[target])
-            try:
-                return await ConnectionPool.invoke(pool, m, timeout=timeout, **{arg: sub})
-            except RequestError as exc:
-                if exc.code != ErrorCode.MOVED:
-                    raise
-                await self.learn(pool)
-            except ConnectError:
-                self._down(target)
-                await self._relearn()
-            except ConnectionLostError:
-                self._down(target)
-                await self._relearn()
-                if not m.idempotent:
-                    raise
-            except ClientClosedError:
-                raise
+            done, result = await self.call_at(target, m, timeout, arg, sub)
+            if done:
+                return result
             return await self._send(m, arg, sub, timeout, {**args, arg: sub}, moves + 1)
 
         if len(parts) == 1:
@@ -384,6 +367,47 @@ class Routes:
             if isinstance(answer, BaseException):
                 raise answer
         return _merge(m, answers)
+
+    def target(self, key: str, read_from: str) -> str | None:
+        """Where a call for ``key`` goes by the topology known (see :meth:`Topology.target`)."""
+        topology = self.topology
+        assert topology is not None
+        return topology.target(key, read_from, self._salt)
+
+    async def call_at(
+        self, target: str, m: Method, timeout: Any, arg: str, sub: Any
+    ) -> tuple[bool, Any]:
+        """Send ``m`` (its argument ``arg`` is ``sub``) to member ``target`` with the
+        topology's epoch: ``(True, result)``, or ``(False, None)`` when it must be
+        routed again (the node answered MOVED, or could not be reached: the
+        topology was asked for again).
+
+        Raises:
+            RequestError: any other refusal.
+            ConnectionLostError: the connection broke with a call in flight
+                that is not idempotent (it may have been applied).
+        """
+        topology = self.topology
+        assert topology is not None
+        sub.epoch = topology.epoch
+        pool = self._pool(topology.addresses[target])
+        try:
+            return True, await ConnectionPool.invoke(pool, m, timeout=timeout, **{arg: sub})
+        except RequestError as exc:
+            if exc.code != ErrorCode.MOVED:
+                raise
+            await self.learn(pool)
+        except ConnectError:
+            self._down(target)
+            await self._relearn()
+        except ConnectionLostError:
+            self._down(target)
+            await self._relearn()
+            if not m.idempotent:
+                raise
+        except ClientClosedError:
+            raise
+        return False, None
 
     async def _relearn(self) -> None:
         try:

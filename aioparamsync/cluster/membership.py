@@ -658,6 +658,7 @@ class Cluster:
             if any(link.state == LinkState.UP for link in self.links.values()):
                 await self._tell_all()
                 await self._pull_all()
+                await self.rebalancer.other_rounds()
         finally:
             self.settling = None
             settling.set_result(None)

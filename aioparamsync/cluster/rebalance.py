@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ParamSyncError
@@ -66,6 +67,10 @@ class Rebalancer:
         self.under_replicated = 0
         self.handed_off = 0
         self.stuck = 0  # keys to move none of whose holders to come is up (last round)
+        #: rounds of other keys than parameters (embedding tables' buckets), run
+        #: after each round here and at a take-over; each answers the keys it still
+        #: has to move
+        self.hooks: list[Callable[[], Awaitable[int]]] = []
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -89,11 +94,16 @@ class Rebalancer:
             cluster.changed.clear()
             try:
                 await self.round()
+                await self.other_rounds()
             except (ParamSyncError, OSError) as exc:
                 log.info("rebalancing stopped short (%s); trying again", exc)
             except Exception:  # a bug must not stop rebalancing for good
                 log.exception("rebalancing failed")
             await asyncio.sleep(MIN_ROUND_INTERVAL)
+
+    async def other_rounds(self) -> int:
+        """One round of each hook; answer the keys they still have to move."""
+        return sum([await hook() for hook in self.hooks])
 
     def surplus(self) -> list[Entry]:
         """The entries held here that this node will not hold: it is a replica of
@@ -219,9 +229,10 @@ class Rebalancer:
         handed = 0
         while True:
             handed = await self.round()
-            if not self.moving or loop.time() >= deadline:
+            others = await self.other_rounds()
+            if (not self.moving and not others) or loop.time() >= deadline:
                 break
-            if self.stuck == self.moving:
+            if self.stuck == self.moving and not others:
                 break  # nowhere to hand the rest to
             await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         if self.moving > self.stuck:

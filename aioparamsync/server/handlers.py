@@ -25,6 +25,7 @@ from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest
 from .routing import Router
+from .rows import RowService
 
 __all__ = ["ParameterService"]
 
@@ -121,6 +122,8 @@ class ParameterService:
             store, cluster, self.waiting, max_decoded_bytes, partition_bytes=partition_bytes
         )
         self.router = Router(cluster)
+        #: the embedding tables (see .rows)
+        self.rows = RowService(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)
         self.on_drain: Callable[[float | None], asyncio.Future] | None = None
         #: what answers a shutdown (the node's: see Node.shutdown)
@@ -142,6 +145,7 @@ class ParameterService:
             METHODS.digest_for: self._digest_for,
             METHODS.drain: self._drain,
             METHODS.shutdown: self._shutdown,
+            **self.rows.handlers(),
         }
         if missing := [m.name for m in METHODS if m not in handlers]:
             raise RuntimeError(f"IDL methods without a handler: {missing}")
@@ -465,6 +469,7 @@ class ParameterService:
         counters.update(self.store.statistics())
         counters.update(self.waiting.statistics())
         counters.update(self.uploads.statistics())
+        counters.update(self.rows.tables.statistics())
         counters["gradient_pushes_repeated"] = self.pushes_repeated
         counters["gradient_pushes_forwarded"] = self.pushes_forwarded
         counters["gradient_forward_failures"] = self.forward_failures

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import ErrorCode, RequestError
 from ..wire import thrift
 
-__all__ = ["KINDS", "State", "adam", "check_rule", "fold", "sgd", "sum_rule"]
+__all__ = ["KINDS", "State", "adagrad", "adam", "check_rule", "fold", "sgd", "sum_rule"]
 
 KINDS = ("sum", "sgd", "adam")
 
@@ -61,6 +61,14 @@ def adam(
     return rule
 
 
+def adagrad(lr: float = 0.01, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> Any:
+    """The rule of ``torch.optim.Adagrad(lr=lr, eps=eps,
+    initial_accumulator_value=initial_accumulator)``, for embedding tables' rows
+    (:meth:`~aioparamsync.ParameterClient.create_table`): ``s += g^2``;
+    ``w -= lr * g / (sqrt(s) + eps)``."""
+    return thrift.Rule(kind="adagrad", lr=lr, eps=eps, initial_accumulator=initial_accumulator)
+
+
 def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_high: bool) -> None:
     value = getattr(rule, field)
     ok = isinstance(value, (int, float)) and math.isfinite(value) and low <= value
@@ -76,9 +84,10 @@ def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_h
 def check_rule(name: str, rule: Any) -> None:
     """Raise :class:`RequestError` (BAD_REQUEST) unless ``rule`` is a rule a node can apply."""
     if rule.kind not in KINDS:
+        tables = " (adagrad is for embedding tables' rows)" if rule.kind == "adagrad" else ""
         raise RequestError(
             ErrorCode.BAD_REQUEST,
-            f"{name!r}: unknown rule {rule.kind!r}; one of {', '.join(KINDS)}",
+            f"{name!r}: unknown rule {rule.kind!r}; one of {', '.join(KINDS)}{tables}",
         )
     if rule.kind == "sum":
         return

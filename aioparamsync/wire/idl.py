@@ -69,6 +69,9 @@ _TRAITS: dict[str, dict[str, Any]] = {
     "barrier": {"held": "always"},
     "drain": {"held": "always", "writes": True, "idempotent": False},
     "shutdown": {"held": "always", "writes": True, "idempotent": False},
+    "create_table": {"writes": True},  # the same table again is no change
+    "push_row_gradients": {"writes": True},  # idempotent by its request id
+    "replicate_rows": {"writes": True},  # a row kept at its version once
 }
 
 
@@ -114,6 +117,12 @@ class Methods:
     digest_for: Method
     drain: Method
     shutdown: Method
+    create_table: Method
+    tables: Method
+    pull_rows: Method
+    push_row_gradients: Method
+    replicate_rows: Method
+    bucket_rows: Method
 
     def __init__(self, methods: dict[str, Method]) -> None:
         declared = set(type(self).__annotations__)

@@ -1,0 +1,487 @@
+"""Embedding tables on the node: create_table, pull_rows, push_row_gradients, and between
+nodes replicate_rows and bucket_rows.
+
+Theory of operation. A table is made on every member: the node asked passes
+it on to the others (``forwarded``); a node that missed it (down then, or
+joined since) learns it from a peer when first asked for it, or from the
+table carried by every ``RowDelta``. A table's rows are placed by bucket
+(:func:`~aioparamsync.placement.bucket_key`), so a bucket is a key like a
+parameter's name: its replicas hold its rows, its primary folds them.
+
+- A pull is served from what this node holds; a routed one (``epoch`` set)
+  naming a bucket it does not hold is answered MOVED; an unrouted one asks
+  the buckets' holders for their rows and puts the answer together.
+- A push is checked whole first (the table, the ids, every gradient finite),
+  then cut by bucket primary: this node's part is folded here, each other
+  part is passed on to its primary (``forwarded``, with this node's epoch: a
+  node that is not the primary at that epoch answers MOVED and the part is
+  cut again, after a pause, as the primaries are then seen; one that cannot
+  be reached has its part folded by the next replica). A push folds each
+  bucket once per request id (see :class:`~aioparamsync.store.rows.RowLedger`).
+- The rows a fold changed go to the bucket's other live replicas
+  (``replicate_rows``), which keep a row unless they hold it at the same or
+  a newer version; with ``acks=all`` the push is answered once they have.
+- After a change of topology (:meth:`RowService.rebalance`) a node pulls the
+  whole of each bucket it has become a replica of from the other replicas
+  (``bucket_rows``), and hands each bucket it is no replica of any more to
+  its replicas, dropping it once every one of them has it.
+
+While a joining node takes its buckets over (``cluster.settling``) it folds
+nothing, as for dense gradients: two primaries of one bucket would each
+make a row's next version, and one would be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..placement import bucket_key
+from ..store.rows import RowTable, RowTables, table_spec
+from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
+from ..wire import METHODS, Method, thrift
+from .routing import moved
+
+__all__ = ["RowService"]
+
+log = logging.getLogger(__name__)
+
+# Pauses before a part answered MOVED is cut again (the nodes' views converge).
+MOVED_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
+# The deadline of a call to a peer (seconds).
+PEER_TIMEOUT = 30.0
+
+
+class RowService:
+    """The row methods of one node (see the module).
+
+    Args:
+        cluster: the node's cluster, or None (a node alone).
+        tables: the node's tables (made empty when None).
+    """
+
+    def __init__(self, cluster: Any = None, tables: RowTables | None = None) -> None:
+        self.cluster = cluster
+        self.tables = tables if tables is not None else RowTables()
+        self.passed_on = 0  # parts of row calls passed on to other nodes
+        self.replication_failures = 0
+        self._background: set[asyncio.Future[Any]] = set()
+        # (table, bucket) -> the placement this node last synchronised it at
+        self._synced: dict[tuple[str, int], Any] = {}
+        #: called with the deltas a fold or merge made, before it is answered
+        #: (the node's data directory logs them), or None
+        self.log: Any = None
+
+    def handlers(self) -> dict[Method, Any]:
+        return {
+            METHODS.create_table: self.create_table,
+            METHODS.tables: self.list_tables,
+            METHODS.pull_rows: self.pull_rows,
+            METHODS.push_row_gradients: self.push,
+            METHODS.replicate_rows: self.replicate,
+            METHODS.bucket_rows: self.bucket_rows,
+        }
+
+    @property
+    def _me(self) -> str:
+        return self.cluster.me.node_id if self.cluster is not None else ""
+
+    def _peers(self) -> bool:
+        cluster = self.cluster
+        return cluster is not None and bool(cluster.links)
+
+    # -- tables -------------------------------------------------------------------
+
+    def create_table(self, method: Method, args: Any) -> Any:
+        spec = table_spec(args.table)
+        if self.tables.create(spec)[1]:
+            log.info("table %r made: %s", spec.name, spec.wire)
+        if args.table.forwarded or not self._peers():
+            return method.result(success=spec.wire)
+        return asyncio.ensure_future(self._tell_members(method, spec))
+
+    async def _tell_members(self, method: Method, spec: Any) -> Any:
+        cluster = self.cluster
+        passed = thrift.Table(**{**spec.wire.__dict__, "forwarded": True})
+        targets = [m for m in cluster.live if m != self._me and m in cluster.by_id]
+
+        async def tell(member: str) -> None:
+            try:
+                link = cluster.by_id[member]
+                await link.proxy().invoke(METHODS.create_table, timeout=PEER_TIMEOUT, table=passed)
+            except RequestError:
+                raise  # (it holds another table of that name: the caller must know)
+            except ParamSyncError as exc:
+                log.info(
+                    "table %r not told to %s (%s): it learns it when asked", spec.name, member, exc
+                )
+
+        await asyncio.gather(*(tell(m) for m in targets))
+        return method.result(success=spec.wire)
+
+    def list_tables(self, method: Method, args: Any) -> Any:
+        return method.result(success=[t.spec.wire for t in self.tables.tables.values()])
+
+    async def _table(self, name: Any) -> RowTable:
+        """The table ``name``, learnt from a peer when this node does not know it yet."""
+        if not isinstance(name, str):
+            raise RequestError(ErrorCode.BAD_REQUEST, "the table's name is missing")
+        table = self.tables.get(name)
+        if table is not None:
+            return table
+        if self._peers():
+            cluster = self.cluster
+            for member in sorted(cluster.live):
+                link = cluster.by_id.get(member)
+                if link is None:
+                    continue
+                try:
+                    known = await link.proxy().invoke(METHODS.tables, timeout=PEER_TIMEOUT)
+                except ParamSyncError:
+                    continue
+                for t in known:
+                    if t.name == name:
+                        return self.tables.create(table_spec(t))[0]
+        raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"no table {name!r}")
+
+    def _table_now(self, name: Any) -> RowTable | None:
+        return self.tables.get(name) if isinstance(name, str) else None
+
+    # -- pulls ----------------------------------------------------------------------
+
+    def pull_rows(self, method: Method, args: Any) -> Any:
+        request = args.request
+        if request is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+        if request.encoding is not None and request.encoding not in ROW_ENCODINGS:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"rows are encoded as one of {', '.join(ROW_ENCODINGS)}, not {request.encoding!r}",
+            )
+        ids = decode_ids(request.ids)
+        table = self._table_now(request.table)
+        if table is not None and (request.epoch is not None or not self._peers()):
+            self._check_held(table, ids, "does not hold")
+            return method.result(success=encode_rows(table.pull(ids), request.encoding))
+        return asyncio.ensure_future(self._pull(method, request, ids))
+
+    async def _pull(self, method: Method, request: Any, ids: np.ndarray) -> Any:
+        table = await self._table(request.table)
+        if request.epoch is not None or not self._peers():
+            self._check_held(table, ids, "does not hold")
+            return method.result(success=encode_rows(table.pull(ids), request.encoding))
+        cluster = self.cluster
+        me, placement, live = self._me, cluster.placement, cluster.live
+        parts: dict[str | None, list[np.ndarray]] = {}
+        for bucket, positions in table.by_bucket(ids):
+            key = bucket_key(table.spec.name, bucket)
+            here = cluster.state in ("up", "leaving") and placement.holds(me, key)
+            target = None if here else placement.primary(key, live)
+            if target == me:
+                target = None
+            parts.setdefault(target, []).append(positions)
+        out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
+
+        async def part(target: str | None, positions: np.ndarray) -> None:
+            if target is None:
+                out[positions] = table.pull(ids[positions])
+                return
+            sub = thrift.RowsRequest(
+                table=table.spec.name, ids=encode_ids(ids[positions]), encoding=request.encoding
+            )
+            link = cluster.by_id.get(target)
+            if link is None:
+                raise RequestError(ErrorCode.UNAVAILABLE, f"node {target} is not linked to")
+            answer = await link.proxy().invoke(METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub)
+            self.passed_on += 1
+            out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
+
+        await asyncio.gather(*(part(t, np.concatenate(ps)) for t, ps in parts.items()))
+        return method.result(success=encode_rows(out, request.encoding))
+
+    def _check_held(
+        self, table: RowTable, ids: np.ndarray, what: str, primary: bool = False
+    ) -> None:
+        """Refuse (MOVED) a routed call for buckets this node does not hold (is not the
+        primary of, with ``primary``) at its epoch."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return
+        me, placement, live = self._me, cluster.placement, cluster.live
+        serving = cluster.state in ("up", "leaving")
+        missing = []
+        for bucket, _ in table.by_bucket(ids):
+            key = bucket_key(table.spec.name, bucket)
+            ok = placement.primary(key, live) == me if primary else placement.holds(me, key)
+            if not (serving and ok):
+                missing.append(f"bucket {bucket} of table {table.spec.name}")
+        if missing:
+            raise moved(cluster, missing, what)
+
+    # -- pushes ---------------------------------------------------------------------
+
+    def push(self, method: Method, args: Any) -> Any:
+        push = args.push
+        if push is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        if push.acks is not None and push.acks not in ("1", "all"):
+            raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
+        ids = decode_ids(push.ids)
+        return asyncio.ensure_future(self._push(method, push, ids))
+
+    async def _push(self, method: Method, push: Any, ids: np.ndarray) -> Any:
+        table = await self._table(push.table)
+        grads = decode_rows(push.grads, count=len(ids), dim=table.spec.dim)
+        table.check(ids, grads)
+        name = table.spec.name
+        done = self.tables.ledger.folded(push.request_id, name)
+        rows = created = 0
+        if done:
+            keep = ~np.isin(table.buckets_of(ids), np.fromiter(done, np.int64, len(done)))
+            if not keep.all():
+                self.tables.ledger.repeated += 1
+                rows += sum(done.values())
+                ids, grads = ids[keep], grads[keep]
+        if len(ids):
+            if push.forwarded and push.epoch is not None:
+                self._check_held(table, ids, "is not the primary of", primary=True)
+            if push.forwarded or not self._peers():
+                r, c = await self._fold_here(table, ids, grads, push)
+            else:
+                r, c = await self._fold_by_primary(table, ids, grads, push)
+            rows, created = rows + r, created + c
+        return method.result(success=thrift.RowsResult(rows=rows, created=created))
+
+    async def _fold_here(
+        self, table: RowTable, ids: np.ndarray, grads: np.ndarray, push: Any
+    ) -> tuple[int, int]:
+        cluster = self.cluster
+        settling = cluster.settling if cluster is not None else None
+        if settling is not None:
+            await settling
+        changed, created = table.fold(ids, grads, time.time())
+        folded = {b: len(c) for b, c in changed.items()}
+        self.tables.ledger.remember(push.request_id, table.spec.name, folded)
+        deltas = {b: table.delta(b, c, self._me) for b, c in changed.items()}
+        if self.log is not None:
+            await self.log(list(deltas.values()))
+        await self._replicate(table, deltas, push.acks)
+        return sum(folded.values()), created
+
+    async def _fold_by_primary(
+        self,
+        table: RowTable,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        push: Any,
+        moves: int = 0,
+        tried: frozenset[str] = frozenset(),
+    ) -> tuple[int, int]:
+        cluster = self.cluster
+        me = self._me
+        parts: dict[str | None, list[np.ndarray]] = {}
+        for bucket, positions in table.by_bucket(ids):
+            key = bucket_key(table.spec.name, bucket)
+            target = next(
+                (
+                    r
+                    for r in cluster.placement.replicas(key)
+                    if r in cluster.live and r not in tried
+                ),
+                None,
+            )
+            if target is None:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"no replica of bucket {bucket} of table {table.spec.name!r} is up; "
+                    "nothing of that part was folded: push again",
+                )
+            parts.setdefault(None if target == me else target, []).append(positions)
+
+        async def part(target: str | None, positions: np.ndarray) -> tuple[int, int]:
+            sub_ids, sub_grads = ids[positions], grads[positions]
+            if target is None:
+                return await self._fold_here(table, sub_ids, sub_grads, push)
+            sub = thrift.RowPush(
+                table=table.spec.name,
+                ids=encode_ids(sub_ids),
+                grads=encode_rows(sub_grads),
+                request_id=push.request_id,
+                # (to a next replica, its primary out of reach: folded where it arrives)
+                epoch=None if tried else cluster.epoch,
+                acks=push.acks or cluster.acks,
+                forwarded=True,
+            )
+            try:
+                link = cluster.by_id[target]
+                result = await link.proxy().invoke(
+                    METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
+                )
+            except RequestError as exc:
+                if exc.code != ErrorCode.MOVED:
+                    raise
+                if moves >= len(MOVED_RETRY_DELAYS):
+                    raise RequestError(
+                        ErrorCode.UNAVAILABLE,
+                        f"rows of table {table.spec.name!r} were not folded: the nodes disagree "
+                        f"on their primary ({exc.message}); push again",
+                    ) from None
+                await asyncio.sleep(MOVED_RETRY_DELAYS[moves])
+                return await self._fold_by_primary(
+                    table, sub_ids, sub_grads, push, moves + 1, tried
+                )
+            except (ParamSyncError, KeyError) as exc:
+                log.warning(
+                    "rows of table %r not passed on to %s (%s): to the next replica",
+                    table.spec.name,
+                    target,
+                    exc,
+                )
+                return await self._fold_by_primary(
+                    table, sub_ids, sub_grads, push, moves, tried | {target}
+                )
+            self.passed_on += 1
+            return result.rows, result.created
+
+        results = await asyncio.gather(*(part(t, np.concatenate(ps)) for t, ps in parts.items()))
+        return sum(r for r, _ in results), sum(c for _, c in results)
+
+    # -- replication ------------------------------------------------------------------
+
+    async def _replicate(self, table: RowTable, deltas: dict[int, Any], acks: str | None) -> None:
+        """Send each bucket's delta to its other live replicas; with acks=all, wait for them."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links or not deltas:
+            return
+        me = self._me
+        calls = []
+        for bucket, delta in deltas.items():
+            key = bucket_key(table.spec.name, bucket)
+            for replica in cluster.placement.replicas(key):
+                if replica != me and replica in cluster.live and replica in cluster.by_id:
+                    calls.append(self._send_delta(replica, delta))
+        if not calls:
+            return
+        if (acks or cluster.acks) == "all":
+            await asyncio.gather(*calls)
+            return
+        task = asyncio.ensure_future(asyncio.gather(*calls))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_delta(self, replica: str, delta: Any) -> bool:
+        try:
+            link = self.cluster.by_id[replica]
+            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, delta=delta)
+            return True
+        except (ParamSyncError, KeyError) as exc:
+            self.replication_failures += 1
+            log.info("rows of bucket %d not sent to %s (%s)", delta.bucket, replica, exc)
+            return False
+
+    def replicate(self, method: Method, args: Any) -> Any:
+        delta = args.delta
+        if delta is None or delta.table is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the delta is missing, or its table")
+        spec = table_spec(delta.table)
+        table = self.tables.create(spec)[0]
+        kept = table.merge(delta, time.time())
+        if self.log is None or not kept:
+            return method.result(success=kept)
+
+        async def logged() -> Any:
+            await self.log([delta])
+            return method.result(success=kept)
+
+        return asyncio.ensure_future(logged())
+
+    def bucket_rows(self, method: Method, args: Any) -> Any:
+        request = args.request
+        if request is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+        table = self._table_now(request.table)
+        if table is None:
+            raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"no table {request.table!r}")
+        bucket = request.bucket
+        if not isinstance(bucket, int) or not 0 <= bucket < table.spec.buckets:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"table {table.spec.name!r} has no bucket {bucket!r}"
+            )
+        return method.result(success=table.delta(bucket, None, self._me))
+
+    # -- after a change of topology -----------------------------------------------------
+
+    async def rebalance(self) -> int:
+        """Pull the buckets this node newly holds; hand off those it holds no more.
+
+        Answers the buckets that still wait (a replica to take one, or to give one).
+        """
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return 0
+        me, placement = self._me, cluster.placement
+        waiting = 0
+        for table in list(self.tables.tables.values()):
+            for bucket in range(table.spec.buckets):
+                key = bucket_key(table.spec.name, bucket)
+                replicas = placement.replicas(key)
+                mark = (table.spec.name, bucket)
+                if me in replicas:
+                    if self._synced.get(mark) == placement:
+                        continue
+                    if await self._take(table, bucket, replicas):
+                        self._synced[mark] = placement
+                    else:
+                        waiting += 1
+                elif bucket in table.blocks:
+                    self._synced.pop(mark, None)
+                    if await self._hand_off(table, bucket, replicas):
+                        del table.blocks[bucket]
+                    else:
+                        waiting += 1
+        return waiting
+
+    async def _take(self, table: RowTable, bucket: int, replicas: Iterable[str]) -> bool:
+        """Merge the rows of ``bucket`` every other live replica holds; whether all answered."""
+        cluster = self.cluster
+        others = [r for r in replicas if r != self._me and r in cluster.live and r in cluster.by_id]
+        request = thrift.BucketRequest(table=table.spec.name, bucket=bucket)
+        ok = True
+        for member in others:
+            try:
+                link = cluster.by_id[member]
+                delta = await link.proxy().invoke(
+                    METHODS.bucket_rows, timeout=PEER_TIMEOUT, request=request
+                )
+            except RequestError as exc:
+                if exc.code != ErrorCode.UNKNOWN_PARAMETER:
+                    ok = False
+                continue  # (it has no such table yet: nothing to take)
+            except ParamSyncError:
+                ok = False
+                continue
+            if table.merge(delta, time.time()) and self.log is not None:
+                await self.log([delta])
+        return ok
+
+    async def _hand_off(self, table: RowTable, bucket: int, replicas: Iterable[str]) -> bool:
+        """Give ``bucket`` to each of its replicas; whether every one of them took it."""
+        cluster = self.cluster
+        replicas = list(replicas)
+        if not all(r in cluster.live and r in cluster.by_id for r in replicas):
+            return False
+        delta = table.delta(bucket, None, self._me)
+        sent = await asyncio.gather(*(self._send_delta(r, delta) for r in replicas))
+        return all(sent)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background)

@@ -1,0 +1,801 @@
+"""Sparse embedding tables: rows made on first touch, folded by sgd, adagrad or lazy adam.
+
+An embedding table (:class:`TableSpec`) has a name, a row width ``dim``, a
+storage dtype, an initializer (:class:`Init`) and a fold rule
+(:class:`RowRule`). Its ids are any int64s, not a dense range; a
+:class:`RowBlock` holds the rows of one bucket of one table: a
+:class:`~.rowindex.RowIndex` (id -> dense slot), the ``(capacity, dim)``
+block of rows, the rule's state in blocks of the same layout, and the time
+each row was last touched (for eviction).
+
+Rows are made by the initializer the first time they are touched, and the
+initial row of an id is a pure function of (table, id, seed): a
+counter-based hash (splitmix64), not a random stream. So every replica and
+every restart makes the same row, whichever other rows exist and in
+whatever order they were touched, and a row that was evicted before it was
+ever folded is made again exactly as it was.
+
+A fold first sums the gradients of an id that occurs more than once (in
+float64), then folds each touched row once, by torch.optim's arithmetic,
+computed in float32 (float64 for float64 tables):
+
+- ``sgd``: ``w -= lr*g``.
+- ``adagrad`` (torch.optim.Adagrad, no lr_decay, no weight decay):
+  ``s += g^2; w -= lr * g / (sqrt(s) + eps)``.
+- ``adam``, lazy (torch.optim.SparseAdam's arithmetic): ``t += 1``,
+  ``m += (1-b1)*(g-m); v += (1-b2)*(g^2-v)``,
+  ``w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)`` (eps not rescaled, unlike
+  torch.optim.Adam). Only the touched rows' ``m``, ``v`` change, and each row
+  counts its own steps ``t`` (the folds that touched it): SparseAdam counts
+  one global step, which means nothing across shards, and replicas that see
+  different batches. The two agree whenever every step touches every row.
+
+Nothing here knows of asyncio or the network, and a method either changes
+the block as asked or raises :class:`RequestError` having changed nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+
+from ..errors import ErrorCode, RequestError
+from .rowindex import RowIndex, mix64
+
+__all__ = [
+    "DTYPES",
+    "INIT_KINDS",
+    "RULE_KINDS",
+    "Init",
+    "RowBlock",
+    "RowData",
+    "RowRule",
+    "TableSpec",
+    "adagrad",
+    "adam",
+    "normal",
+    "sgd",
+    "sum_duplicates",
+    "uniform",
+    "zeros",
+]
+
+INIT_KINDS = ("zeros", "uniform", "normal")
+RULE_KINDS = ("sgd", "adagrad", "adam")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+# The state each rule keeps per row, named as torch.optim names it.
+STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq", "step")}
+# Widest row a table may have.
+MAX_DIM = 1 << 20
+# The row block grows by at least this many rows, or by a quarter (amortised O(1) per row).
+GROW_ROWS = 1024
+# Elements made at once by an initializer: its temporaries stay in the cache (4x faster
+# than 2**22 at a time, measured).
+INIT_CHUNK = 1 << 16
+# Most gradient elements summed at once (bounds the flat index array np.bincount takes).
+SUM_CHUNK = 1 << 21
+# Elements folded at once (the same cache argument: 2x faster for adam than all at once).
+FOLD_CHUNK = 1 << 16
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment
+_S11 = np.uint64(11)
+_TWO_TO_MINUS_53 = 2.0**-53
+
+
+def _bad(message: str, code: ErrorCode = ErrorCode.BAD_REQUEST) -> RequestError:
+    return RequestError(code, message)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_number(where: str, name: str, value: Any, need: str, ok: Any) -> None:
+    if not (_real(value) and ok(value)):
+        raise _bad(f"{where}: {name} must be {need}, not {value!r}")
+
+
+class _Plain:
+    """A frozen dataclass that goes on the wire and into snapshots as a dict of plain values."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (nested specs as dicts too)."""
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """The object of :meth:`to_dict`'s dict; raises RequestError if it is not one."""
+        return cls(**_known(cls, data))
+
+
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(data) - set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    if unknown:
+        raise _bad(f"{cls.__name__}: unknown field(s) {', '.join(sorted(unknown))}")
+    return dict(data)
+
+
+# -- initializers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Init(_Plain):
+    """How a table makes a row on first touch: ``zeros``, ``uniform`` or ``normal``.
+
+    Attributes:
+        kind: one of :data:`INIT_KINDS`.
+        scale: ``a`` of U(-a, a), or the standard deviation of N(0, scale^2).
+        seed: mixed into every value, in [0, 2**64).
+    """
+
+    kind: str = "zeros"
+    scale: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INIT_KINDS:
+            raise _bad(f"init: kind must be one of {', '.join(INIT_KINDS)}, not {self.kind!r}")
+        _check_number("init", "scale", self.scale, "a finite number >= 0", lambda x: x >= 0)
+        seed = self.seed
+        if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
+            raise _bad(f"init: seed must be an integer, not {seed!r}")
+        if not 0 <= int(seed) < 1 << 64:
+            raise _bad(f"init: seed must be in [0, 2**64), not {seed!r}")
+
+    def values(self, table: str, ids: np.ndarray, dim: int, dtype: Any = np.float32) -> np.ndarray:
+        """The initial rows of ``ids`` in table ``table``: an ``(len(ids), dim)`` array."""
+        out = np.empty((len(ids), dim), dtype)
+        self.fill(out, table, np.asarray(ids, np.int64))
+        return out
+
+    def fill(self, out: np.ndarray, table: str, ids: np.ndarray) -> None:
+        """Write the initial rows of ``ids`` (int64) into ``out`` (``(len(ids), dim)``)."""
+        if self.kind == "zeros" or self.scale == 0:
+            out[...] = 0
+            return
+        dim = out.shape[1]
+        half = (dim + 1) // 2
+        key = _table_key(table, int(self.seed))
+        step = max(1, INIT_CHUNK // dim)
+        for start in range(0, len(ids), step):
+            chunk = ids[start : start + step].view(np.uint64)
+            streams = mix64(chunk ^ key)  # distinct ids, distinct streams (mix64 is a bijection)
+            rows = out[start : start + step]
+            if self.kind == "uniform":
+                u = _uniforms(streams, 0, dim)
+                u *= 2.0 * self.scale
+                u -= self.scale
+                rows[...] = u
+                continue
+            # Box-Muller: draws j and half+j make elements j (r cos) and half+j (r sin);
+            # sin is had from cos (sqrt rounds exactly; float64 np.cos is the costly part).
+            radius = np.log1p(-_uniforms(streams, 0, half))  # log(1-u), 1-u in (0, 1]
+            radius *= -2.0
+            np.sqrt(radius, out=radius)
+            radius *= self.scale
+            angle = _uniforms(streams, half, half)
+            angle *= 2.0 * math.pi
+            cos = np.cos(angle)
+            sin = np.sqrt(np.maximum(0.0, 1.0 - cos * cos))
+            np.copysign(sin, math.pi - angle, out=sin)  # negative on the lower half circle
+            cos *= radius
+            sin *= radius
+            rows[:, :half] = cos
+            rows[:, half:] = sin[:, : dim - half]
+
+
+def _uniforms(streams: np.ndarray, first: int, count: int) -> np.ndarray:
+    # Draws first+1 .. first+count of each row's splitmix64 stream, as uniforms in
+    # [0, 1) of 53 bits (float64): an (len(streams), count) array.
+    counters = np.arange(first + 1, first + count + 1, dtype=np.uint64) * _GOLDEN
+    bits = mix64(streams[:, None] + counters)
+    bits >>= _S11
+    u = bits.astype(np.float64)
+    u *= _TWO_TO_MINUS_53
+    return u
+
+
+def _table_key(table: str, seed: int) -> np.uint64:
+    # A stable 64-bit key per (table, seed): blake2b of the name, not hash() (salted).
+    name = int.from_bytes(hashlib.blake2b(table.encode(), digest_size=8).digest(), "little")
+    mixed_seed = mix64(np.array([seed], np.uint64) + _GOLDEN)
+    return mix64(mixed_seed ^ np.uint64(name))[0]
+
+
+def zeros() -> Init:
+    """Rows start at 0."""
+    return Init("zeros")
+
+
+def uniform(a: float, *, seed: int = 0) -> Init:
+    """Rows start with each element drawn from U(-a, a)."""
+    return Init("uniform", a, seed)
+
+
+def normal(std: float, *, seed: int = 0) -> Init:
+    """Rows start with each element drawn from N(0, std^2)."""
+    return Init("normal", std, seed)
+
+
+# -- rules ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RowRule(_Plain):
+    """How a table folds a row's gradient into it (see the module's docstring).
+
+    Attributes:
+        kind: one of :data:`RULE_KINDS`.
+        lr: learning rate, finite and > 0.
+        eps: adagrad's and adam's epsilon, > 0.
+        beta1, beta2: adam's betas, in [0, 1).
+        initial_accumulator: adagrad's initial ``s``, finite and >= 0.
+    """
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    initial_accumulator: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULE_KINDS:
+            raise _bad(f"rule: kind must be one of {', '.join(RULE_KINDS)}, not {self.kind!r}")
+        for name, need, ok in _RULE_FIELDS:
+            _check_number("rule", name, getattr(self, name), need, ok)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The per-row state the rule keeps (torch.optim's names): ``()``, ``("sum",)``..."""
+        return STATE[self.kind]
+
+
+_RULE_FIELDS = (
+    ("lr", "a finite number > 0", lambda x: x > 0),
+    ("eps", "a finite number > 0", lambda x: x > 0),
+    ("beta1", "in [0, 1)", lambda x: 0 <= x < 1),
+    ("beta2", "in [0, 1)", lambda x: 0 <= x < 1),
+    ("initial_accumulator", "a finite number >= 0", lambda x: x >= 0),
+)
+
+
+def sgd(lr: float = 0.01) -> RowRule:
+    """``w -= lr*g`` (torch.optim.SGD on a sparse embedding)."""
+    return RowRule("sgd", lr)
+
+
+def adagrad(lr: float = 0.01, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> RowRule:
+    """torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=initial_accumulator)."""
+    return RowRule("adagrad", lr, eps=eps, initial_accumulator=initial_accumulator)
+
+
+def adam(
+    lr: float = 0.001, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+) -> RowRule:
+    """Lazy adam with a step count per row (torch.optim.SparseAdam's arithmetic)."""
+    return RowRule("adam", lr, eps=eps, beta1=betas[0], beta2=betas[1])
+
+
+# -- tables ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TableSpec(_Plain):
+    """What an embedding table is: name, row width, storage dtype, initializer, rule.
+
+    Attributes:
+        name: the table's name (also keys its initial rows).
+        dim: the row width, in [1, MAX_DIM].
+        dtype: the rows' dtype, one of :data:`DTYPES`.
+        init: how rows start.
+        rule: how gradients fold into rows.
+    """
+
+    name: str
+    dim: int
+    dtype: str = "float32"
+    init: Init = field(default_factory=Init)
+    rule: RowRule = field(default_factory=RowRule)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and self.name):
+            raise _bad(f"table: name must be a non-empty string, not {self.name!r}")
+        dim = self.dim
+        if not (isinstance(dim, numbers.Integral) and not isinstance(dim, bool)):
+            raise _bad(f"table {self.name!r}: dim must be an integer, not {dim!r}")
+        if not 1 <= dim <= MAX_DIM:
+            raise _bad(f"table {self.name!r}: dim must be in [1, {MAX_DIM}], not {dim}")
+        if self.dtype not in DTYPES:
+            raise _bad(f"table {self.name!r}: dtype must be one of {', '.join(DTYPES)}")
+        if not isinstance(self.init, Init) or not isinstance(self.rule, RowRule):
+            raise _bad(f"table {self.name!r}: init must be an Init and rule a RowRule")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The rows' numpy dtype (ml_dtypes' bfloat16 for ``"bfloat16"``, imported then)."""
+        if self.dtype == "bfloat16":
+            import ml_dtypes  # a core dependency; imported only by the tables that use it
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.dtype)
+
+    @property
+    def work_dtype(self) -> np.dtype:
+        """The dtype folds are computed (and rule state kept) in: float64 or float32."""
+        return np.dtype(np.float64 if self.dtype == "float64" else np.float32)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """The spec of :meth:`to_dict`'s dict (init and rule as dicts too)."""
+        fields = _known(cls, data)
+        fields["init"] = Init.from_dict(fields.get("init", {}))
+        fields["rule"] = RowRule.from_dict(fields.get("rule", {}))
+        return cls(**fields)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    ml = sys.modules.get("ml_dtypes")  # a bfloat16 array means ml_dtypes was imported
+    return dtype.kind == "f" or (ml is not None and dtype == np.dtype(ml.bfloat16))
+
+
+def _has_duplicates(ids: np.ndarray) -> bool:
+    ranked = np.sort(ids)  # numpy's default sort: much faster than np.unique's
+    return bool((ranked[1:] == ranked[:-1]).any())
+
+
+def sum_duplicates(
+    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the rows of ``grads`` whose ids are equal.
+
+    Args:
+        ids: int64, ``(n,)``.
+        grads: ``(n, dim)``, any float dtype.
+        dtype: the dtype of the answered sums (they are added in float64).
+
+    Returns:
+        ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
+        id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
+    """
+    if not _has_duplicates(ids):
+        return ids, grads.astype(dtype, copy=False)
+    # np.bincount over flat (row, column) indices: measured faster, for 10^5 x 64,
+    # than np.add.at on np.unique's inverse or np.add.reduceat over a sort.
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    k, dim = len(uniq), grads.shape[1]
+    sums = np.zeros(k * dim, np.float64)
+    columns = np.arange(dim, dtype=np.int64)
+    step = max(1, SUM_CHUNK // dim)
+    for start in range(0, len(ids), step):
+        flat = (inverse.reshape(-1)[start : start + step, None] * dim + columns).reshape(-1)
+        weights = grads[start : start + step].astype(np.float64).reshape(-1)
+        sums += np.bincount(flat, weights=weights, minlength=k * dim)
+    return uniq, sums.reshape(k, dim).astype(dtype)
+
+
+class RowData(NamedTuple):
+    """Rows as plain arrays, for replication: ids, their rows, the rule's state of each,
+    and each row's version (the folds it has had)."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    state: dict[str, np.ndarray]
+    versions: np.ndarray
+
+
+class RowBlock:
+    """The rows of one bucket of one table, their rule state and last-touched times.
+
+    Rows ``0 .. len-1`` of every block are live (the index's dense slots); the
+    blocks grow by ``max(GROW_ROWS, capacity/4)`` rows and shrink after a
+    large eviction. Rule state is kept in :attr:`TableSpec.work_dtype`.
+    """
+
+    def __init__(self, spec: TableSpec, capacity: int = 0) -> None:
+        """An empty block of table ``spec`` with room for ``capacity`` rows."""
+        self._spec = spec
+        self._dtype = spec.np_dtype
+        self._work = spec.work_dtype
+        self._index = RowIndex(capacity)
+        self._clock = 0.0  # the latest time seen: what rows made without a time get
+        self._rows = np.empty((capacity, spec.dim), self._dtype)
+        self._touched = np.empty(capacity, np.float64)
+        # Each row's version: the folds it has had (replicas keep the newest).
+        self._versions = np.empty(capacity, np.int64)
+        self._state: dict[str, np.ndarray] = {}
+        for name in spec.rule.state_names:
+            shape = (capacity,) if name == "step" else (capacity, spec.dim)
+            self._state[name] = np.empty(shape, np.int64 if name == "step" else self._work)
+
+    @property
+    def spec(self) -> TableSpec:
+        """The table this block holds rows of."""
+        return self._spec
+
+    @property
+    def capacity(self) -> int:
+        """Rows the blocks have room for before they grow."""
+        return len(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        s = self._spec
+        return (
+            f"<RowBlock {s.name!r} dim={s.dim} {s.dtype} {s.rule.kind}: "
+            f"{len(self)} rows, {self.nbytes / 1e6:.1f} MB>"
+        )
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by part: ``index``, ``rows``, ``touched``, ``state`` (spare capacity too)."""
+        return {
+            "index": self._index.nbytes,
+            "rows": self._rows.nbytes,
+            "touched": self._touched.nbytes + self._versions.nbytes,
+            "state": sum(a.nbytes for a in self._state.values()),
+        }
+
+    @property
+    def nbytes(self) -> int:
+        """All the bytes the block holds."""
+        return sum(self.memory().values())
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def pull(self, ids: np.ndarray, *, now: float | None = None) -> np.ndarray:
+        """The rows of ``ids``, in that order, making the missing ones by the initializer.
+
+        Args:
+            ids: int64, ``(n,)``; ids may repeat.
+            now: if given, every row pulled is stamped as touched at ``now``;
+                rows made without it get the latest time the block has seen.
+
+        Returns:
+            A new ``(n, dim)`` array of the table's dtype.
+
+        Raises:
+            RequestError: ``ids`` is not a 1-D int64 array, or ``now`` not finite.
+        """
+        ids = _check_ids(ids)
+        stamp = None if now is None else _check_time("now", now)
+        slots = self._ensure(ids, stamp)
+        if stamp is not None:
+            self._touch(slots, stamp)
+        return self._rows[slots]
+
+    def peek(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of ``ids`` without making any: ``(rows, found)``.
+
+        ``found[i]`` says whether ``ids[i]`` has a row; where it has none,
+        ``rows[i]`` is what :meth:`pull` would make (the initializer's row).
+        """
+        ids = _check_ids(ids)
+        slots = self._index.lookup(ids)
+        found = slots >= 0
+        rows = np.empty((len(ids), self._spec.dim), self._dtype)
+        rows[found] = self._rows[slots[found]]
+        if not found.all():
+            rows[~found] = self._initial(ids[~found])
+        return rows, found
+
+    def rows_of(self, ids: np.ndarray | None = None) -> RowData:
+        """The ids of ``ids`` that have rows (None: every row, in slot order), in that
+        order, with copies of their rows, state and versions."""
+        if ids is None:
+            slots = np.arange(len(self))
+            ids = self._index.ids(slots)
+        else:
+            ids = _check_ids(ids)
+            slots = self._index.lookup(ids)
+            keep = slots >= 0
+            ids, slots = ids[keep], slots[keep]
+        state = {name: a[slots] for name, a in self._state.items()}
+        return RowData(ids, self._rows[slots], state, self._versions[slots])
+
+    def export(self) -> dict[str, np.ndarray]:
+        """Every row as plain arrays (for a snapshot): ``ids``, ``rows``, ``touched``, state.
+
+        The arrays are copies, in slot order; :meth:`from_export` rebuilds the block.
+        """
+        n = len(self)
+        out = {"ids": self._index.ids(), "rows": self._rows[:n].copy()}
+        out["touched"] = self._touched[:n].copy()
+        out["versions"] = self._versions[:n].copy()
+        out.update((name, a[:n].copy()) for name, a in self._state.items())
+        return out
+
+    # -- changing ---------------------------------------------------------------------------
+
+    def fold(self, ids: np.ndarray, grads: np.ndarray, now: float) -> np.ndarray:
+        """Fold a batch's gradients into its rows by the table's rule.
+
+        Missing rows are made first; the gradients of an id that occurs more
+        than once are summed and folded once.
+
+        Args:
+            ids: int64, ``(n,)``.
+            grads: ``(n, dim)``, a float dtype, every value finite.
+            now: the time the rows are stamped as touched at.
+
+        Returns:
+            The ids of the changed rows, each once (int64).
+
+        Raises:
+            RequestError: (SHAPE_MISMATCH) ``ids`` or ``grads`` of the wrong
+                dtype or shape; (BAD_REQUEST) a value not finite. The block is
+                then unchanged.
+        """
+        ids = _check_ids(ids)
+        grads = _check_rows("grads", grads, len(ids), self._spec.dim)
+        stamp = _check_time("now", now)
+        uniq, summed = sum_duplicates(ids, grads, self._work)
+        slots = self._ensure(uniq, stamp)
+        self._fold_rows(slots, summed)
+        self._versions[slots] += 1
+        self._touch(slots, stamp)
+        return uniq.copy()
+
+    def merge(
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        state: Mapping[str, np.ndarray] | None = None,
+        versions: np.ndarray | None = None,
+        *,
+        now: float | None = None,
+    ) -> int:
+        """Install rows from a replica, making slots as needed; answer how many were kept.
+
+        Args:
+            ids: int64, ``(n,)``, distinct.
+            rows: ``(n, dim)``, a float dtype, finite (cast to the table's dtype).
+            state: the rule's state of each row (:attr:`RowRule.state_names`), as
+                :meth:`rows_of` answers it; ``None`` only for a rule with none.
+            versions: each row's version (int64 >= 0): a row is kept only if it
+                is newer than the one held (or none is), so a delta received
+                twice, late or out of order changes nothing. None: every row is
+                installed wholesale, at version 0.
+            now: the time the rows are stamped as touched at (default: the
+                latest the block has seen).
+
+        Raises:
+            RequestError: a bad array (dtype, shape, repeated id, a value not
+                finite, a negative step count, accumulator or version); nothing changes.
+        """
+        ids, rows, checked = self._check_install(ids, rows, state)
+        if versions is None:
+            versions = np.zeros(len(ids), np.int64)
+        else:
+            versions = _check_steps(versions, len(ids), "versions")
+            held = self._index.lookup(ids)
+            newer = held < 0
+            have = ~newer
+            newer[have] = versions[have] > self._versions[held[have]]
+            if not newer.all():
+                ids, rows, versions = ids[newer], rows[newer], versions[newer]
+                checked = {name: a[newer] for name, a in checked.items()}
+        stamp = self._clock if now is None else _check_time("now", now)
+        self._install(ids, rows, checked, np.full(len(ids), stamp), versions)
+        self._clock = max(self._clock, stamp)
+        return len(ids)
+
+    def evict(self, older_than: float) -> np.ndarray:
+        """Drop the rows last touched before ``older_than``; answer their ids."""
+        stamp = _check_time("older_than", older_than)
+        n = len(self)
+        gone = self._index.ids(np.flatnonzero(self._touched[:n] < stamp))
+        moved_from, moved_to = self._index.remove(gone)
+        for a in self._blocks():
+            a[moved_to] = a[moved_from]
+        n = len(self)
+        if self.capacity > 2 * n + GROW_ROWS:  # give most of the memory back
+            self._resize(n + max(GROW_ROWS, n // 4), n)
+        return gone
+
+    @classmethod
+    def from_export(cls, spec: TableSpec, arrays: Mapping[str, np.ndarray]) -> RowBlock:
+        """A block of table ``spec`` holding the rows :meth:`export` answered.
+
+        ``touched`` may be left out (every row is then stamped 0.0).
+
+        Raises:
+            RequestError: a missing, unknown or bad array; ids repeated.
+        """
+        arrays = dict(arrays)
+        known = {"ids", "rows", "touched", "versions", *spec.rule.state_names}
+        if not {"ids", "rows"} <= set(arrays) <= known:
+            raise _bad(
+                f"table {spec.name!r}: an export has {', '.join(sorted(known))} "
+                f"(touched and versions optional), not {', '.join(sorted(arrays))}"
+            )
+        state = {name: arrays[name] for name in spec.rule.state_names if name in arrays}
+        block = cls(spec, capacity=len(_check_ids(arrays["ids"])))
+        ids, rows, checked = block._check_install(arrays["ids"], arrays["rows"], state)
+        touched = np.zeros(len(ids))
+        if "touched" in arrays:
+            touched = _check_times(arrays["touched"], len(ids))
+        versions = np.zeros(len(ids), np.int64)
+        if "versions" in arrays:
+            versions = _check_steps(arrays["versions"], len(ids), "versions")
+        block._install(ids, rows, checked, touched, versions)
+        block._clock = float(touched.max(initial=0.0))
+        return block
+
+    # -- inside -----------------------------------------------------------------------------
+
+    def _blocks(self) -> list[np.ndarray]:
+        return [self._rows, self._touched, self._versions, *self._state.values()]
+
+    def _initial(self, ids: np.ndarray) -> np.ndarray:
+        return self._spec.init.values(self._spec.name, ids, self._spec.dim, self._dtype)
+
+    def _touch(self, slots: np.ndarray, stamp: float) -> None:
+        self._touched[slots] = stamp
+        self._clock = max(self._clock, stamp)
+
+    def _insert(self, ids: np.ndarray) -> tuple[np.ndarray, int, int]:
+        # The slots of ids, the new ones (old .. new-1) with room but no values yet.
+        old = len(self._index)
+        slots = self._index.insert(ids)
+        new = len(self._index)
+        if new > self.capacity:
+            self._resize(max(new, self.capacity + max(GROW_ROWS, self.capacity // 4)), old)
+        return slots, old, new
+
+    def _ensure(self, ids: np.ndarray, stamp: float | None) -> np.ndarray:
+        # The slots of ids, the missing rows made by the initializer.
+        slots, old, new = self._insert(ids)
+        if new > old:
+            fresh = self._index.ids(np.arange(old, new))
+            self._spec.init.fill(self._rows[old:new], self._spec.name, fresh)
+            self._touched[old:new] = self._clock if stamp is None else stamp
+            self._versions[old:new] = 0
+            for name, a in self._state.items():
+                a[old:new] = self._spec.rule.initial_accumulator if name == "sum" else 0
+        return slots
+
+    def _resize(self, capacity: int, keep: int) -> None:
+        # New blocks of ``capacity`` rows holding the first ``keep`` rows of the old ones.
+        def moved(a: np.ndarray) -> np.ndarray:
+            out = np.empty((capacity, *a.shape[1:]), a.dtype)
+            out[:keep] = a[:keep]
+            return out
+
+        self._rows, self._touched = moved(self._rows), moved(self._touched)
+        self._versions = moved(self._versions)
+        self._state = {name: moved(a) for name, a in self._state.items()}
+
+    def _fold_rows(self, slots: np.ndarray, g: np.ndarray) -> None:
+        # Each slot once; g is (len(slots), dim) in the working dtype. By chunks of
+        # rows whose temporaries stay in the cache.
+        step = max(1, FOLD_CHUNK // self._spec.dim)
+        for start in range(0, len(slots), step):
+            self._fold_chunk(slots[start : start + step], g[start : start + step])
+
+    def _fold_chunk(self, slots: np.ndarray, g: np.ndarray) -> None:
+        rule, work = self._spec.rule, self._work
+        w = self._rows[slots].astype(work, copy=False)  # the gather is a copy already
+        with np.errstate(over="ignore"):  # an overflow gives inf, as torch does
+            if rule.kind == "sgd":
+                w -= rule.lr * g
+            elif rule.kind == "adagrad":
+                s = self._state["sum"][slots]
+                s += g * g
+                w -= rule.lr * (g / (np.sqrt(s) + rule.eps))
+                self._state["sum"][slots] = s
+            else:  # adam, in torch.optim.SparseAdam's order of operations
+                b1, b2 = rule.beta1, rule.beta2
+                step = self._state["step"][slots] + 1
+                m = self._state["exp_avg"][slots]
+                v = self._state["exp_avg_sq"][slots]
+                m += (g - m) * (1 - b1)
+                v += (g * g - v) * (1 - b2)
+                t = step.astype(np.float64)
+                size = rule.lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+                w -= size.astype(work)[:, None] * (m / (np.sqrt(v) + rule.eps))
+                self._state["step"][slots] = step
+                self._state["exp_avg"][slots] = m
+                self._state["exp_avg_sq"][slots] = v
+            self._rows[slots] = w  # a float16 row may overflow to inf here
+
+    def _check_install(
+        self, ids: Any, rows: Any, state: Mapping[str, np.ndarray] | None
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        ids = _check_ids(ids)
+        if _has_duplicates(ids):
+            raise _bad(f"table {self._spec.name!r}: ids repeat; each row is installed once")
+        dim, n = self._spec.dim, len(ids)
+        rows = _check_rows("rows", rows, n, dim)
+        names = self._spec.rule.state_names
+        given = dict(state or {})
+        if set(given) != set(names):
+            raise _bad(
+                f"table {self._spec.name!r}: rule {self._spec.rule.kind} keeps state "
+                f"{list(names)}, not {sorted(given)}"
+            )
+        checked = {}
+        for name in names:
+            if name == "step":
+                checked[name] = _check_steps(given[name], n)
+                continue
+            a = _check_rows(name, given[name], n, dim)
+            if name != "exp_avg" and (a < 0).any():
+                raise _bad(f"{name}: a sum of squares cannot be negative")
+            checked[name] = a
+        return ids, rows, checked
+
+    def _install(
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        state: dict[str, np.ndarray],
+        touched: np.ndarray,
+        versions: np.ndarray,
+    ) -> None:
+        slots, _, _ = self._insert(ids)
+        with np.errstate(over="ignore"):  # a float16 row may overflow to inf
+            self._rows[slots] = rows
+        self._touched[slots] = touched
+        self._versions[slots] = versions
+        for name, a in state.items():
+            self._state[name][slots] = a
+
+
+def _check_ids(ids: Any) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.dtype != np.int64:
+        raise _bad(f"ids must be int64, not {ids.dtype}", ErrorCode.SHAPE_MISMATCH)
+    if ids.ndim != 1:
+        raise _bad(f"ids must be 1-D, not of shape {ids.shape}", ErrorCode.SHAPE_MISMATCH)
+    return ids
+
+
+def _check_rows(what: str, rows: Any, n: int, dim: int) -> np.ndarray:
+    rows = np.asarray(rows)
+    if not _is_float(rows.dtype):
+        raise _bad(f"{what} must be of a float dtype, not {rows.dtype}", ErrorCode.SHAPE_MISMATCH)
+    if rows.shape != (n, dim):
+        raise _bad(
+            f"{what} must have shape ({n}, {dim}) (a row of {dim} per id), not {rows.shape}",
+            ErrorCode.SHAPE_MISMATCH,
+        )
+    finite = np.isfinite(rows)
+    if not finite.all():
+        raise _bad(f"{what} has {finite.size - np.count_nonzero(finite)} NaN or infinite values")
+    return rows
+
+
+def _check_steps(steps: Any, n: int, what: str = "step") -> np.ndarray:
+    steps = np.asarray(steps)
+    if steps.dtype.kind not in "iu" or steps.shape != (n,):
+        raise _bad(
+            f"{what} must be {n} integers, not {steps.dtype} of shape {steps.shape}",
+            ErrorCode.SHAPE_MISMATCH,
+        )
+    if (steps < 0).any():
+        raise _bad(f"{what}: a count cannot be negative")
+    return steps.astype(np.int64, copy=False)
+
+
+def _check_time(what: str, value: Any) -> float:
+    if not _real(value):
+        raise _bad(f"{what} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _check_times(times: Any, n: int) -> np.ndarray:
+    times = np.asarray(times)
+    if times.dtype.kind not in "iuf" or times.shape != (n,) or not np.isfinite(times).all():
+        raise _bad(f"touched must be {n} finite times, not {times.dtype} of shape {times.shape}")
+    return times.astype(np.float64)

@@ -1,0 +1,305 @@
+"""Embedding tables through a real node: create, pull and push rows by id, over the wire.
+
+The folds are checked against numpy and against torch (``nn.Embedding(sparse=True)``
+with ``SGD``, ``Adagrad``, ``SparseAdam``); bad input gets a clear error and
+changes nothing; the rows survive a restart from the data directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from aioparamsync import Node, ParameterClient, adagrad, adam, sgd
+from aioparamsync.errors import ErrorCode, RequestError
+from aioparamsync.values.rowwire import encode_ids, encode_rows
+from aioparamsync.wire import METHODS, thrift
+
+pytestmark = pytest.mark.timeout(60)
+
+IDS = np.array([3, -7, 2**62, 3, 11], np.int64)
+
+
+async def test_a_new_table_answers_initial_rows_in_the_order_of_the_ids(
+    client: ParameterClient,
+) -> None:
+    made = await client.create_table("emb", 8, init="normal", scale=0.1, seed=7)
+    assert (made.dim, made.dtype, made.init, made.buckets) == (8, "<f4", "normal", 64)
+    assert made.rule.kind == "adagrad" and made.rule.lr == 0.01  # the default rule
+    rows = await client.pull_rows("emb", IDS)
+    assert rows.shape == (5, 8) and rows.dtype == np.float32
+    np.testing.assert_array_equal(rows[0], rows[3])  # the same id, the same row
+    assert 0.02 < rows.std() < 0.3
+    again = await client.pull_rows("emb", IDS[::-1].copy())
+    np.testing.assert_array_equal(again, rows[::-1])  # a pure function of the id
+    zeros = await client.create_table("zeros", 4)
+    assert zeros.init == "zeros"
+    np.testing.assert_array_equal(await client.pull_rows("zeros", IDS), np.zeros((5, 4)))
+    assert [t.name for t in await client.tables()] == ["emb", "zeros"]
+
+
+async def test_the_same_table_again_is_no_error_and_another_under_its_name_is(
+    client: ParameterClient,
+) -> None:
+    first = await client.create_table("t", 4, rule=sgd(0.5))
+    assert await client.create_table("t", 4, rule=sgd(0.5)) == first
+    with pytest.raises(RequestError, match="exists, and differs") as err:
+        await client.create_table("t", 5, rule=sgd(0.5))
+    assert err.value.code == ErrorCode.BAD_REQUEST
+
+
+async def test_sgd_sums_repeated_ids_and_folds_each_row_once(client: ParameterClient) -> None:
+    await client.create_table("t", 3, rule=sgd(0.5))
+    ids = np.array([5, 9, 5], np.int64)
+    grads = np.array([[1, 2, 3], [4, 5, 6], [10, 20, 30]], np.float32)
+    result = await client.push_row_gradients("t", ids, grads)
+    assert (result.rows, result.created) == (2, 2)
+    rows = await client.pull_rows("t", np.array([5, 9, 1], np.int64))
+    np.testing.assert_allclose(rows[0], -0.5 * (grads[0] + grads[2]))
+    np.testing.assert_allclose(rows[1], -0.5 * grads[1])
+    np.testing.assert_array_equal(rows[2], 0)  # untouched
+    result = await client.push_row_gradients("t", ids[:1], grads[:1])
+    assert (result.rows, result.created) == (1, 0)
+
+
+async def test_a_push_sent_again_under_its_request_id_folds_once(client: ParameterClient) -> None:
+    await client.create_table("t", 2, rule=sgd(1.0))
+    ids, grads = np.array([1, 2], np.int64), np.ones((2, 2), np.float32)
+    await client.push_row_gradients("t", ids, grads, request_id="step-1")
+    await client.push_row_gradients("t", ids, grads, request_id="step-1")
+    np.testing.assert_array_equal(await client.pull_rows("t", ids), -np.ones((2, 2)))
+
+
+def _torch_reference(kind: str, steps: list[tuple[np.ndarray, np.ndarray]], dim: int, n: int):
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(n, dim, sparse=True)
+    with torch.no_grad():
+        emb.weight.zero_()
+    opt = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10),
+        "adam": lambda p: torch.optim.SparseAdam(p, lr=0.1),
+    }[kind](emb.parameters())
+    with torch.sparse.check_sparse_tensor_invariants():  # opting in silences torch's warning
+        for ids, grads in steps:
+            opt.zero_grad()
+            out = emb(torch.from_numpy(ids))
+            out.backward(torch.from_numpy(grads))
+            opt.step()
+    return emb.weight.detach().numpy()
+
+
+@pytest.mark.parametrize(
+    ("kind", "rule"),
+    [("sgd", sgd(0.1)), ("adagrad", adagrad(0.1)), ("adam", adam(0.1))],
+)
+async def test_rows_fold_as_torch_sparse_optimizers_do(
+    client: ParameterClient, kind: str, rule: object
+) -> None:
+    dim, n = 4, 6
+    rng = np.random.default_rng(1)
+    # adam: every step touches the same rows (SparseAdam counts steps per
+    # parameter, the node per row: they agree when each step touches each row).
+    steps = []
+    for _ in range(5):
+        ids = np.arange(n, dtype=np.int64) if kind == "adam" else rng.integers(0, n, 8)
+        steps.append((ids.astype(np.int64), rng.standard_normal((len(ids), dim)).astype("f4")))
+    await client.create_table(kind, dim, rule=rule)
+    for ids, grads in steps:
+        await client.push_row_gradients(kind, ids, grads)
+    got = await client.pull_rows(kind, np.arange(n, dtype=np.int64))
+    np.testing.assert_allclose(got, _torch_reference(kind, steps, dim, n), rtol=1e-5, atol=1e-6)
+
+
+async def test_rows_travel_compressed_both_ways(client: ParameterClient) -> None:
+    await client.create_table("t", 16, init="uniform", scale=1.0, rule=sgd(1.0))
+    ids = np.arange(100, dtype=np.int64)
+    raw = await client.pull_rows("t", ids)
+    for encoding, bound in (("fp16", 1e-3), ("bf16", 1e-2), ("int8", 1 / 127)):
+        got = await client.pull_rows("t", ids, encoding=encoding)
+        assert got.dtype == np.float32
+        assert np.abs(got - raw).max() <= bound, encoding
+    grads = np.random.default_rng(0).standard_normal((100, 16)).astype(np.float32)
+    await client.push_row_gradients("t", ids, grads, encoding="int8")
+    after = await client.pull_rows("t", ids)
+    scale = np.abs(grads).max(axis=1, keepdims=True) / 127
+    assert (np.abs((raw - after) - grads) <= scale / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize(
+    ("ids", "grads", "error"),
+    [
+        (np.array([1.0, 2.0]), np.ones((2, 4), "f4"), "ids are int64, not float64"),
+        (np.array([1, 2], np.int32), np.ones((2, 4), "f4"), r"astype\(np.int64\)"),
+        (np.array([[1, 2]], np.int64), np.ones((2, 4), "f4"), "1-D"),
+        (np.array([1, 2], np.int64), np.ones((2, 5), "f4"), r"\(2, 4\), not \(2, 5\)"),
+        (np.array([1, 2], np.int64), np.ones((3, 4), "f4"), r"\(2, 4\), not \(3, 4\)"),
+        (np.array([1, 2], np.int64), np.ones((2, 4), "i4"), "grads are floats"),
+    ],
+)
+async def test_bad_input_is_refused_by_the_client_before_anything_is_sent(
+    client: ParameterClient, ids: np.ndarray, grads: np.ndarray, error: str
+) -> None:
+    await client.create_table("t", 4, rule=sgd(1.0))
+    with pytest.raises(ValueError, match=error):
+        await client.push_row_gradients("t", ids, grads)
+    with pytest.raises(ValueError):
+        await client.pull_rows("t", np.array([1.5]))
+    np.testing.assert_array_equal(await client.pull_rows("t", np.array([1, 2])), 0)
+
+
+async def test_bad_input_on_the_wire_is_refused_and_folds_nothing(client: ParameterClient) -> None:
+    await client.create_table("t", 4, rule=sgd(1.0))
+    ids = np.array([1, 2], np.int64)
+
+    async def push(**fields: object) -> RequestError:
+        push = thrift.RowPush(
+            table="t", ids=encode_ids(ids), grads=encode_rows(np.ones((2, 4), "f4"))
+        )
+        for k, v in fields.items():
+            setattr(push, k, v)
+        with pytest.raises(RequestError) as err:
+            await client.invoke(METHODS.push_row_gradients, push=push)
+        return err.value
+
+    nan = np.ones((2, 4), "f4")
+    nan[1, 2] = np.nan
+    assert "not finite" in (await push(grads=encode_rows(nan))).message
+    assert (await push(ids=b"\x01\x02\x03")).code == ErrorCode.BAD_REQUEST
+    assert "3 rows for 2 ids" in (await push(grads=encode_rows(np.ones((3, 4), "f4")))).message
+    bad = encode_rows(np.ones((2, 4), "f4"))
+    bad.count = -2
+    assert "not negative" in (await push(grads=bad)).message
+    bad = encode_rows(np.ones((2, 4), "f4"))
+    bad.count = 2**40
+    assert (await push(grads=bad)).code == ErrorCode.SHAPE_MISMATCH
+    bad = encode_rows(np.ones((2, 4), "f4"))
+    bad.data = bytes(8)
+    assert "bytes" in (await push(grads=bad)).message
+    assert (await push(table="nope")).code == ErrorCode.UNKNOWN_PARAMETER
+    bad = encode_rows(np.ones((2, 4), "f4"), "int8")
+    bad.scales = None
+    assert "scale per row" in (await push(grads=bad)).message
+    # None of it was folded:
+    np.testing.assert_array_equal(await client.pull_rows("t", ids), 0)
+    with pytest.raises(RequestError, match="no table 'nope'") as err:
+        await client.pull_rows("nope", ids)
+    assert err.value.code == ErrorCode.UNKNOWN_PARAMETER
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"dim": 0}, ValueError),
+        ({"dim": 2**20}, RequestError),
+        ({"init": "ones"}, ValueError),
+        ({"init": "normal", "scale": -1.0}, RequestError),
+        ({"buckets": 0}, RequestError),
+        ({"dtype": "int32"}, ValueError),
+        ({"rule": sgd(0.1, momentum=0.9)}, RequestError),
+        ({"rule": adagrad(-1.0)}, RequestError),
+        ({"row_ttl": -5.0}, RequestError),
+    ],
+)
+async def test_a_table_out_of_range_is_refused(
+    client: ParameterClient, kwargs: dict, error: type
+) -> None:
+    args = {"dim": 4, **kwargs}
+    with pytest.raises(error):
+        await client.create_table("bad", **args)
+    assert await client.tables() == []
+
+
+async def test_adagrad_is_refused_for_a_dense_parameter(client: ParameterClient) -> None:
+    with pytest.raises(RequestError, match="adagrad is for embedding tables"):
+        await client.update_arrays({"w": np.zeros(3, np.float32)}, rules=adagrad(0.1))
+
+
+async def test_rows_survive_a_restart_from_the_data_directory(tmp_path) -> None:
+    ids = np.arange(-50, 50, dtype=np.int64)
+    grads = np.random.default_rng(2).standard_normal((100, 8)).astype(np.float32)
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path, fsync="always") as node,
+        ParameterClient(node.address) as client,
+    ):
+        await client.create_table("t", 8, init="normal", scale=0.01, rule=adam(0.01))
+        for _ in range(3):
+            await client.push_row_gradients("t", ids, grads)
+        before = await client.pull_rows("t", ids)
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        np.testing.assert_array_equal(await client.pull_rows("t", ids), before)
+        # adam's state came back too: the next step is the one it would have been
+        await client.push_row_gradients("t", ids, grads)
+        after = await client.pull_rows("t", ids)
+    # the same four steps, never restarted
+    async with Node("127.0.0.1", 0) as fresh, ParameterClient(fresh.address) as client:
+        await client.create_table("t", 8, init="normal", scale=0.01, rule=adam(0.01))
+        for _ in range(4):
+            await client.push_row_gradients("t", ids, grads)
+        np.testing.assert_array_equal(await client.pull_rows("t", ids), after)
+
+
+async def test_the_tables_snapshot_is_readable_by_safetensors(tmp_path) -> None:
+    st = pytest.importorskip("safetensors.numpy")
+    ids = np.array([4, 8, 15, 16, 23, 42], np.int64)
+    async with (
+        Node("127.0.0.1", 0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        await client.create_table("t", 2, rule=sgd(1.0), buckets=1)
+        await client.push_row_gradients("t", ids, np.ones((6, 2), np.float32))
+    (snapshot,) = (tmp_path / "rows").glob("rows-*.safetensors")
+    tensors = st.load_file(str(snapshot))
+    assert sorted(tensors["t/0/ids"]) == sorted(ids)
+    np.testing.assert_array_equal(tensors["t/0/rows"], -np.ones((6, 2)))
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_node_killed_keeps_every_acknowledged_push_and_cuts_a_torn_tail(
+    spawn, tmp_path
+) -> None:
+    ids = np.arange(200, dtype=np.int64)
+    ones = np.ones((200, 4), np.float32)
+    flags = ("--data-dir", str(tmp_path), "--fsync", "always")
+    node = await spawn(*flags)
+    async with node.client() as client:
+        await client.create_table("t", 4, rule=sgd(1.0))
+        for _ in range(5):
+            await client.push_row_gradients("t", ids, ones)
+    await node.kill()  # SIGKILL: no last snapshot, the log is all there is
+    log_file = sorted((tmp_path / "rows").glob("rows-*.log"))[-1]
+    torn = b"\x00\x00\x01\x00" + bytes(12)  # a record cut short, as a crash amid a write leaves
+    await asyncio.to_thread(_append, log_file, torn)
+    again = await spawn(*flags)
+    async with again.client() as client:
+        np.testing.assert_array_equal(await client.pull_rows("t", ids), -5 * ones)
+        await client.push_row_gradients("t", ids, ones)
+        np.testing.assert_array_equal(await client.pull_rows("t", ids), -6 * ones)
+    assert "torn record" in again.stderr
+
+
+def _append(path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+async def test_pulls_and_pushes_at_once_see_whole_rows(client: ParameterClient) -> None:
+    await client.create_table("t", 64, rule=sgd(1.0))
+    ids = np.arange(1000, dtype=np.int64)
+    ones = np.ones((1000, 64), np.float32)
+
+    async def pull_until_done() -> None:
+        for _ in range(20):
+            rows = await client.pull_rows("t", ids)
+            # every row is at one step or another, never half of a fold
+            assert (rows == rows[:, :1]).all()
+
+    await asyncio.gather(
+        pull_until_done(), *(client.push_row_gradients("t", ids, ones) for _ in range(10))
+    )
+    np.testing.assert_array_equal(await client.pull_rows("t", ids), -10 * ones)
