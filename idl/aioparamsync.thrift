@@ -286,6 +286,8 @@ struct RowDelta {
     // (little-endian int64).
     6: optional list<binary> state,
     7: required string from_peer,
+    // Answering bucket_rows: the rows the bucket holds in all.
+    8: optional i64 total,
 }
 
 // Ask a node for every row it holds of one bucket (a node that takes a bucket
@@ -293,6 +295,10 @@ struct RowDelta {
 struct BucketRequest {
     1: required string table,
     2: required i32 bucket,
+    // A page: the rows from offset on (in the holder's order), at most limit of
+    // them (absent: every one). RowDelta.total says how many the bucket holds.
+    3: optional i64 offset,
+    4: optional i64 limit,
 }
 
 // A worker arriving at a barrier (bulk-synchronous training).

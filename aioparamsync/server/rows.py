@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 MOVED_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
 # The deadline of a call to a peer (seconds).
 PEER_TIMEOUT = 30.0
+# About the bytes of rows one message moves when a bucket moves.
+PAGE_BYTES = 8 * 1024 * 1024
 
 
 class RowService:
@@ -72,8 +74,9 @@ class RowService:
         self.passed_on = 0  # parts of row calls passed on to other nodes
         self.replication_failures = 0
         self._background: set[asyncio.Future[Any]] = set()
-        # (table, bucket) -> the placement this node last synchronised it at
+        # (table, bucket) -> the placement this node last took it (or handed it off) at
         self._synced: dict[tuple[str, int], Any] = {}
+        self._handed: dict[tuple[str, int], Any] = {}
         #: called with the deltas a fold or merge made, before it is answered
         #: (the node's data directory logs them), or None
         self.log: Any = None
@@ -359,19 +362,31 @@ class RowService:
         cluster = self.cluster
         if cluster is None or not cluster.links or not deltas:
             return
-        me = self._me
+        me, pending = self._me, cluster.pending
         calls = []
         for bucket, delta in deltas.items():
             key = bucket_key(table.spec.name, bucket)
-            for replica in cluster.placement.replicas(key):
-                if replica != me and replica in cluster.live and replica in cluster.by_id:
-                    calls.append(self._send_delta(replica, delta))
+            targets = set(cluster.placement.replicas(key))
+            if pending is not None:  # (members joining or leaving: the holders to come too)
+                targets.update(pending.replicas(key))
+            for replica in targets:
+                if replica != me and replica in cluster.by_id:
+                    calls.append((replica, self._send_delta(replica, delta)))
         if not calls:
             return
         if (acks or cluster.acks) == "all":
-            await asyncio.gather(*calls)
+            sent = await asyncio.gather(*(call for _, call in calls))
+            late = {
+                r for (r, _), ok in zip(calls, sent, strict=True) if not ok and r in cluster.live
+            }
+            if late:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"rows of table {table.spec.name!r} folded by {me}, but replicas "
+                    f"{', '.join(sorted(late))} did not take them (acks=all)",
+                )
             return
-        task = asyncio.ensure_future(asyncio.gather(*calls))
+        task = asyncio.gather(*(call for _, call in calls))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -413,72 +428,114 @@ class RowService:
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"table {table.spec.name!r} has no bucket {bucket!r}"
             )
-        return method.result(success=table.delta(bucket, None, self._me))
+        offset, limit = request.offset or 0, request.limit
+        if offset < 0 or (limit is not None and limit < 1):
+            raise RequestError(ErrorCode.BAD_REQUEST, "a page has an offset >= 0 and a limit >= 1")
+        span = slice(offset, None if limit is None else offset + limit)
+        delta = table.delta(bucket, None, self._me, span)
+        block = table.blocks.get(bucket)
+        delta.total = len(block) if block is not None else 0
+        return method.result(success=delta)
 
     # -- after a change of topology -----------------------------------------------------
 
     async def rebalance(self) -> int:
-        """Pull the buckets this node newly holds; hand off those it holds no more.
+        """Pull the buckets this node newly holds; hand off those it is to hold no more.
 
-        Answers the buckets that still wait (a replica to take one, or to give one).
+        By the placement to come (members joining or leaving counted): a
+        leaving node hands every bucket on before it goes, and keeps serving
+        them until it has (its folds meanwhile reach the holders to come as
+        well: see :meth:`_replicate`); it drops a bucket once it is no replica
+        of it now and every holder to come has it. Also drops the rows past
+        their tables' ``row_ttl``. Answers the buckets that still wait.
         """
+        for table in list(self.tables.tables.values()):
+            table.evict(time.time())
         cluster = self.cluster
         if cluster is None or not cluster.links:
             return 0
-        me, placement = self._me, cluster.placement
+        me, now = self._me, cluster.placement
+        after = cluster.pending or now
         waiting = 0
         for table in list(self.tables.tables.values()):
             for bucket in range(table.spec.buckets):
                 key = bucket_key(table.spec.name, bucket)
-                replicas = placement.replicas(key)
                 mark = (table.spec.name, bucket)
-                if me in replicas:
-                    if self._synced.get(mark) == placement:
+                holders = after.replicas(key)
+                if me in holders:
+                    self._handed.pop(mark, None)
+                    if self._synced.get(mark) != after:
+                        sources = {*holders, *now.replicas(key)}
+                        if await self._take(table, bucket, sources):
+                            self._synced[mark] = after
+                        else:
+                            waiting += 1
+                    continue
+                self._synced.pop(mark, None)
+                if bucket not in table.blocks:
+                    continue
+                if self._handed.get(mark) != after:
+                    if not await self._hand_off(table, bucket, holders):
+                        waiting += 1
                         continue
-                    if await self._take(table, bucket, replicas):
-                        self._synced[mark] = placement
-                    else:
-                        waiting += 1
-                elif bucket in table.blocks:
-                    self._synced.pop(mark, None)
-                    if await self._hand_off(table, bucket, replicas):
-                        del table.blocks[bucket]
-                    else:
-                        waiting += 1
+                    self._handed[mark] = after
+                if me not in now.replicas(key):
+                    del table.blocks[bucket]
+                    self._handed.pop(mark, None)
         return waiting
 
-    async def _take(self, table: RowTable, bucket: int, replicas: Iterable[str]) -> bool:
-        """Merge the rows of ``bucket`` every other live replica holds; whether all answered."""
+    async def _take(self, table: RowTable, bucket: int, sources: Iterable[str]) -> bool:
+        """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
+        page; whether every one answered."""
         cluster = self.cluster
-        others = [r for r in replicas if r != self._me and r in cluster.live and r in cluster.by_id]
-        request = thrift.BucketRequest(table=table.spec.name, bucket=bucket)
+        others = [m for m in sources if m != self._me and m in cluster.live and m in cluster.by_id]
+        page = self._page_rows(table)
         ok = True
         for member in others:
-            try:
-                link = cluster.by_id[member]
-                delta = await link.proxy().invoke(
-                    METHODS.bucket_rows, timeout=PEER_TIMEOUT, request=request
+            offset, total = 0, 1
+            while offset < total:
+                request = thrift.BucketRequest(
+                    table=table.spec.name, bucket=bucket, offset=offset, limit=page
                 )
-            except RequestError as exc:
-                if exc.code != ErrorCode.UNKNOWN_PARAMETER:
+                try:
+                    link = cluster.by_id[member]
+                    delta = await link.proxy().invoke(
+                        METHODS.bucket_rows, timeout=PEER_TIMEOUT, request=request
+                    )
+                except RequestError as exc:
+                    ok = ok and exc.code == ErrorCode.UNKNOWN_PARAMETER  # (no such table there)
+                    break
+                except ParamSyncError:
                     ok = False
-                continue  # (it has no such table yet: nothing to take)
-            except ParamSyncError:
-                ok = False
-                continue
-            if table.merge(delta, time.time()) and self.log is not None:
-                await self.log([delta])
+                    break
+                if table.merge(delta, time.time()) and self.log is not None:
+                    await self.log([delta])
+                total = delta.total or 0
+                offset += page
         return ok
 
-    async def _hand_off(self, table: RowTable, bucket: int, replicas: Iterable[str]) -> bool:
-        """Give ``bucket`` to each of its replicas; whether every one of them took it."""
+    async def _hand_off(self, table: RowTable, bucket: int, holders: Iterable[str]) -> bool:
+        """Give every row of ``bucket`` to each of ``holders``, page by page; whether every
+        one of them took it (each must be linked)."""
         cluster = self.cluster
-        replicas = list(replicas)
-        if not all(r in cluster.live and r in cluster.by_id for r in replicas):
+        holders = [h for h in holders if h != self._me]
+        if not holders or not all(h in cluster.by_id for h in holders):
             return False
-        delta = table.delta(bucket, None, self._me)
-        sent = await asyncio.gather(*(self._send_delta(r, delta) for r in replicas))
-        return all(sent)
+        block = table.blocks[bucket]
+        page = self._page_rows(table)
+        for offset in range(0, max(len(block), 1), page):
+            delta = table.delta(bucket, None, self._me, slice(offset, offset + page))
+            sent = await asyncio.gather(*(self._send_delta(h, delta) for h in holders))
+            if not all(sent):
+                return False
+        return True
+
+    @staticmethod
+    def _page_rows(table: RowTable) -> int:
+        """Rows of a page of a bucket moved between nodes (values and state: ~PAGE_BYTES)."""
+        spec = table.spec
+        per_row = spec.dim * (spec.dtype.itemsize + 8 * len(spec.rows.rule.state_names)) + 16
+        return max(1, PAGE_BYTES // per_row)
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -237,12 +237,15 @@ class RowTable:
             created += len(block) - before
         return changed, created
 
-    def delta(self, bucket: int, ids: np.ndarray | None, me: str) -> Any:
-        """The IDL's ``RowDelta`` of the rows ``ids`` of ``bucket`` (None: every row)."""
+    def delta(
+        self, bucket: int, ids: np.ndarray | None, me: str, span: slice | None = None
+    ) -> Any:
+        """The IDL's ``RowDelta`` of the rows ``ids`` of ``bucket`` (None: every row, or
+        those of ``span``, in the block's order)."""
         block = self.blocks.get(bucket)
         if block is None:
             block = RowBlock(self.spec.rows)  # (not kept: an empty bucket stays absent)
-        got = block.rows_of(ids)
+        got = block.rows_of(ids, span)
         return thrift.RowDelta(
             table=self.spec.wire,
             bucket=bucket,

@@ -489,11 +489,11 @@ class RowBlock:
             rows[~found] = self._initial(ids[~found])
         return rows, found
 
-    def rows_of(self, ids: np.ndarray | None = None) -> RowData:
-        """The ids of ``ids`` that have rows (None: every row, in slot order), in that
-        order, with copies of their rows, state and versions."""
+    def rows_of(self, ids: np.ndarray | None = None, span: slice | None = None) -> RowData:
+        """The ids of ``ids`` that have rows (None: every row, in slot order, or those of
+        ``span`` of the slots), in that order, with copies of their rows, state and versions."""
         if ids is None:
-            slots = np.arange(len(self))
+            slots = np.arange(len(self))[span or slice(None)]
             ids = self._index.ids(slots)
         else:
             ids = _check_ids(ids)
