@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "RowIndex", "mix64"]
+from ..placement import mix64
+
+__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "RowIndex"]
 
 # Most (full + tombstone) buckets per bucket: linear probing degrades past 1/2.
 MAX_LOAD = 0.5
@@ -39,28 +41,11 @@ REBUILT_LOAD = 1 / 3
 # Fewest buckets a table has (a power of two).
 MIN_BUCKETS = 16
 # The slot -> id array grows by at least this many slots, or by a quarter.
-GROW_SLOTS = 1024
+GROW_SLOTS = 64
 
 # What a bucket of the table holds when it holds no slot.
 EMPTY, TOMBSTONE = -1, -2
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _NONE = np.empty(0, np.int64)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of a uint64 array: a bijection that mixes every bit into every bit.
-
-    Answers a new array; the multiplications wrap modulo 2**64 (numpy
-    arrays never warn about that).
-    """
-    x = x ^ (x >> _S30)
-    x *= _M1
-    x ^= x >> _S27
-    x *= _M2
-    x ^= x >> _S31
-    return x
 
 
 def _buckets_for(n: int) -> int:

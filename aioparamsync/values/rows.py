@@ -47,7 +47,8 @@ from typing import Any, NamedTuple, Self
 import numpy as np
 
 from ..errors import ErrorCode, RequestError
-from .rowindex import RowIndex, mix64
+from ..placement import mix64
+from .rowindex import RowIndex
 
 __all__ = [
     "DTYPES",
@@ -75,7 +76,7 @@ STATE = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq", "step
 # Widest row a table may have.
 MAX_DIM = 1 << 20
 # The row block grows by at least this many rows, or by a quarter (amortised O(1) per row).
-GROW_ROWS = 1024
+GROW_ROWS = 64
 # Elements made at once by an initializer: its temporaries stay in the cache (4x faster
 # than 2**22 at a time, measured).
 INIT_CHUNK = 1 << 16
@@ -488,6 +489,17 @@ class RowBlock:
         if not found.all():
             rows[~found] = self._initial(ids[~found])
         return rows, found
+
+    def read_into(self, ids: np.ndarray, out: np.ndarray, where: np.ndarray) -> None:
+        """``out[where[i]] =`` the row of ``ids[i]``, made by the initializer where there
+        is none (and not kept: :meth:`peek` without its copy)."""
+        slots = self._index.lookup(_check_ids(ids))
+        found = slots >= 0
+        if found.all():
+            out[where] = self._rows[slots]
+            return
+        out[where[found]] = self._rows[slots[found]]
+        out[where[~found]] = self._initial(ids[~found])
 
     def rows_of(self, ids: np.ndarray | None = None, span: slice | None = None) -> RowData:
         """The ids of ``ids`` that have rows (None: every row, in slot order, or those of
