@@ -137,9 +137,12 @@ def bucket_of(ids: np.ndarray, buckets: int) -> np.ndarray:
     """The bucket of each row id (int64) of a table of ``buckets`` buckets, as int64.
 
     A hash, not ``id % buckets``: ids that are multiples of a stride (hashed
-    features often are) spread over every bucket.
+    features often are) spread over every bucket. Its high 32 bits: a bucket's
+    index (:class:`~aioparamsync.values.rowindex.RowIndex`) places its ids by the
+    low bits of the same hash, which must not be alike for the ids of one bucket.
     """
-    return (mix64(ids.view(np.uint64)) % np.uint64(buckets)).astype(np.int64)
+    high = mix64(ids.view(np.uint64)) >> np.uint64(32)
+    return (high % np.uint64(buckets)).astype(np.int64)
 
 
 def _score(member: str, key: str) -> bytes:

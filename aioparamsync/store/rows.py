@@ -190,7 +190,8 @@ class RowTable:
     def by_bucket(self, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """``(bucket, positions)`` of ``ids``, positions ascending, each bucket once."""
         buckets = self.buckets_of(ids)
-        order = np.argsort(buckets, kind="stable")
+        # (a stable sort of 16-bit keys is numpy's radix sort: a few times faster)
+        order = np.argsort(buckets.astype(np.uint16), kind="stable")
         cuts = np.flatnonzero(np.diff(buckets[order])) + 1
         for positions in np.split(order, cuts):
             if len(positions):
@@ -205,7 +206,7 @@ class RowTable:
             block = self.blocks.get(bucket)
             wanted = ids[positions]
             if block is not None:
-                out[positions] = block.peek(wanted)[0]
+                block.read_into(wanted, out, positions)
             else:
                 out[positions] = s.rows.init.values(s.name, wanted, s.dim, s.dtype)
         return out
@@ -237,9 +238,7 @@ class RowTable:
             created += len(block) - before
         return changed, created
 
-    def delta(
-        self, bucket: int, ids: np.ndarray | None, me: str, span: slice | None = None
-    ) -> Any:
+    def delta(self, bucket: int, ids: np.ndarray | None, me: str, span: slice | None = None) -> Any:
         """The IDL's ``RowDelta`` of the rows ``ids`` of ``bucket`` (None: every row, or
         those of ``span``, in the block's order)."""
         block = self.blocks.get(bucket)
