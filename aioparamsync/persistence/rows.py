@@ -98,14 +98,17 @@ class RowStore:
     # -- recovery -------------------------------------------------------------------
 
     def recover(self, tables: RowTables, me: str = "") -> dict[str, int]:
-        """Load the newest snapshot and replay the logs into ``tables``; open a new log.
+        """Load the newest snapshot and replay the logs into ``tables``. (The directory,
+        and a new log in it, are made when the first rows are written.)
 
         Raises:
             PersistenceError: a damaged file (see the module).
         """
         self._tables, self._me = tables, me
+        if not self.path.exists():
+            self.segment = 1
+            return {"snapshot_rows": 0, "records": 0, "torn_bytes": 0}
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
             for p in self.path.iterdir():
                 if p.name.endswith(".tmp"):
                     p.unlink()
@@ -126,7 +129,6 @@ class RowStore:
             r, t = self._replay(n, tables, last=i == len(later) - 1)
             replayed, torn = replayed + r, torn + t
         self.segment = max([start, *later]) + 1
-        self._open(self.segment)
         if replayed or rows:
             log.info(
                 "tables recovered: %d tables, %d rows from snapshot %d, %d log records",
@@ -214,13 +216,16 @@ class RowStore:
     def _open(self, n: int) -> None:
         if self._fd is not None:
             os.close(self._fd)
+        self.path.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(
             self.path / _name(n, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
         )
         fsync_dir(self.path)
 
     def _write(self, deltas: list[Any]) -> int:
-        assert self._fd is not None, "recover() opens the log"
+        if self._fd is None:
+            self._open(self.segment)
+        assert self._fd is not None
         total = 0
         for delta in deltas:
             writer = BinaryWriter()
