@@ -31,6 +31,7 @@ from aioparamsync import (
     ParameterRequest,
     RequestError,
     __version__,
+    sgd,
     sum_rule,
     to_parameter,
 )
@@ -202,6 +203,19 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
             for call in held:
                 call.cancel()
             await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_scrape_shows_the_embedding_tables(cluster: LocalCluster) -> None:
+    node = await cluster.start(metrics_port=0)
+    async with ParameterClient(node.address, timeout=15) as client:
+        await client.create_table("emb", 8, rule=sgd(0.1))
+        samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
+        assert value(samples, "tables") == 1 and value(samples, "table_rows") == 0
+        ids = np.arange(100, dtype=np.int64)
+        await client.push_row_gradients("emb", ids, np.ones((100, 8), np.float32))
+        samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
+        assert value(samples, "table_rows") == 100
+        assert 100 * 8 * 4 <= value(samples, "table_bytes") < 100 * 8 * 4 * 10
 
 
 async def test_a_scrape_shows_the_receive_budget(cluster: LocalCluster) -> None:
