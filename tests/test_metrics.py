@@ -208,7 +208,7 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
 async def test_a_scrape_shows_the_embedding_tables(cluster: LocalCluster) -> None:
     node = await cluster.start(metrics_port=0)
     async with ParameterClient(node.address, timeout=15) as client:
-        await client.create_table("emb", 8, rule=sgd(0.1))
+        await client.create_table("emb", 8, rule=sgd(0.1), buckets=1)
         samples = await scrape(node.metrics_address)  # type: ignore[arg-type]
         assert value(samples, "tables") == 1 and value(samples, "table_rows") == 0
         ids = np.arange(100, dtype=np.int64)
