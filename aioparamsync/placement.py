@@ -123,14 +123,18 @@ def bucket_key(table: str, bucket: int) -> str:
 
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser of every value of ``x`` (uint64): a fixed, well-mixed hash."""
+    # (an array's integer multiplication wraps modulo 2**64 without a warning)
     x = x.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
     return x
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def bucket_of(ids: np.ndarray, buckets: int) -> np.ndarray:

@@ -513,8 +513,8 @@ service ParameterSyncService {
     // Fold row gradients by the table's rule, each row atomically; a push is
     // applied once by its request_id.
     RowsResult push_row_gradients(1: RowPush push) throws (1: ParameterError error),
-    // Between nodes: rows for a bucket's replicas (see RowDelta); answers
-    // how many rows it kept.
-    i64 replicate_rows(1: RowDelta delta) throws (1: ParameterError error),
+    // Between nodes: rows for buckets' replicas (see RowDelta), every bucket
+    // a fold changed in one message; answers how many rows it kept.
+    i64 replicate_rows(1: list<RowDelta> deltas) throws (1: ParameterError error),
     RowDelta bucket_rows(1: BucketRequest request) throws (1: ParameterError error),
 }

@@ -363,7 +363,7 @@ class RowService:
         if cluster is None or not cluster.links or not deltas:
             return
         me, pending = self._me, cluster.pending
-        calls = []
+        by_replica: dict[str, list[Any]] = {}
         for bucket, delta in deltas.items():
             key = bucket_key(table.spec.name, bucket)
             targets = set(cluster.placement.replicas(key))
@@ -371,9 +371,11 @@ class RowService:
                 targets.update(pending.replicas(key))
             for replica in targets:
                 if replica != me and replica in cluster.by_id:
-                    calls.append((replica, self._send_delta(replica, delta)))
-        if not calls:
+                    by_replica.setdefault(replica, []).append(delta)
+        if not by_replica:
             return
+        # (one message a replica, whatever the buckets)
+        calls = [(r, self._send_deltas(r, ds)) for r, ds in by_replica.items()]
         if (acks or cluster.acks) == "all":
             sent = await asyncio.gather(*(call for _, call in calls))
             late = {
@@ -390,28 +392,33 @@ class RowService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send_delta(self, replica: str, delta: Any) -> bool:
+    async def _send_deltas(self, replica: str, deltas: list[Any]) -> bool:
         try:
             link = self.cluster.by_id[replica]
-            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, delta=delta)
+            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
         except (ParamSyncError, KeyError) as exc:
             self.replication_failures += 1
-            log.info("rows of bucket %d not sent to %s (%s)", delta.bucket, replica, exc)
+            log.info("rows of %d buckets not sent to %s (%s)", len(deltas), replica, exc)
             return False
 
     def replicate(self, method: Method, args: Any) -> Any:
-        delta = args.delta
-        if delta is None or delta.table is None:
-            raise RequestError(ErrorCode.BAD_REQUEST, "the delta is missing, or its table")
-        spec = table_spec(delta.table)
-        table = self.tables.create(spec)[0]
-        kept = table.merge(delta, time.time())
+        deltas = args.deltas
+        if not deltas or any(d is None or d.table is None for d in deltas):
+            raise RequestError(ErrorCode.BAD_REQUEST, "the deltas are missing, or their table")
+        kept_deltas, kept = [], 0
+        now = time.time()
+        for delta in deltas:
+            table = self.tables.create(table_spec(delta.table))[0]
+            n = table.merge(delta, now)
+            if n:
+                kept += n
+                kept_deltas.append(delta)
         if self.log is None or not kept:
             return method.result(success=kept)
 
         async def logged() -> Any:
-            await self.log([delta])
+            await self.log(kept_deltas)
             return method.result(success=kept)
 
         return asyncio.ensure_future(logged())
@@ -465,9 +472,12 @@ class RowService:
                 if me in holders:
                     self._handed.pop(mark, None)
                     if self._synced.get(mark) != after:
-                        sources = {*holders, *now.replicas(key)}
+                        sources = {*holders, *now.replicas(key)} - {me}
                         if await self._take(table, bucket, sources):
-                            self._synced[mark] = after
+                            # (taken from every holder only once all are up: one down
+                            # now is asked again at a later round)
+                            if all(self._up(m) for m in sources):
+                                self._synced[mark] = after
                         else:
                             waiting += 1
                     continue
@@ -475,6 +485,8 @@ class RowService:
                 if bucket not in table.blocks:
                     continue
                 if self._handed.get(mark) != after:
+                    if not holders or not all(self._up(h) for h in holders if h != me):
+                        continue  # (stuck: no holder to come is up to take it; kept here)
                     if not await self._hand_off(table, bucket, holders):
                         waiting += 1
                         continue
@@ -488,7 +500,7 @@ class RowService:
         """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
         page; whether every one answered."""
         cluster = self.cluster
-        others = [m for m in sources if m != self._me and m in cluster.live and m in cluster.by_id]
+        others = [m for m in sources if m != self._me and self._up(m)]
         page = self._page_rows(table)
         ok = True
         for member in others:
@@ -517,18 +529,20 @@ class RowService:
     async def _hand_off(self, table: RowTable, bucket: int, holders: Iterable[str]) -> bool:
         """Give every row of ``bucket`` to each of ``holders``, page by page; whether every
         one of them took it (each must be linked)."""
-        cluster = self.cluster
         holders = [h for h in holders if h != self._me]
-        if not holders or not all(h in cluster.by_id for h in holders):
-            return False
         block = table.blocks[bucket]
         page = self._page_rows(table)
         for offset in range(0, max(len(block), 1), page):
             delta = table.delta(bucket, None, self._me, slice(offset, offset + page))
-            sent = await asyncio.gather(*(self._send_delta(h, delta) for h in holders))
+            sent = await asyncio.gather(*(self._send_deltas(h, [delta]) for h in holders))
             if not all(sent):
                 return False
         return True
+
+    def _up(self, member: str) -> bool:
+        """Whether this node's link to ``member`` is up (it may be joining)."""
+        link = self.cluster.by_id.get(member)
+        return link is not None and link.state == "up"
 
     @staticmethod
     def _page_rows(table: RowTable) -> int:
