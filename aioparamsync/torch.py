@@ -27,6 +27,11 @@ Workers launched by torchrun (``torchrun --nproc-per-node N train.py``) or a
 PyTorchJob: :class:`Launch` (``Launch.from_env()``) reads their rank and world
 size, and the nodes' addresses, from the environment those set (see
 :mod:`aioparamsync.client.launch`; ``examples/torchrun_train.py``).
+
+Embedding tables held by the cluster (``ParameterClient.create_table``):
+:class:`Embedding` and :class:`EmbeddingBag` are modules that pull a batch's
+rows, gather from them in forward and push their gradients (see
+:mod:`aioparamsync.torch_rows`; ``examples/train_ctr.py``).
 """
 
 from __future__ import annotations
@@ -40,12 +45,15 @@ import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
 from .client.launch import Launch
+from .torch_rows import Embedding, EmbeddingBag
 from .values.arrays import from_parameter, is_bfloat16
 
 if TYPE_CHECKING:
     from .client.api import ParameterClient
 
 __all__ = [
+    "Embedding",
+    "EmbeddingBag",
     "Launch",
     "from_numpy",
     "load_into",

@@ -23,11 +23,17 @@ from nbclient import NotebookClient
 from traitlets.config import Config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NOTEBOOKS = ["quickstart.ipynb", "cluster.ipynb", "async_training.ipynb", "training.ipynb"]
+NOTEBOOKS = [
+    "quickstart.ipynb",
+    "cluster.ipynb",
+    "async_training.ipynb",
+    "training.ipynb",
+    "embeddings.ipynb",
+]
 # Notebooks whose last run must have drawn a figure (an image/png output).
 PLOTS = {"cluster.ipynb", "async_training.ipynb", "training.ipynb"}
 # Notebooks that need an optional dependency beyond the notebooks extra (skipped without it).
-REQUIRES = {"training.ipynb": "torch"}
+REQUIRES = {"training.ipynb": "torch", "embeddings.ipynb": "torch"}
 
 KERNEL = "python3"
 # Deadlines (seconds): starting the kernel, one cell, and the whole notebook (each
@@ -46,6 +52,12 @@ TRAINING_RESULT = re.compile(r"^(\S+) +held-out loss (\d+\.\d+) -> (\d+\.\d+) ",
 TRAINING_RUNS = 4
 # How much a run must have lowered the held-out loss (its floor, the noise, is 80x lower).
 TRAINING_GAIN = 10
+
+# embeddings.ipynb prints "held-out AUC: <before training> -> <after>".
+EMBEDDINGS_RESULT = re.compile(r"^held-out AUC: (\d\.\d+) -> (\d\.\d+)$", re.MULTILINE)
+# The AUC it states it reaches (it measures ~0.81; an untrained model's is ~0.5, the
+# best there is, the hidden weights' own, 0.86).
+EMBEDDINGS_AUC = 0.75
 
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT + NOTEBOOK_TIMEOUT + 30)
 
@@ -113,8 +125,18 @@ def check_training(nb: nbformat.NotebookNode) -> None:
         )
 
 
+def check_embeddings(nb: nbformat.NotebookNode) -> None:
+    """embeddings.ipynb printed its AUC once, and training raised it past EMBEDDINGS_AUC."""
+    results = EMBEDDINGS_RESULT.findall(_stdout(nb))
+    assert len(results) == 1, f"expected one AUC line, got {results}"
+    [(start, final)] = results
+    assert float(final) >= EMBEDDINGS_AUC and float(final) > float(start), (
+        f"the held-out AUC went {start} -> {final}, not past {EMBEDDINGS_AUC}"
+    )
+
+
 # What a notebook's run must have printed, beyond running without an error.
-OUTPUT_CHECKS = {"training.ipynb": check_training}
+OUTPUT_CHECKS = {"training.ipynb": check_training, "embeddings.ipynb": check_embeddings}
 
 
 def test_the_training_check_refuses_a_run_that_did_not_converge() -> None:
@@ -131,6 +153,11 @@ def test_the_training_check_refuses_a_run_that_did_not_converge() -> None:
         check_training(printed("".join(good[:3]) + "run3/  held-out loss 0.2000 -> 0.0500 \n"))
     with pytest.raises(AssertionError, match="expected 4 results"):
         check_training(printed("".join(good[:3])))
+    check_embeddings(printed("held-out AUC: 0.5012 -> 0.8021\n"))
+    with pytest.raises(AssertionError, match=r"went 0\.5012 -> 0\.7012, not past 0\.75"):
+        check_embeddings(printed("held-out AUC: 0.5012 -> 0.7012\n"))
+    with pytest.raises(AssertionError, match="expected one AUC line"):
+        check_embeddings(printed("held-out AUC before training: 0.5012\n"))
 
 
 @pytest.mark.slow
