@@ -181,31 +181,58 @@ class RowService:
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
         me, placement, live = self._me, cluster.placement, cluster.live
-        parts: dict[str | None, list[np.ndarray]] = {}
+        serving = cluster.state in ("up", "leaving")
+        parts: dict[tuple[str, ...] | None, list[np.ndarray]] = {}
         for bucket, positions in table.by_bucket(ids):
             key = bucket_key(table.spec.name, bucket)
-            here = cluster.state in ("up", "leaving") and placement.holds(me, key)
-            target = None if here else placement.primary(key, live)
-            if target == me:
-                target = None
-            parts.setdefault(target, []).append(positions)
+            if serving and placement.holds(me, key):
+                holders = None
+            else:
+                # its live replicas, the primary first: each asked in turn
+                holders = tuple(r for r in placement.replicas(key) if r in live and r != me)
+                if not holders:
+                    raise RequestError(
+                        ErrorCode.UNAVAILABLE,
+                        f"no replica of bucket {bucket} of table {table.spec.name!r} is up",
+                    )
+            parts.setdefault(holders, []).append(positions)
         out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
 
-        async def part(target: str | None, positions: np.ndarray) -> None:
-            if target is None:
+        async def part(holders: tuple[str, ...] | None, positions: np.ndarray) -> None:
+            if holders is None:
                 out[positions] = table.pull(ids[positions])
                 return
+            # (raw, and with this node's epoch: the holder answers what it holds, or MOVED)
             sub = thrift.RowsRequest(
-                table=table.spec.name, ids=encode_ids(ids[positions]), encoding=request.encoding
+                table=table.spec.name, ids=encode_ids(ids[positions]), epoch=cluster.epoch
             )
-            link = cluster.by_id.get(target)
-            if link is None:
-                raise RequestError(ErrorCode.UNAVAILABLE, f"node {target} is not linked to")
-            answer = await link.proxy().invoke(METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub)
-            self.passed_on += 1
-            out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
+            last: Exception | None = None
+            for holder in holders:
+                link = cluster.by_id.get(holder)
+                if link is None:
+                    continue
+                try:
+                    answer = await link.proxy().invoke(
+                        METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub
+                    )
+                except RequestError as exc:
+                    if exc.code != ErrorCode.MOVED:
+                        raise
+                    last = exc
+                    continue
+                except ParamSyncError as exc:
+                    last = exc
+                    continue
+                self.passed_on += 1
+                out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
+                return
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"no holder of those rows of table {table.spec.name!r} answered ({last}); "
+                "try again",
+            )
 
-        await asyncio.gather(*(part(t, np.concatenate(ps)) for t, ps in parts.items()))
+        await asyncio.gather(*(part(h, np.concatenate(ps)) for h, ps in parts.items()))
         return method.result(success=encode_rows(out, request.encoding))
 
     def _check_held(
