@@ -100,7 +100,8 @@ async def test_rows_are_spread_over_the_nodes_and_every_node_answers_every_row(
         routed = await stack.enter_async_context(
             ParameterClient([n.address_text for n in nodes], timeout=15)
         )
-        await routed.topology()
+        await routed.routes.learn()  # (so that the pushes below are cut by the client)
+        assert routed.routes.topology is not None and not routed.routes.topology.single
         await routed.create_table("emb", DIM, rule=sgd(1.0), buckets=BUCKETS)
         await push_ones(routed, IDS)  # cut by bucket primary, client side
         alone = list(clients.values())

@@ -304,10 +304,7 @@ class TableClient:
         }
 
         async def part(target: str, where: np.ndarray) -> list[tuple[np.ndarray | None, Any]]:
-            result: Any = None
-
             async def at(m: Any, arg: str, value: Any) -> Any:
-                nonlocal result
                 done, result = await routes.call_at(target, m, timeout, arg, value)
                 if not done:
                     raise _Again
