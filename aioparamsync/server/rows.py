@@ -46,14 +46,13 @@ from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
+from .gradients import FORWARD_RETRY_DELAYS  # (pauses before a part MOVED is cut again)
 from .routing import moved
 
 __all__ = ["RowService"]
 
 log = logging.getLogger(__name__)
 
-# Pauses before a part answered MOVED is cut again (the nodes' views converge).
-MOVED_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
 # The deadline of a call to a peer (seconds).
 PEER_TIMEOUT = 30.0
 # About the bytes of rows one message moves when a bucket moves.
@@ -356,13 +355,13 @@ class RowService:
             except RequestError as exc:
                 if exc.code != ErrorCode.MOVED:
                     raise
-                if moves >= len(MOVED_RETRY_DELAYS):
+                if moves >= len(FORWARD_RETRY_DELAYS):
                     raise RequestError(
                         ErrorCode.UNAVAILABLE,
                         f"rows of table {table.spec.name!r} were not folded: the nodes disagree "
                         f"on their primary ({exc.message}); push again",
                     ) from None
-                await asyncio.sleep(MOVED_RETRY_DELAYS[moves])
+                await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
                 return await self._fold_by_primary(
                     table, sub_ids, sub_grads, push, moves + 1, tried
                 )
