@@ -62,6 +62,10 @@ async def test_sgd_sums_repeated_ids_and_folds_each_row_once(client: ParameterCl
     np.testing.assert_array_equal(rows[2], 0)  # untouched
     result = await client.push_row_gradients("t", ids[:1], grads[:1])
     assert (result.rows, result.created) == (1, 0)
+    none = np.empty(0, np.int64)  # no ids: no rows, nothing folded
+    assert (await client.pull_rows("t", none)).shape == (0, 3)
+    result = await client.push_row_gradients("t", none, np.empty((0, 3), np.float32))
+    assert (result.rows, result.created) == (0, 0)
 
 
 async def test_a_push_sent_again_under_its_request_id_folds_once(client: ParameterClient) -> None:

@@ -112,6 +112,7 @@ async def test_rows_are_spread_over_the_nodes_and_every_node_answers_every_row(
         # Each node holds its share, not everything: adding nodes adds capacity.
         assert all(0 < h < len(IDS) for h in held.values()), held
         await assert_rows_everywhere([routed, *alone], expected)
+        assert (await routed.pull_rows("emb", np.empty(0, np.int64))).shape == (0, DIM)
         # A node asked for a table made before it heard of it learns it from a peer.
         for c in alone:
             assert [t.name for t in await c.tables()] == ["emb"]

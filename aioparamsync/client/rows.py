@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ErrorCode, RequestError
 from ..placement import bucket_key, bucket_of
-from ..values.arrays import is_bfloat16, wire_dtype
+from ..values.arrays import is_bfloat16, parse_dtype, wire_dtype
 from ..values.rowwire import ROW_ENCODINGS, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, thrift
 from .pool import ConnectionPool
@@ -181,6 +181,8 @@ class TableClient:
         if encoding is not None and encoding not in ROW_ENCODINGS:
             raise ValueError(f"encoding is one of {', '.join(ROW_ENCODINGS)} or None")
         spec = await self._table(table, timeout)
+        if not len(ids):  # (nothing to ask any node for)
+            return np.empty((0, spec.dim), parse_dtype(spec.dtype))
         m = METHODS.pull_rows
 
         async def call(pool: Any, positions: np.ndarray | None, epoch: int | None) -> np.ndarray:
@@ -236,6 +238,8 @@ class TableClient:
             raise ValueError(f"encoding is one of {', '.join(ROW_ENCODINGS)} or None")
         if acks is not None and acks not in ("1", "all"):
             raise ValueError(f'acks is "1" or "all", not {acks!r}')
+        if not len(ids):
+            return thrift.RowsResult(rows=0, created=0)
         request_id = request_id or uuid.uuid4().hex
         m = METHODS.push_row_gradients
 
