@@ -40,10 +40,10 @@ import numpy as np
 
 from ..store.rows import RowTables, table_spec
 from ..wire import thrift
-from ..wire.binary import BinaryReader, BinaryWriter
+from ..wire.binary import BinaryReader
 from . import PersistenceError
 from .snapshot import _SAFETENSORS_DTYPES
-from .wal import fsync_dir
+from .wal import fsync_dir, write_record
 
 __all__ = ["ROWS_DIR", "RowStore"]
 
@@ -226,19 +226,7 @@ class RowStore:
         if self._fd is None:
             self._open(self.segment)
         assert self._fd is not None
-        total = 0
-        for delta in deltas:
-            writer = BinaryWriter()
-            writer.write_struct(delta)
-            parts, size = writer.getvalue()
-            crc = 0
-            for part in parts:
-                crc = zlib.crc32(part, crc)
-            record = b"".join([_RECORD.pack(size, crc), *(bytes(p) for p in parts)])
-            view = memoryview(record)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            total += len(record)
+        total = sum(write_record(self._fd, delta) for delta in deltas)
         if self.fsync == "always" or (
             self.fsync == "batch" and time.monotonic() - self._last_sync >= self.sync_interval
         ):

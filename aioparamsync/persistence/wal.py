@@ -44,7 +44,7 @@ from ..wire import thrift
 from ..wire.binary import BinaryReader, BinaryWriter
 from . import PersistenceError
 
-__all__ = ["SEGMENT_FILE", "WriteAheadLog", "fsync_dir", "segment_name"]
+__all__ = ["SEGMENT_FILE", "WriteAheadLog", "fsync_dir", "segment_name", "write_record"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,24 @@ SEGMENT_FILE = re.compile(r"wal-(\d{8})\.log")
 
 def segment_name(n: int) -> str:
     return f"wal-{n:08d}.log"
+
+
+def write_record(fd: int, message: Any) -> int:
+    """Append ``message`` (a Thrift struct) to ``fd`` as one record, ``[u32 length][u32
+    crc32][payload]``, its binaries written from where they are (no copy); answer its bytes."""
+    writer = BinaryWriter()
+    writer.write_struct(message)
+    parts, size = writer.getvalue()
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    buffers = [_RECORD.pack(size, crc), *parts]
+    total = _RECORD.size + size
+    written = os.writev(fd, buffers)
+    while written < total:  # a short write: write the rest
+        rest = b"".join(bytes(b) for b in buffers)[written:]
+        written += os.write(fd, rest)
+    return total
 
 
 def fsync_dir(path: Path) -> None:
@@ -285,18 +303,7 @@ class WriteAheadLog:
 
     def _write_record(self, update: Any) -> None:
         assert self._fd is not None, "recover() opens the log"
-        writer = BinaryWriter()
-        writer.write_struct(update)
-        parts, size = writer.getvalue()
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        buffers = [_RECORD.pack(size, crc), *parts]
-        total = _RECORD.size + size
-        written = os.writev(self._fd, buffers)
-        while written < total:  # a short write: write the rest
-            rest = b"".join(bytes(b) for b in buffers)[written:]
-            written += os.write(self._fd, rest)
+        total = write_record(self._fd, update)
         self.wal_bytes += total
         self.records_written += 1
         self._dirty = True

@@ -297,10 +297,11 @@ class RowService:
         changed, created = table.fold(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
-        deltas = {b: table.delta(b, c, self._me) for b, c in changed.items()}
-        if self.log is not None:
-            await self.log(list(deltas.values()))
-        await self._replicate(table, deltas, push.acks)
+        if self.log is not None or self._peers():  # (the changed rows copied only to go out)
+            deltas = {b: table.delta(b, c, self._me) for b, c in changed.items()}
+            if self.log is not None:
+                await self.log(list(deltas.values()))
+            await self._replicate(table, deltas, push.acks)
         return sum(folded.values()), created
 
     async def _fold_by_primary(
