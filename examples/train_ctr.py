@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -74,7 +73,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +90,16 @@ from aioparamsync import ParameterClient, adagrad, adam  # noqa: E402
 from aioparamsync import torch as ps_torch  # noqa: E402
 from aioparamsync.client.addresses import parse_addresses  # noqa: E402
 
+# The coordinator's worker processes, shared with the other examples (this one's folder).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import (  # noqa: E402
+    positive_float,
+    positive_int,
+    run_workers,
+    stoppable,
+    watch_stdin,
+)
+
 # This script: a worker process runs it again, with --worker-rank.
 SCRIPT = str(Path(__file__).resolve())
 # The held-out AUC a run with the defaults reaches at least (see the docstring).
@@ -106,11 +115,8 @@ SIGNAL = 2.0
 # The initial rows: N(0, INIT_SCALE^2).
 INIT_SCALE = 0.01
 HELD_OUT = 20_000
-# Bounds of the waits (seconds): a worker's start (it imports torch), one call,
-# a worker's exit once told to stop.
-START_TIMEOUT = 60.0
+# The bound of one call (seconds; a worker's start and exit: see workers.py).
 CALL_TIMEOUT = 15.0
-EXIT_TIMEOUT = 10.0
 
 
 # -- The problem ------------------------------------------------------------------------------
@@ -228,18 +234,6 @@ class WorkerReport:
     stopped_by: str = "steps"  # or "time limit", "coordinator gone"
 
 
-def watch_stdin(gone: threading.Event) -> None:
-    """Set ``gone`` once stdin closes: the coordinator went away (or told us to stop)."""
-
-    def watch() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            while sys.stdin.readline():
-                pass
-        gone.set()
-
-    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
-
-
 async def train_worker(args: argparse.Namespace, nodes: list[str]) -> WorkerReport:
     data = CTRData(args.fields, args.seed)
     rng = batch_rng(args.seed, args.worker_rank)
@@ -328,77 +322,6 @@ class Result:
     worker_reports: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def start_workers(
-    args: argparse.Namespace, argv: Sequence[str]
-) -> list[asyncio.subprocess.Process]:
-    """Start the worker processes and wait (bounded) until each says it is ready."""
-    procs: list[asyncio.subprocess.Process] = []
-    try:
-        for rank in range(args.workers):
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    SCRIPT,
-                    *argv,
-                    "--worker-rank",
-                    str(rank),
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                )
-            )
-        async with asyncio.timeout(START_TIMEOUT):
-            for rank, proc in enumerate(procs):
-                assert proc.stdout is not None
-                line = await proc.stdout.readline()
-                if line.strip() != b"ready":
-                    raise RuntimeError(f"worker {rank} did not start (it said {line!r})")
-    except BaseException:
-        await stop_workers(procs)
-        raise
-    return procs
-
-
-async def stop_workers(procs: Sequence[asyncio.subprocess.Process]) -> None:
-    """Close their stdin (they stop at their next step), then kill (by PID) what is left."""
-    for proc in procs:
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
-    for proc in procs:
-        if proc.returncode is None:
-            try:
-                await asyncio.wait_for(proc.wait(), EXIT_TIMEOUT)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-
-
-async def run_workers(
-    args: argparse.Namespace, argv: Sequence[str]
-) -> tuple[list[WorkerReport], float]:
-    """Start the workers, start them together, and collect their reports."""
-    procs = await start_workers(args, argv)
-    try:
-        started = time.monotonic()
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(b"go\n")
-            await proc.stdin.drain()
-
-        async def report_of(rank: int, proc: asyncio.subprocess.Process) -> WorkerReport:
-            stdout, _ = await proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"worker {rank} failed with exit code {proc.returncode}")
-            return WorkerReport(**json.loads(stdout.decode().strip().splitlines()[-1]))
-
-        # The workers stop themselves at --time-limit; this bounds a hung one.
-        async with asyncio.timeout(args.time_limit + START_TIMEOUT):
-            reports = await asyncio.gather(*(report_of(r, p) for r, p in enumerate(procs)))
-        return list(reports), time.monotonic() - started
-    finally:
-        await stop_workers(procs)
-
-
 async def coordinate(args: argparse.Namespace, argv: Sequence[str]) -> Result:
     nodes = [f"{h}:{p}" for h, p in parse_addresses(args.nodes)]
     result = Result(
@@ -424,7 +347,9 @@ async def coordinate(args: argparse.Namespace, argv: Sequence[str]) -> Result:
         )
         print(f"held-out AUC at the start: {result.initial_auc:.4f}", flush=True)
 
-        reports, result.wall_seconds = await run_workers(args, argv)
+        reports, result.wall_seconds = await run_workers(
+            SCRIPT, argv, args.workers, args.time_limit, WorkerReport
+        )
         result.worker_reports = [asdict(r) for r in reports]
         result.samples = sum(r.samples for r in reports)
         result.auc, _ = await held_out_auc(model, args.prefix, ids, labels)
@@ -451,20 +376,6 @@ def print_result(r: Result) -> None:
 
 
 # -- The command ------------------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -501,14 +412,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--hidden", str(args.hidden), "--seed", str(args.seed), "--prefix", args.prefix,
         "--time-limit", repr(args.time_limit),
     ]  # fmt: skip
-
-
-async def stoppable(coroutine: Coroutine[Any, Any, Result]) -> Result:
-    """Run ``coroutine``; SIGTERM cancels it, as Ctrl-C does (the workers are stopped)."""
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    return await coroutine
 
 
 def main(argv: Sequence[str] | None = None) -> int:
