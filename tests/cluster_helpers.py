@@ -16,10 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from aioparamsync import NetworkError, Node, ParameterClient
+from aioparamsync import CallTimeout, NetworkError, Node, ParameterClient
 
 LOOPBACK = "127.0.0.1"
 # Default bound of a wait for the cluster to converge (seconds): generous, as
@@ -399,6 +399,12 @@ class ProcessCluster:
         await node.wait_listening()
         return node
 
+    def show_logs(self, tail: int = 80) -> None:
+        """Print the end of every node's log (pytest shows it when the test failed)."""
+        for node in self.started:
+            print(f"--- node {node.node_id or '?'} (pid {node.pid}), its log's end:")
+            print("".join(node.stderr_lines[-tail:]), end="")
+
     async def close(self) -> None:
         for node in self.started:
             with contextlib.suppress(TimeoutError):
@@ -491,3 +497,41 @@ def run_bounded(cmd: list[str], timeout: float) -> tuple[int, str, str]:
                 proc.kill()
                 proc.communicate()
     return proc.returncode, stdout, stderr
+
+
+# -- clusters of node processes -------------------------------------------------------------
+
+
+async def spawn_cluster(
+    procs: ProcessCluster, n: int, extra: Sequence[str] = ()
+) -> list[NodeProcess]:
+    """``n`` nodes: the first, then the others together, each given the first as its peer."""
+    first = await procs.spawn(extra=extra)
+    rest = await asyncio.gather(*(procs.spawn(peers=[first], extra=extra) for _ in range(n - 1)))
+    return [first, *rest]
+
+
+async def open_clients(
+    stack: contextlib.AsyncExitStack, nodes: Iterable[NodeProcess]
+) -> dict[str, ParameterClient]:
+    """A client of each node alone (``route=False``), by node id."""
+    return {n.node_id: await stack.enter_async_context(n.client()) for n in nodes}
+
+
+async def wait_formed(clients: Mapping[str, ParameterClient], timeout: float = 30.0) -> None:
+    """Every node is up and sees exactly these nodes, each up."""
+    ids = set(clients)
+
+    async def check() -> None:
+        views = {}
+        for node_id, client in clients.items():
+            info = await client.info()
+            views[node_id] = (info.state, {m.node_id: m.state for m in info.topology.members})
+        wrong = {
+            node_id: f"is {state}, sees {seen}"
+            for node_id, (state, seen) in views.items()
+            if state != "up" or seen != dict.fromkeys(ids, "up")
+        }
+        assert not wrong, f"not formed: {wrong}"
+
+    await eventually(check, timeout=timeout, interval=0.2, retry_on=(*RETRY_WIRE, CallTimeout))

@@ -36,7 +36,10 @@ from cluster_helpers import (
     State,
     eventually,
     free_port,
+    open_clients,
     run_process,
+    spawn_cluster,
+    wait_formed,
 )
 from test_interop import _generate, apache_client
 
@@ -85,9 +88,7 @@ async def procs() -> AsyncIterator[ProcessCluster]:
         yield cluster
     finally:
         await cluster.close()
-        for node in cluster.started:
-            print(f"--- node {node.node_id or '?'} (pid {node.pid}), its log's end:")
-            print("".join(node.stderr_lines[-LOG_TAIL:]), end="")
+        cluster.show_logs(LOG_TAIL)
 
 
 @pytest.fixture(scope="session")
@@ -100,41 +101,6 @@ def founding(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace 
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-async def spawn_cluster(
-    procs: ProcessCluster, n: int, extra: Sequence[str] = ()
-) -> list[NodeProcess]:
-    """``n`` nodes: the first, then the others together, each given the first as its peer."""
-    first = await procs.spawn(extra=extra)
-    rest = await asyncio.gather(*(procs.spawn(peers=[first], extra=extra) for _ in range(n - 1)))
-    return [first, *rest]
-
-
-async def open_clients(
-    stack: contextlib.AsyncExitStack, nodes: Iterable[NodeProcess]
-) -> dict[str, ParameterClient]:
-    """A client of each node alone (``route=False``), by node id."""
-    return {n.node_id: await stack.enter_async_context(n.client()) for n in nodes}
-
-
-async def wait_formed(clients: Mapping[str, ParameterClient]) -> None:
-    """Every node is up and sees exactly these nodes, each up."""
-    ids = set(clients)
-
-    async def check() -> None:
-        views = {}
-        for node_id, client in clients.items():
-            info = await client.info()
-            views[node_id] = (info.state, {m.node_id: m.state for m in info.topology.members})
-        wrong = {
-            node_id: f"is {state}, sees {seen}"
-            for node_id, (state, seen) in views.items()
-            if state != "up" or seen != dict.fromkeys(ids, "up")
-        }
-        assert not wrong, f"not formed: {wrong}"
-
-    await eventually(check, timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY)
 
 
 async def assert_placed(

@@ -8,14 +8,13 @@ known exactly. Every wait is a poll bounded by a timeout.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import numpy as np
 import pytest
-from cluster_helpers import NodeProcess, ProcessCluster, eventually, run_process
+from cluster_helpers import ProcessCluster, eventually, run_process, spawn_cluster, wait_formed
 
 from aioparamsync import ParameterClient, sgd
 from aioparamsync.errors import CallTimeout, NetworkError, RequestError
@@ -24,7 +23,6 @@ pytestmark = [pytest.mark.asyncio(loop_factories=["asyncio"]), pytest.mark.timeo
 
 R = 2
 RETRY = (AssertionError, NetworkError, CallTimeout)
-FORM_TIMEOUT = 30.0
 SETTLE_TIMEOUT = 45.0
 POLL = 0.2
 DIM = 8
@@ -40,29 +38,7 @@ async def procs() -> AsyncIterator[ProcessCluster]:
         yield cluster
     finally:
         await cluster.close()
-        for node in cluster.started:
-            print(f"--- node {node.node_id or '?'} (pid {node.pid}), its log's end:")
-            print("".join(node.stderr_lines[-LOG_TAIL:]), end="")
-
-
-async def spawn_cluster(
-    procs: ProcessCluster, n: int, extra: Sequence[str] = ()
-) -> list[NodeProcess]:
-    first = await procs.spawn(extra=extra)
-    rest = await asyncio.gather(*(procs.spawn(peers=[first], extra=extra) for _ in range(n - 1)))
-    return [first, *rest]
-
-
-async def wait_formed(clients: Mapping[str, ParameterClient]) -> None:
-    ids = set(clients)
-
-    async def check() -> None:
-        for node_id, client in clients.items():
-            info = await client.info()
-            seen = {m.node_id: m.state for m in info.topology.members}
-            assert info.state == "up" and seen == dict.fromkeys(ids, "up"), (node_id, seen)
-
-    await eventually(check, timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY)
+        cluster.show_logs(LOG_TAIL)
 
 
 async def rows_held(clients: Mapping[str, ParameterClient]) -> dict[str, int]:
