@@ -115,6 +115,9 @@ class Node:
             headless Service), resolved as the node starts and again every
             ``peers_dns_interval`` seconds (see :mod:`aioparamsync.cluster.discovery`).
         resolve: how ``peers_dns`` is resolved (default: the system's resolver).
+        unix_socket: also serve clients on this Unix socket path (colocated
+            workers connect to ``unix:PATH``; no TLS there: who may connect is
+            the file's permissions). Peers still link over TCP.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -152,6 +155,7 @@ class Node:
         peers_dns: Address | None = None,
         peers_dns_interval: float = DNS_INTERVAL,
         resolve: Resolver | None = None,
+        unix_socket: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -162,6 +166,7 @@ class Node:
             max_connections=max_connections,
             request_timeout=request_timeout,
             ssl=ssl,
+            unix_path=os.fspath(unix_socket) if unix_socket is not None else None,
         )
         self.seeds = parse_addresses(peers) if peers else []
         self._advertise = parse_address(advertise) if advertise is not None else None

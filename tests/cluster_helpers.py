@@ -29,7 +29,8 @@ POLL_INTERVAL = 0.02
 
 NODE_COMMAND = [sys.executable, "-m", "aioparamsync"]
 LISTENING = re.compile(
-    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)$"
+    r"^aioparamsync-node (?P<node_id>\S+) listening on (?P<host>\S+):(?P<port>\d+)"
+    r"(?: and unix:\S+)?$"
 )
 # The first start imports numpy and thriftpy2: generous, but bounded.
 START_TIMEOUT = 30.0

@@ -25,7 +25,7 @@ from ..metrics import MetricsBindError
 from ..node import Node, unspecified_host
 from ..persistence.datadir import FSYNC_MODES, PersistenceError
 from ..placement import DEFAULT_REPLICATION_FACTOR
-from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ListenError
 from ..store.table import Limits
 from ..tls import client_context, server_context
 from ..values.partitions import DEFAULT_PARTITION_BYTES
@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where peers reach this node, an address they can reach (default: where it "
         "listens, which must then not be 0.0.0.0 or :: if --peers are given)",
+    )
+    parser.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="also serve clients on this Unix socket (colocated workers connect to "
+        "unix:PATH, faster than TCP on one host; no TLS there: who may connect is the "
+        "file's permissions); a socket file left by a node that is gone is replaced",
     )
     cluster = parser.add_argument_group("sharding and replication")
     cluster.add_argument(
@@ -378,6 +385,7 @@ async def serve(args: argparse.Namespace) -> int:
         failure_timeout=args.failure_timeout,
         acks=args.acks,
         drain_timeout=args.drain_timeout,
+        unix_socket=args.unix_socket,
         partition_bytes=args.partition_bytes,
         peers_dns=args.peers_dns,
         peers_dns_interval=args.peers_dns_interval,
@@ -392,6 +400,9 @@ async def serve(args: argparse.Namespace) -> int:
             raise
         print(f"aioparamsync-node: --metrics-port: {exc}", file=sys.stderr)
         return 1
+    except ListenError as exc:
+        print(f"aioparamsync-node: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(
             f"aioparamsync-node: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
@@ -402,7 +413,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     host, port = node.address
-    print(f"aioparamsync-node {node.node_id} listening on {host}:{port}", flush=True)
+    where = f"{host}:{port}" + (f" and unix:{args.unix_socket}" if args.unix_socket else "")
+    print(f"aioparamsync-node {node.node_id} listening on {where}", flush=True)
     waits = [
         asyncio.ensure_future(stop.wait()),
         asyncio.ensure_future(node.left.wait()),  # drained: 'aioparamsync-ctl drain'

@@ -2,7 +2,9 @@
 
 :func:`parse_address` and :func:`parse_addresses` turn ``"host:port"``,
 ``"[::1]:port"``, ``(host, port)`` or several of them into ``(host, port)``
-pairs; :func:`check_seconds` checks a deadline or a wait where it is given.
+pairs, and ``"unix:PATH"`` (a node's ``--unix-socket``) into
+``("unix:PATH", 0)``; :func:`check_seconds` checks a deadline or a wait where
+it is given.
 Both raise ValueError for what they refuse, before anything is sent.
 """
 
@@ -13,9 +15,17 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Address", "check_seconds", "parse_address", "parse_addresses"]
+__all__ = ["Address", "UNIX", "check_seconds", "parse_address", "parse_addresses", "unix_path"]
 
 Address = str | tuple[str, int]
+
+# A Unix socket's address: "unix:PATH", as the pair ("unix:PATH", 0).
+UNIX = "unix:"
+
+
+def unix_path(host: str) -> str | None:
+    """The socket path of a Unix socket's address (its host), else None."""
+    return host[len(UNIX) :] if host.startswith(UNIX) else None
 
 
 def parse_addresses(addresses: Address | Iterable[Address]) -> list[tuple[str, int]]:
@@ -38,9 +48,23 @@ def parse_addresses(addresses: Address | Iterable[Address]) -> list[tuple[str, i
 def parse_address(address: Address) -> tuple[str, int]:
     """``"host:port"``, ``"[::1]:port"`` or ``(host, port)`` -> ``(host, port)``.
 
+    ``"unix:PATH"`` (a Unix socket) -> ``("unix:PATH", 0)``.
+
     Raises:
         ValueError: not an address.
     """
+    if isinstance(address, str) and address.startswith(UNIX):
+        if not address[len(UNIX) :] or "\0" in address:
+            raise ValueError(f"{address!r}: a Unix socket's address is unix:PATH")
+        return address, 0
+    if (
+        isinstance(address, tuple)
+        and len(address) == 2
+        and address[1] == 0
+        and isinstance(address[0], str)
+        and address[0].startswith(UNIX)
+    ):
+        return parse_address(address[0])
     if isinstance(address, tuple):
         host, port = address
     else:

@@ -41,7 +41,7 @@ from ..errors import (
     ServerError,
 )
 from ..wire import Method, method
-from .addresses import Address, check_seconds, parse_addresses
+from .addresses import Address, check_seconds, parse_addresses, unix_path
 from .connection import _Connection
 
 __all__ = ["ConnectionPool"]
@@ -62,7 +62,8 @@ class ConnectionPool:
 
     Raises:
         ValueError: ``max_connections`` below 1, no address or one that is
-            not ``host:port``, or a timeout out of its range (see
+            not ``host:port`` or ``unix:PATH``, ``ssl`` with a ``unix:`` address,
+            or a timeout out of its range (see
             :func:`~aioparamsync.client.addresses.check_seconds`).
     """
 
@@ -79,6 +80,11 @@ class ConnectionPool:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self.addresses = parse_addresses(address)
+        if ssl is not None and any(unix_path(host) is not None for host, _ in self.addresses):
+            raise ValueError(
+                "a node's Unix socket speaks no TLS (who may connect is the file's "
+                "permissions): connect to unix:PATH without ssl, or to its TCP port with it"
+            )
         self._current = 0  # the node in use: self.addresses[self._current]
         self.timeout = check_seconds(timeout, "timeout")
         self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
@@ -144,27 +150,28 @@ class ConnectionPool:
         for attempt in range(len(self.addresses)):
             index = (self._current + attempt) % len(self.addresses)
             host, port = self.addresses[index]
-            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            path = unix_path(host)
+            if path is not None:
+                where = host
+            else:
+                where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            factory = functools.partial(_Connection, self.max_frame_bytes, self.traffic, where)
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    _, conn = await loop.create_connection(
-                        functools.partial(_Connection, self.max_frame_bytes, self.traffic, where),
-                        host,
-                        port,
-                        ssl=self.ssl,
-                    )
+                    if path is not None:
+                        _, conn = await loop.create_unix_connection(factory, path)
+                    else:
+                        _, conn = await loop.create_connection(factory, host, port, ssl=self.ssl)
             except TimeoutError:
                 failures.append(
-                    ConnectTimeout(
-                        f"no connection to {host}:{port} within {self.connect_timeout} s"
-                    )
+                    ConnectTimeout(f"no connection to {where} within {self.connect_timeout} s")
                 )
                 continue
             except OSError as exc:
-                failures.append(ConnectError(f"cannot connect to {host}:{port}: {exc}"))
+                failures.append(ConnectError(f"cannot connect to {where}: {exc}"))
                 continue
             if index != self._current:
-                log.warning("moving to node %s:%d (%s)", host, port, failures[-1])
+                log.warning("moving to node %s (%s)", where, failures[-1])
                 for old in self._connections:
                     old.close()  # keep one node per client: reads see one node's state
                 self._connections.clear()

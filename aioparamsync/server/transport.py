@@ -30,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import socket
 import ssl as ssl_module
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,7 +54,7 @@ from ..wire import (
 from .dispatch import CallDispatch, Handler, app_error
 from .ordering import MAX_PIPELINE
 
-__all__ = ["Handler", "Server", "ServerConfig", "ServerConnection"]
+__all__ = ["Handler", "ListenError", "Server", "ServerConfig", "ServerConnection"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,9 @@ class ServerConfig:
     # (the work may still complete); None: no deadline.
     request_timeout: float | None = None
     ssl: ssl_module.SSLContext | None = None
+    # Also listen on this Unix socket (colocated clients; without TLS: who may
+    # connect is the file's permissions); None: TCP only.
+    unix_path: str | None = None
 
 
 # Where a closing connection's incoming bytes go (they are dropped).
@@ -378,6 +383,7 @@ class Server:
         self._budget_check: asyncio.TimerHandle | None = None
         self._budget_mark = 0
         self._server: asyncio.Server | None = None
+        self._unix_server: asyncio.Server | None = None
         self._on_idle: Callable[[], None] | None = None
         # Told (method, seconds, error or None) as each call is settled (see metrics.py).
         self.call_observer: Callable[[str, float, BaseException | None], None] | None = None
@@ -403,6 +409,14 @@ class Server:
             backlog=1024,
             ssl=self.config.ssl,
         )
+        if self.config.unix_path is not None:
+            try:
+                self._unix_server = await _listen_unix(
+                    lambda: ServerConnection(self), self.config.unix_path
+                )
+            except BaseException:
+                self._server.close()
+                raise
 
     def _register(self, conn: ServerConnection) -> bool:
         if len(self.connections) >= self.config.max_connections:
@@ -452,6 +466,8 @@ class Server:
             self._budget_check.cancel()
             self._budget_check = None
         self._server.close()
+        if self._unix_server is not None:
+            self._unix_server.close()
         for conn in list(self.connections):
             conn.close()
         if self.connections:
@@ -469,3 +485,46 @@ class Server:
                 for conn in list(self.connections):
                     conn.abort()
         await self._server.wait_closed()
+        if self._unix_server is not None:
+            await self._unix_server.wait_closed()
+            _remove_socket(self.config.unix_path)
+
+
+class ListenError(OSError):
+    """The Unix socket cannot be listened on (its message says where and why)."""
+
+
+async def _listen_unix(factory: Callable[[], ServerConnection], path: str) -> asyncio.Server:
+    """Listen on the Unix socket ``path``: a socket file left by a node that is gone
+    is replaced; one a live server listens on, or any other file, is an error."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(mode):
+            raise ListenError(f"cannot listen on unix:{path}: the file exists and is no socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # left by a node that is gone
+        else:
+            raise ListenError(f"cannot listen on unix:{path}: another server listens on it")
+        finally:
+            probe.close()
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.create_unix_server(factory, path, backlog=1024)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on unix:{path}: {exc}") from exc
+
+
+def _remove_socket(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
