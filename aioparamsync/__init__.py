@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# First: with AIOPARAMSYNC_NO_EXT=1 it makes the package's modules load from source.
+from ._ext import has_extension as has_extension
 from ._version import __version__ as __version__
 
 # The errors import nothing but the standard library's: loaded with the package.
@@ -75,6 +77,7 @@ __all__ = [
     "adagrad",
     "adam",
     "from_parameter",
+    "has_extension",
     "sgd",
     "sum_rule",
     "thrift",

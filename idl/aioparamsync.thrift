@@ -459,6 +459,9 @@ struct NodeInfo {
     12: optional i64 under_replicated,
     // This node's own state (see Member.state).
     13: optional string state,
+    // Which per-call path the node runs: "compiled" (its C extensions) or "pure"
+    // (Python only: built without a compiler, or AIOPARAMSYNC_NO_EXT=1).
+    14: optional string fast_path,
 }
 
 service ParameterSyncService {

@@ -23,7 +23,15 @@ import pytest
 import trustme
 from cluster_helpers import ProcessCluster, assert_, eventually, run_process
 
-from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, __version__, thrift
+from aioparamsync import (
+    ErrorCode,
+    Node,
+    ParameterClient,
+    RequestError,
+    __version__,
+    has_extension,
+    thrift,
+)
 from aioparamsync.cli.ctl import main
 from aioparamsync.store.table import Limits
 from aioparamsync.tls import server_context
@@ -126,9 +134,10 @@ async def test_stats_as_json(node: Node, client, capsys) -> None:
     info = json.loads(out)
     assert set(info) == {
         "node_id", "version", "parameter_count", "parameter_bytes", "timestamp",
-        "uptime_seconds", "counters", "peers",
+        "uptime_seconds", "counters", "peers", "fast_path",
     }  # fmt: skip
     assert (info["node_id"], info["version"]) == (node.node_id, __version__)
+    assert info["fast_path"] == ("compiled" if has_extension() else "pure")
     assert (info["parameter_count"], info["parameter_bytes"]) == (1, 80)
     assert info["timestamp"] == 1234
     assert info["uptime_seconds"] >= 0

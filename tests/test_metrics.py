@@ -31,6 +31,7 @@ from aioparamsync import (
     ParameterRequest,
     RequestError,
     __version__,
+    has_extension,
     sgd,
     sum_rule,
     to_parameter,
@@ -45,6 +46,9 @@ METRICS_LINE = re.compile(r"metrics on http://(?P<host>[^\s/]+):(?P<port>\d+)/me
 
 # (sample name, sorted label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+# Which per-call path the node runs, as its info metric says.
+FAST_PATH = "compiled" if has_extension() else "pure"
 
 
 def _get(url: str) -> tuple[str, str]:
@@ -163,7 +167,12 @@ async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalClu
         assert value(samples, "pending_updates") == 0
         assert value(samples, "updates_applied_total") == 2
         assert value(samples, "batches_total") >= 1
-        assert value(samples, "node_info", node_id=node.node_id, version=__version__) == 1
+        assert (
+            value(
+                samples, "node_info", node_id=node.node_id, version=__version__, fast_path=FAST_PATH
+            )
+            == 1
+        )
         assert any(name == "process_cpu_seconds_total" for name, _ in samples)
         assert not any(name.startswith("aioparamsync_peer") for name, _ in samples)
 
@@ -395,7 +404,10 @@ async def test_the_cli_serves_metrics(processes: ProcessCluster) -> None:
     assert value(samples, "requests_total", method="ping") == 1
     assert value(samples, "parameters") == 1
     assert value(samples, "parameter_bytes") == 32
-    assert value(samples, "node_info", node_id=node.node_id, version=__version__) == 1
+    assert (
+        value(samples, "node_info", node_id=node.node_id, version=__version__, fast_path=FAST_PATH)
+        == 1
+    )
     node.signal(signal.SIGTERM)
     async with asyncio.timeout(15):
         assert await node.proc.wait() == 0

@@ -228,6 +228,7 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
             {
                 "node_id": info.node_id,
                 "version": info.version,
+                "fast_path": info.fast_path,
                 "parameter_count": info.parameter_count,
                 "parameter_bytes": info.parameter_bytes,
                 "timestamp": info.timestamp,
@@ -243,6 +244,7 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
             [
                 ("node", info.node_id),
                 ("version", info.version),
+                ("fast path", info.fast_path or "-"),
                 ("parameters", f"{info.parameter_count} ({format_size(info.parameter_bytes)})"),
                 ("timestamp", format_timestamp(info.timestamp, info.parameter_count)),
                 ("uptime", format_duration(info.uptime_seconds)),

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._ext import has_extension
 from .._version import __version__
 from ..errors import ErrorCode, RequestError
 from ..placement import Placement, barrier_key, manifest_key
@@ -484,6 +485,7 @@ class ParameterService:
             peers=[thrift.PeerInfo(**s) for s in self.cluster.statistics()] if self.cluster else [],
             waiting=self.waiting.report(),
             topology=self._topology_now(),
+            fast_path="compiled" if has_extension() else "pure",
         )
         cluster = self.cluster
         if cluster is not None:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from thriftpy2.thrift import TType
 
+from .._ext import compiled
 from ..errors import LocalProtocolError, RemoteProtocolError
 from .binary_codegen import _BINARY_READERS, _BINARY_WRITERS, _binary_reader_of, _binary_writer_of
 from .plan import _wire_type
@@ -413,3 +414,17 @@ class BinaryWriter(Writer):
                 write_value(vtype, vsub, item)
         else:
             self._write_scalar(ttype, value)
+
+
+# The compiled struct codec (see _cbinary.pyx) in place of the code made per
+# class, unless the pure path is asked for or it was not built. The pure
+# methods stay here, for the tests that compare the two.
+PURE_READ_MESSAGE_BEGIN = BinaryReader.read_message_begin
+PURE_READ_STRUCT = BinaryReader.read_struct
+PURE_WRITE_STRUCT = BinaryWriter.write_struct
+_cbinary = compiled("wire._cbinary")
+COMPILED = _cbinary is not None
+if _cbinary is not None:
+    BinaryReader.read_message_begin = _cbinary.read_message_begin  # type: ignore[method-assign]
+    BinaryReader.read_struct = _cbinary.read_struct  # type: ignore[method-assign]
+    BinaryWriter.write_struct = _cbinary.write_struct  # type: ignore[method-assign]
