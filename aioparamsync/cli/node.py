@@ -43,6 +43,7 @@ from .options import (
     positive_seconds,
     seconds,
 )
+from .processes import supervise
 
 __all__ = ["main"]
 
@@ -162,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve clients on this Unix socket (colocated workers connect to "
         "unix:PATH, faster than TCP on one host; no TLS there: who may connect is the "
         "file's permissions); a socket file left by a node that is gone is replaced",
+    )
+    parser.add_argument(
+        "--processes",
+        type=process_count,
+        default=1,
+        metavar="N",
+        help="run N node processes on this host, one cluster, each holding its share of "
+        "the keys (so all cores work): ports PORT..PORT+N-1 (or free ones with --port 0), "
+        "data in DIR/shard-I; clients may connect to any (see aioparamsync.cli.processes) "
+        "(default: %(default)s)",
     )
     cluster = parser.add_argument_group("sharding and replication")
     cluster.add_argument(
@@ -430,6 +441,16 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def process_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{n} processes: from 1 to 1024")
+    return n
+
+
 def env_name(flag: str) -> str:
     """The environment variable of a flag: ``--data-dir`` -> ``AIOPARAMSYNC_DATA_DIR``."""
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
@@ -475,7 +496,8 @@ def from_environment(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args([*from_environment(parser, argv, os.environ), *argv])
+    argv = [*from_environment(parser, argv, os.environ), *argv]
+    args = parser.parse_args(argv)
     if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
         # (a node in memory that was meant to keep its data)
         parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
@@ -488,6 +510,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reach"
         )
     args.fsync = args.fsync or "batch"
+    if args.processes > 1:
+        if args.advertise is None and unspecified_host(args.host):
+            parser.error(
+                f"--processes with --host {args.host}: pass --advertise HOST:PORT (process I "
+                "is told HOST:PORT+I), an address the processes reach each other at"
+            )
+        if args.advertise is not None and args.port == 0:
+            parser.error("--processes with --advertise needs a --port (not 0)")
+        flags = [env_name(f) for a in parser._actions for f in a.option_strings]
+        return asyncio.run(supervise(args.processes, argv, args, os.environ, flags))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
