@@ -91,11 +91,22 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 HOST = "127.0.0.1"
-VARIANTS = ("ceiling", "thriftpy2", "grpc", "node")
+VARIANTS = (
+    "ceiling",
+    "ceiling-unix",
+    "thriftpy2",
+    "grpc",
+    "node",
+    "node-pure",
+    "node-unix",
+    "node-2proc",
+)
 #: the baselines every figure is divided by
 BASELINES = ("ceiling", "thriftpy2")
 #: the servers this script runs itself (``--serve``); the node is ``python -m aioparamsync``
-BASELINE_SERVERS = ("ceiling", "thriftpy2", "grpc")
+BASELINE_SERVERS = ("ceiling", "ceiling-unix", "thriftpy2", "grpc")
+#: the variants served (and called) over a Unix socket in a temporary directory
+UNIX_VARIANTS = ("ceiling-unix", "node-unix")
 
 # The same tuning for every process of a run (servers and driver).
 MALLOC_TUNED = {
@@ -199,7 +210,7 @@ class FrameReceiver:
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
     sock = transport.get_extra_info("socket")
-    if sock is not None:
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -252,20 +263,25 @@ class CeilingConnection(asyncio.BufferedProtocol):
         return False
 
 
-async def serve_ceiling(host: str, port: int) -> None:
+async def serve_ceiling(host: str, port: int, unix_socket: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     store: dict[bytes, memoryview] = {}
     server = await loop.create_server(
         lambda: CeilingConnection(store), host, port, reuse_address=True, backlog=1024
     )
+    servers = [server]
+    if unix_socket is not None:
+        servers.append(await loop.create_unix_server(lambda: CeilingConnection(store), unix_socket))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     h, p = server.sockets[0].getsockname()[:2]
-    print(f"bench-ceiling {os.getpid()} listening on {h}:{p}", flush=True)
+    unix = f" and unix:{unix_socket}" if unix_socket is not None else ""
+    print(f"bench-ceiling {os.getpid()} listening on {h}:{p}{unix}", flush=True)
     await stop.wait()
-    server.close()
-    await server.wait_closed()
+    for s in servers:
+        s.close()
+        await s.wait_closed()
 
 
 class CeilingClient(asyncio.BufferedProtocol):
@@ -448,7 +464,11 @@ class CeilingWorker:
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
-        _, self.conn = await loop.create_connection(CeilingClient, *self.address)
+        host, port = self.address
+        if host.startswith("unix:"):
+            _, self.conn = await loop.create_unix_connection(CeilingClient, host[len("unix:") :])
+        else:
+            _, self.conn = await loop.create_connection(CeilingClient, host, port)
 
     async def update(self) -> None:
         await self.conn.update(self.key, self.payload)  # type: ignore[union-attr]
@@ -604,9 +624,13 @@ class GrpcWorker:
 
 WORKERS = {
     "ceiling": CeilingWorker,
+    "ceiling-unix": CeilingWorker,
     "thriftpy2": ThriftpyWorker,
     "grpc": GrpcWorker,
     "node": NodeWorker,
+    "node-pure": NodeWorker,  # (the node without its extensions; the driver's client as always)
+    "node-unix": NodeWorker,
+    "node-2proc": NodeWorker,  # (two node processes, one cluster, R=1: see _server_cmd)
 }
 
 
@@ -617,23 +641,31 @@ WORKERS = {
 NODE_ARGS = ["--host", HOST, "--port", "0", "--log-level", "warning"]
 
 
-def _server_cmd(variant: str, profile: Path | None, node_args: Sequence[str] = ()) -> list[str]:
+def _server_cmd(
+    variant: str, profile: Path | None, node_args: Sequence[str] = (), unix: str | None = None
+) -> list[str]:
+    node = variant.startswith("node")
+    if node:
+        node_args = [*node_args, *(["--unix-socket", unix] if unix else [])]
+    if variant == "node-2proc":  # (each key on one of the two: the host's two cores)
+        node_args = [*node_args, "--processes", "2", "--replication-factor", "1"]
     if profile is not None:
         # In-process, under cProfile timed by CPU time (wall time would count
         # the waits and the preemptions of a loaded machine).
-        extra = list(node_args) if variant == "node" else []
+        extra = list(node_args) if node else []
         return [sys.executable, str(THIS), "--serve-profiled", str(profile), variant, *extra]
-    if variant == "node":
+    if node:
         return [sys.executable, "-m", "aioparamsync", *NODE_ARGS, *node_args]
-    return [sys.executable, str(THIS), "--serve", variant, "--host", HOST, "--port", "0"]
+    cmd = [sys.executable, str(THIS), "--serve", variant, "--host", HOST, "--port", "0"]
+    return cmd + (["--unix-socket", unix] if unix else [])
 
 
-def serve(variant: str, host: str, port: int) -> int:
+def serve(variant: str, host: str, port: int, unix_socket: str | None = None) -> int:
     """Run one of the baseline servers in this process until SIGTERM."""
     import uvloop
 
-    if variant == "ceiling":
-        uvloop.run(serve_ceiling(host, port))
+    if variant in ("ceiling", "ceiling-unix"):
+        uvloop.run(serve_ceiling(host, port, unix_socket))
     elif variant == "thriftpy2":
         serve_thriftpy2(host, port)
     elif variant == "grpc":
@@ -649,7 +681,7 @@ def serve_profiled(out: str, variant: str, *node_args: str) -> int:
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
-        if variant == "node":
+        if variant.startswith("node"):
             from aioparamsync.cli.node import main as node_main
 
             return node_main([*NODE_ARGS, *node_args])
@@ -712,8 +744,12 @@ class ServerProcess:
     ) -> None:
         self.variant = variant
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self.tmp = tempfile.TemporaryDirectory()  # (its Unix socket, if any)
+        unix = str(Path(self.tmp.name) / "server.sock") if variant in UNIX_VARIANTS else None
+        if variant == "node-pure":
+            env = {**env, "AIOPARAMSYNC_NO_EXT": "1"}
         self.proc = subprocess.Popen(
-            _server_cmd(variant, profile, node_args) if cmd is None else list(cmd),
+            _server_cmd(variant, profile, node_args, unix) if cmd is None else list(cmd),
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -747,27 +783,43 @@ class ServerProcess:
                     raise ServerFailed(f"{self.variant} server exited: {self.stderr_tail()}")
                 text += chunk
         line = text.split(b"\n", 1)[0].decode()
-        match = re.search(r"listening on (\S+):(\d+)$", line)
+        match = re.search(r"listening on (\S+):(\d+)(?: and (unix:\S+))?$", line)
         if not match:
             raise ServerFailed(f"{self.variant} server printed {line!r}")
+        if match.group(3):  # (its Unix socket: a client of this variant connects there)
+            return match.group(3), 0
         return match.group(1), int(match.group(2))
 
     def stderr_tail(self, n: int = 2000) -> str:
         self.stderr.seek(0)
         return self.stderr.read().decode(errors="replace")[-n:]
 
+    def _pids(self) -> list[int]:
+        """The server's process and its children (``--processes``: the node processes)."""
+        pid = self.proc.pid
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [pid, *(int(c) for c in f.read().split())]
+        except OSError:
+            return [pid]
+
     def status(self, key: str) -> int:
-        """A ``VmHWM``-like line of /proc/PID/status, in KiB."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        return 0
+        """A ``VmHWM``-like line of /proc/PID/status, in KiB (summed over its processes)."""
+        total = 0
+        for pid in self._pids():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        total += int(line.split()[1])
+        return total
 
     def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self._pids():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         proc = self.proc
@@ -783,6 +835,7 @@ class ServerProcess:
             if proc.stdout is not None:
                 proc.stdout.close()
             self.stderr.close()
+            self.tmp.cleanup()
 
 
 # ---------------------------------------------------------------------------
@@ -1137,7 +1190,16 @@ def print_table(rows: list[dict], ratios: list[dict], out: Any = sys.stdout) -> 
         _print_md(head2, lines2, out)
 
 
-PLOT_COLORS = {"ceiling": "0.55", "thriftpy2": "#d62728", "grpc": "#2ca02c", "node": "#1f77b4"}
+PLOT_COLORS = {
+    "ceiling": "0.55",
+    "ceiling-unix": "0.8",
+    "thriftpy2": "#d62728",
+    "grpc": "#2ca02c",
+    "node": "#1f77b4",
+    "node-pure": "#9467bd",
+    "node-unix": "#17becf",
+    "node-2proc": "#ff7f0e",
+}
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:
@@ -1385,6 +1447,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--serve-profiled", nargs="+", metavar="OUT VARIANT", help=argparse.SUPPRESS)
     p.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
+    p.add_argument("--unix-socket", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
@@ -1517,7 +1580,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
         return serve_profiled(*args.serve_profiled)
     if args.serve:
-        return serve(args.serve, args.host, args.port)
+        return serve(args.serve, args.host, args.port, args.unix_socket)
     bad_ops = [o for o in args.ops if o not in ("update", "get")]
     if bad_ops or not args.ops:
         print(f"unknown ops {bad_ops}; choose from update,get", file=sys.stderr)

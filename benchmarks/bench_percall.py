@@ -33,6 +33,11 @@ transport.
     python benchmarks/bench_percall.py                      # 4 KiB, 8 connections
     python benchmarks/bench_percall.py --bytes 1MiB --conns 1 --ops update --sides server
     python benchmarks/bench_percall.py --sides server,server-wire,client,client-wire
+    python benchmarks/bench_percall.py --paths pure     # the pure-Python path alone
+
+``--paths compiled,pure`` (the default) runs each side on the compiled fast path
+and on the pure-Python one (``AIOPARAMSYNC_NO_EXT=1``), one process each, one
+after the other.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import asyncio
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -52,7 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aioparamsync import ParameterClient, to_parameter
+from aioparamsync import ParameterClient, has_extension, to_parameter
 from aioparamsync.cli.options import byte_size
 from aioparamsync.client import connection as client_module
 from aioparamsync.node import Node
@@ -293,9 +299,11 @@ SIDES = ("server", "client", "server-wire", "client-wire")
 
 async def run(args: argparse.Namespace) -> None:
     array = np.random.default_rng(0).random(max(1, args.bytes // 4), dtype=np.float32)
+    path = "compiled" if has_extension() else "pure-Python"
     print(
         f"{args.bytes} bytes per parameter, {args.conns} connections, "
-        f"{args.rounds} rounds x {args.reps} reps; CPU microseconds per call (best, median)"
+        f"{args.rounds} rounds x {args.reps} reps, the {path} path; "
+        "CPU microseconds per call (best, median)"
     )
     for op in args.ops:
         for side in args.sides:
@@ -325,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"which of {','.join(SIDES)} (default: server,client)",
     )
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    p.add_argument(
+        "--paths",
+        type=lambda s: s.split(","),
+        default=["compiled", "pure"],
+        help="compiled, pure, or both (default: compiled,pure)",
+    )
     args = p.parse_args(argv)
     if args.conns < 1 or args.rounds < 1 or args.reps < 1:
         p.error("--conns, --rounds and --reps must be at least 1")
@@ -334,11 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides:
         if side not in SIDES:
             p.error(f"--sides: {side!r} is not one of {', '.join(SIDES)}")
-    if any(os.environ.get(k) != v for k, v in MALLOC_TUNED.items()):
-        again = sys.argv[1:] if argv is None else argv
-        os.execve(
-            sys.executable, [sys.executable, __file__, *again], {**os.environ, **MALLOC_TUNED}
-        )
+    for path in args.paths:
+        if path not in ("compiled", "pure"):
+            p.error(f"--paths: {path!r} is neither compiled nor pure")
+    again = list(sys.argv[1:] if argv is None else argv)
+    if len(args.paths) > 1:  # each path in a process of its own, one after the other
+        for path in args.paths:
+            subprocess.run([sys.executable, __file__, *again, "--paths", path], check=True)
+        return 0
+    env = {
+        **os.environ,
+        **MALLOC_TUNED,
+        "AIOPARAMSYNC_NO_EXT": "1" if args.paths == ["pure"] else "",
+    }
+    if any(os.environ.get(k, "") != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable, __file__, *again], env)
+    if args.paths == ["compiled"] and not has_extension():
+        p.error("the compiled path is not built (see hatch_build.py)")
     if args.loop == "uvloop":
         import uvloop
 

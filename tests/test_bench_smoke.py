@@ -12,7 +12,16 @@ import pytest
 from cluster_helpers import run_bounded
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
-VARIANTS = {"ceiling", "thriftpy2", "grpc", "node"}
+VARIANTS = {
+    "ceiling",
+    "ceiling-unix",
+    "thriftpy2",
+    "grpc",
+    "node",
+    "node-pure",
+    "node-unix",
+    "node-2proc",
+}
 SIZES = {4096, 128 * 1024}  # 128 KiB: above the 64 KiB large-frame threshold
 CONNS = {1, 2}
 RATIO_NAMES = (
@@ -42,7 +51,7 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
     ]  # fmt: skip
     if plotting:
         cmd += ["--plot", str(png)]
-    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    rc, stdout, stderr = run_bounded(cmd, timeout=240)
     assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
     assert "/ ceiling" in stdout and "/ thriftpy2" in stdout
     assert "malloc tuned" in stdout
@@ -107,30 +116,56 @@ def test_bench_node_passes_node_args_and_reports_a_node_that_will_not_start(
 PERCALL = BENCH.parent / "bench_percall.py"
 
 
+BUILT = importlib.util.find_spec("aioparamsync.wire._cbinary") is not None
+
+
 @pytest.mark.parametrize(
-    ("sides", "named"),
+    ("sides", "named", "paths"),
     [
-        ([], ["server", "client"]),  # the default
-        (["--sides", "server-wire,client-wire"], ["server-wire", "client-wire"]),
+        ([], ["server", "client"], ["pure"]),
+        (["--sides", "server-wire,client-wire"], ["server-wire", "client-wire"], ["pure"]),
+        pytest.param(
+            [],  # the default: both paths
+            ["server", "client"],
+            ["compiled", "pure-Python"],
+            marks=pytest.mark.skipif(not BUILT, reason="the compiled path is not built"),
+        ),
     ],
 )
-def test_bench_percall_smoke(sides: list[str], named: list[str]) -> None:
+def test_bench_percall_smoke(sides: list[str], named: list[str], paths: list[str]) -> None:
     cmd = [
         sys.executable, str(PERCALL), *sides,
         "--bytes", "128KiB", "--conns", "2", "--rounds", "3", "--reps", "2",
     ]  # fmt: skip
+    if paths == ["pure"]:
+        cmd += ["--paths", "pure"]
+        paths = ["pure-Python"]
     rc, stdout, stderr = run_bounded(cmd, timeout=100)
     assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
-    lines = [line.split() for line in stdout.splitlines()[1:]]
-    expected = [[op, side] for op in ("update", "get") for side in named]
-    assert [line[:2] for line in lines] == expected
-    for line in lines:
-        best, median = float(line[2]), float(line[3])
-        assert 0 < best <= median
+    blocks: list[list[str]] = []  # each path's: its header line, then its figures
+    for line in stdout.splitlines():
+        if "bytes per parameter" in line:
+            blocks.append([])
+        blocks[-1].append(line)
+    assert len(blocks) == len(paths), stdout
+    for block, path in zip(blocks, paths, strict=True):
+        assert f"the {path} path" in block[0], stdout
+        lines = [line.split() for line in block[1:]]
+        expected = [[op, side] for op in ("update", "get") for side in named]
+        assert [line[:2] for line in lines] == expected
+        for line in lines:
+            best, median = float(line[2]), float(line[3])
+            assert 0 < best <= median
 
 
 def test_bench_percall_refuses_bad_arguments() -> None:
-    for bad in (["--conns", "0"], ["--ops", "put"], ["--sides", "both"], ["--bytes", "lots"]):
+    for bad in (
+        ["--conns", "0"],
+        ["--ops", "put"],
+        ["--sides", "both"],
+        ["--bytes", "lots"],
+        ["--paths", "fast"],
+    ):
         rc, _, stderr = run_bounded([sys.executable, str(PERCALL), *bad], timeout=60)
         assert rc == 2, (bad, stderr)
         assert "error:" in stderr
