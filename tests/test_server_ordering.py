@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -127,10 +126,8 @@ async def test_a_long_poll_behind_a_write_ends_at_the_callers_eof(node: Node) ->
     await wait_until(lambda: not node.server.connections and polls_waiting(node) == 0)
 
 
-async def test_a_long_poll_behind_a_write_is_answered_at_shutdown(tmp_path: Path) -> None:
-    # (with a data directory: a write is applied by the store's writer, a pass of
-    # the event loop later; in memory it would be applied as it is read)
-    node = Node("127.0.0.1", 0, data_dir=tmp_path)
+async def test_a_long_poll_behind_a_write_is_answered_at_shutdown() -> None:
+    node = Node("127.0.0.1", 0)
     await node.start()
     stopping: asyncio.Task | None = None
     try:

@@ -227,10 +227,7 @@ class CallDispatch(CallOrder):
             self._settle(call, None, exc)
             return None
         if isinstance(outcome, asyncio.Future):
-            if outcome.done():  # (a write the store applied at once: answered now)
-                call(outcome)
-            else:
-                self._await(call, outcome, write)
+            self._await(call, outcome, write)
         else:
             self._settle(call, outcome, None)
         return outcome

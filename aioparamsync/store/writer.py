@@ -110,9 +110,6 @@ class ParameterStore:
         # the next submit (or close) resolves it.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Future[None] | None = None
-        # An update is being applied in submit() (see there): one submitted by
-        # a subscriber meanwhile goes to the writer.
-        self._inline = False
         self._room: asyncio.Event | None = None
         self._closed = False
         self._subscribers: list[Callable[[Sequence[Entry], bool], None]] = []
@@ -204,21 +201,9 @@ class ParameterStore:
         future = Answer(loop=loop)
         future.eager = None
         mode = _MERGE if replicated else _FOLD if gradients else _APPLY
-        queue = self._queue
-        queue.append((params, timestamp, mode, future, then))
+        self._queue.append((params, timestamp, mode, future, then))
         wakeup = self._wakeup  # (self._wake(), inlined)
         if wakeup is not None and not wakeup.done():
-            if len(queue) == 1 and self.data_dir is None and not self._inline:
-                # The writer waits for work and nothing is ahead of this update,
-                # which has no log to be written to: it is applied now, in the
-                # caller's step, as the writer would apply it, and answered (a
-                # wake-up of the writer, a pass of the event loop, fewer per update).
-                self._inline = True
-                try:
-                    self._finish_batch(*self._apply_batch())
-                finally:
-                    self._inline = False
-                return future
             wakeup.set_result(None)
         return future
 
