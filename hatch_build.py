@@ -29,9 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# Compiled from their Python source, as they are (Cython's "pure Python" mode).
-# Only modules of the per-call path whose coroutines are internal: a compiled
-# coroutine function is not one to inspect.iscoroutinefunction.
+# Compiled from their Python source, as they are (Cython's "pure Python" mode): the
+# modules of the per-call path. (A compiled coroutine function is one to
+# inspect.iscoroutinefunction, and its signature and docstring are kept.)
 COMPILED_MODULES = [
     "aioparamsync/wire/binary.py",
     "aioparamsync/wire/codec.py",
@@ -44,7 +44,11 @@ COMPILED_MODULES = [
     "aioparamsync/server/dispatch.py",
     "aioparamsync/server/ordering.py",
     "aioparamsync/server/transport.py",
+    "aioparamsync/server/handlers.py",
     "aioparamsync/client/connection.py",
+    "aioparamsync/client/pool.py",
+    "aioparamsync/client/updates.py",
+    "aioparamsync/client/api.py",
 ]
 # Written for Cython.
 CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx"]
