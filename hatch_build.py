@@ -44,7 +44,6 @@ COMPILED_MODULES = [
     "aioparamsync/server/dispatch.py",
     "aioparamsync/server/ordering.py",
     "aioparamsync/server/transport.py",
-    "aioparamsync/server/handlers.py",
     "aioparamsync/client/connection.py",
     "aioparamsync/client/pool.py",
     "aioparamsync/client/updates.py",
