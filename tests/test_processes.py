@@ -184,20 +184,10 @@ async def test_a_process_that_cannot_start_stops_the_launcher_with_why(tmp_path:
     ],
 )
 async def test_flags_that_cannot_work_are_refused(flags: list[str], message: str) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "aioparamsync",
-        "--port",
-        "0",
-        *flags,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(START_TIMEOUT):
-        out, err = await proc.communicate()
-    assert proc.returncode == 2, (out, err)
+    async with launched(*flags) as launcher, asyncio.timeout(START_TIMEOUT):
+        rc = await launcher.proc.wait()
+        err = await launcher.proc.stderr.read()  # type: ignore[union-attr]
+    assert rc == 2, (launcher.lines, err)
     assert message in err.decode()
 
 

@@ -163,6 +163,17 @@ cdef class _Fields:
 
 
 cdef dict _FIELDS = {}
+# The kind of a field of each scalar type.
+cdef dict _SCALAR_KINDS = {
+    T_BINARY: K_BINARY,
+    T_STRING: K_STRING,
+    T_I32: K_I32,
+    T_I64: K_I64,
+    T_BOOL: K_BOOL,
+    T_BYTE: K_BYTE,
+    T_I16: K_I16,
+    T_DOUBLE: K_DOUBLE,
+}
 
 
 cdef _Fields _fields_of(object cls):
@@ -215,25 +226,9 @@ cdef _Fields _fields_of(object cls):
         f.wire[i] = int(wire) if -128 <= wire < 128 else 2**16
         f.is_required[i] = bool(required)
         f.ewire[i] = f.vwire[i] = -1
-        kind = K_OTHER
+        kind = _SCALAR_KINDS.get(ttype, K_OTHER)
         klass = None
-        if ttype == T_BINARY:
-            kind = K_BINARY
-        elif ttype == T_STRING:
-            kind = K_STRING
-        elif ttype == T_I32:
-            kind = K_I32
-        elif ttype == T_I64:
-            kind = K_I64
-        elif ttype == T_BOOL:
-            kind = K_BOOL
-        elif ttype == T_BYTE:
-            kind = K_BYTE
-        elif ttype == T_I16:
-            kind = K_I16
-        elif ttype == T_DOUBLE:
-            kind = K_DOUBLE
-        elif ttype == T_STRUCT:
+        if ttype == T_STRUCT:
             kind, klass = K_STRUCT, sub
         elif ttype == T_LIST and -128 <= int(sub[2]) < 128:
             f.ewire[i] = int(sub[2])
