@@ -390,7 +390,7 @@ def test_the_image_runs_the_node_as_a_numeric_user():
     # the wheel it installs is built with the compiled fast path, or the build fails
     builds = [rest for word, rest in instructions if word == "RUN" and "pip wheel" in rest]
     assert any("AIOPARAMSYNC_REQUIRE_EXT=1" in rest for rest in builds), builds
-    assert [rest for word, rest in instructions if word == "FROM"][0].endswith("AS build")
+    assert next(rest for word, rest in instructions if word == "FROM").endswith("AS build")
     args = node_args()
     assert {str(args.port), str(args.metrics_port)} <= set(words["EXPOSE"].split())
 
