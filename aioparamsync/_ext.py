@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["NO_EXT", "compiled", "compiled_modules", "has_extension"]
+__all__ = ["NO_EXT", "compiled", "compiled_modules", "fast_path", "has_extension"]
 
 NO_EXT = os.environ.get("AIOPARAMSYNC_NO_EXT", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -78,3 +78,8 @@ def has_extension() -> bool:
     from .wire import binary
 
     return binary.COMPILED
+
+
+def fast_path() -> str:
+    """Which path runs, as the node tells it (its info, its metric): compiled or pure."""
+    return "compiled" if has_extension() else "pure"

@@ -74,7 +74,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._ext import has_extension
+from ._ext import fast_path
 from ._version import __version__
 from .cluster.links import LinkState
 from .errors import ErrorCode, RequestError
@@ -227,9 +227,8 @@ class _NodeCollector:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
         info = InfoMetricFamily(PREFIX + "node", "This node.")
-        fast_path = "compiled" if has_extension() else "pure"
         info.add_metric(
-            [], {"node_id": node.node_id, "version": __version__, "fast_path": fast_path}
+            [], {"node_id": node.node_id, "version": __version__, "fast_path": fast_path()}
         )
         yield info
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._ext import has_extension
+from .._ext import fast_path
 from .._version import __version__
 from ..errors import ErrorCode, RequestError
 from ..placement import Placement, barrier_key, manifest_key
@@ -485,7 +485,7 @@ class ParameterService:
             peers=[thrift.PeerInfo(**s) for s in self.cluster.statistics()] if self.cluster else [],
             waiting=self.waiting.report(),
             topology=self._topology_now(),
-            fast_path="compiled" if has_extension() else "pure",
+            fast_path=fast_path(),
         )
         cluster = self.cluster
         if cluster is not None:
