@@ -488,9 +488,9 @@ def test_help_shows_sizes_in_units_the_size_flags_read() -> None:
         # What the help shows, given back to the flag, is the default.
         assert action.type is not None and action.type(default) == action.default, flag
         assert f"(default: {default})" in shown, flag
-    for raw in (str(MIB * 256), str(MIB * 64), str(16 * 1024 * MIB)):
+    for raw in (str(MIB * 256), str(MIB * 128), str(16 * 1024 * MIB)):
         assert raw not in result.stdout
-    assert "256MiB" in shown and "64MiB" in shown and "16GiB" in shown
+    assert "256MiB" in shown and "128MiB" in shown and "16GiB" in shown
 
 
 @pytest.mark.parametrize(
