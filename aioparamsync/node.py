@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .client.api import Address, parse_address, parse_addresses
+from .cluster.coordinator import DEFAULT_PREFIX, EtcdCoordinator, Record, parse_coordinator
 from .cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
 from .cluster.discovery import DnsDiscovery, Resolver
 from .cluster.links import DEFAULT_REPAIR_INTERVAL, member_name
@@ -118,6 +119,15 @@ class Node:
         unix_socket: also serve clients on this Unix socket path (colocated
             workers connect to ``unix:PATH``; no TLS there: who may connect is
             the file's permissions). Peers still link over TCP.
+        coordinator: ``etcd://HOST:PORT[,HOST:PORT...]``: the members, their
+            states and the epoch live in etcd, and the node takes writes only
+            while it holds its lease there (its TTL: ``failure_timeout``); see
+            :mod:`aioparamsync.cluster.coordinator`. Needs the ``[etcd]`` extra.
+            None: the members decide among themselves (``peers``, DNS).
+        coordinator_prefix: where in etcd this cluster's keys are (several
+            clusters share one etcd under different prefixes).
+        coordinator_tls: (ca, cert, key) files to reach etcd over TLS (cert and
+            key may be None); None: plain.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -156,6 +166,9 @@ class Node:
         peers_dns_interval: float = DNS_INTERVAL,
         resolve: Resolver | None = None,
         unix_socket: str | os.PathLike[str] | None = None,
+        coordinator: str | None = None,
+        coordinator_prefix: str = DEFAULT_PREFIX,
+        coordinator_tls: tuple[str, str | None, str | None] | None = None,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -196,6 +209,17 @@ class Node:
             if self.data_dir is not None
             else None
         )
+        #: this node's membership in etcd (None: peer to peer)
+        self.coordinator = (
+            EtcdCoordinator(
+                parse_coordinator(coordinator),
+                prefix=coordinator_prefix,
+                ttl=failure_timeout,
+                tls=coordinator_tls,
+            )
+            if coordinator is not None
+            else None
+        )
         # Who this node is, to its peers: known once it listens (port 0).
         self.cluster = Cluster(
             self.store,
@@ -208,6 +232,7 @@ class Node:
             replication_factor=replication_factor,
             failure_timeout=failure_timeout,
             acks=acks,
+            coordinator=self.coordinator,
         )
         self.drain_timeout = drain_timeout
         #: the members found by DNS (``peers_dns``), or None
@@ -329,6 +354,21 @@ class Node:
         # writes win ties.
         self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
+        if self.coordinator is not None:
+            try:
+                record = Record(self.node_id, adv_host, adv_port, JOINING)
+                await self.coordinator.start(record, self.cluster.replication_factor)
+            except BaseException:
+                await self.coordinator.stop(leave=False)
+                await self.server.close(0)
+                self.store.close()
+                await self._writer
+                if self.data_dir is not None:
+                    self._close_files()
+                if self.metrics is not None:
+                    await self.metrics.close()
+                    self.metrics = None
+                raise
         seeds = list(self.seeds)
         if self.discovery is not None:
             seeds += [a for a in await self.discovery.seeds() if a not in seeds]
@@ -496,6 +536,9 @@ class Node:
             await self.service.rows.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
+            if self.coordinator is not None:
+                # (a node that left is gone at once; one to come back, past its TTL)
+                await self.coordinator.stop(leave=self.cluster.state == LEFT)
             self.store.close()
             if self._writer is not None:
                 await self._writer  # applies what was queued; writes the last snapshot

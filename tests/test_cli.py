@@ -456,6 +456,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         "--request-timeout", "--max-connections", "--max-names-per-request",
         "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
         "--metrics-port", "--peers-dns", "--peers-dns-interval", "--unix-socket", "--processes",
+        "--coordinator", "--coordinator-prefix",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}
     assert declared == flags, "a flag was added or removed: update this test"

@@ -474,12 +474,14 @@ async def test_a_drained_node_hands_its_keys_off_and_exits_by_itself(
 def _process_holds(pid: int, local_port: int, remote_port: int) -> bool:
     """Whether process ``pid`` holds the TCP socket from ``local_port`` to ``remote_port``
     (both on this host): Linux's /proc/net/tcp gives the socket's inode, /proc/PID/fd its owner.
+    (/proc/net/tcp6 too: a dual-stack socket, as gRPC makes, reaches 127.0.0.1 from there.)
     """
     inodes = set()
-    try:
-        with open("/proc/net/tcp") as table:
-            rows = table.readlines()[1:]
-    except OSError:
+    rows = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(path) as table:
+            rows += table.readlines()[1:]
+    if not rows:
         return False
     for row in rows:
         fields = row.split()

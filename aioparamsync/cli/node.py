@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from .._version import __version__
 from ..client.environment import ENV_PREFIX, switch
+from ..cluster.coordinator import DEFAULT_PREFIX, CoordinatorError, parse_coordinator
 from ..cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
 from ..cluster.links import DEFAULT_REPAIR_INTERVAL
 from ..cluster.membership import ACKS, DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING
@@ -329,6 +330,25 @@ def build_parser() -> argparse.ArgumentParser:
         "port (logged); needs prometheus-client: pip install '.[metrics]' in the checkout "
         "(default: no metrics)",
     )
+    coordinated = parser.add_argument_group("membership in etcd (see the README's Coordinator)")
+    coordinated.add_argument(
+        "--coordinator",
+        type=coordinator_spec,
+        metavar="etcd://HOST:PORT[,...]",
+        help="keep the members, their states and the epoch in etcd, and take writes only "
+        "while this node holds its lease there (TTL: --failure-timeout): one view of who is "
+        "primary, even under partitions. With --tls-cert, etcd is reached over TLS with the "
+        "node's certificate and --tls-ca. Needs aetcd: pip install '.[etcd]' in the checkout. "
+        "(default: the members decide among themselves)",
+    )
+    coordinated.add_argument(
+        "--coordinator-prefix",
+        type=coordinator_prefix,
+        default=DEFAULT_PREFIX,
+        metavar="PATH",
+        help="where in etcd this cluster's keys are: clusters with different prefixes share "
+        "one etcd (default: %(default)s)",
+    )
     tls = parser.add_argument_group("TLS (for client and peer links)")
     tls.add_argument("--tls-cert", metavar="PEM", help="the node's certificate chain: serve TLS")
     tls.add_argument("--tls-key", metavar="PEM", help="its private key (if not in --tls-cert)")
@@ -346,6 +366,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
+
+
+def coordinator_spec(text: str) -> str:
+    """``--coordinator``: checked here, parsed by the node."""
+    try:
+        parse_coordinator(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def coordinator_prefix(text: str) -> str:
+    if not text.startswith("/") or text.endswith("/") or "//" in text:
+        raise argparse.ArgumentTypeError(
+            f"a prefix is a path like /aioparamsync/NAME (no trailing /), not {text!r}"
+        )
+    return text
 
 
 def tls_contexts(
@@ -367,44 +404,55 @@ async def serve(args: argparse.Namespace) -> int:
     except TLS_ERRORS as exc:
         print(f"aioparamsync-node: TLS: {exc}", file=sys.stderr)
         return 1
-    node = Node(
-        args.host,
-        args.port,
-        node_id=args.node_id,
-        peers=args.peers,
-        advertise=args.advertise,
-        repair_interval=args.repair_interval,
-        unreachable_warning=args.unreachable_warning,
-        data_dir=args.data_dir,
-        fsync=args.fsync,
-        ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
-        max_frame_bytes=args.max_frame_bytes,
-        max_upload_bytes=args.max_upload_bytes,
-        max_receiving_bytes=args.max_receiving_bytes,
-        idle_timeout=args.idle_timeout,
-        request_timeout=args.request_timeout,
-        max_connections=args.max_connections,
-        limits=Limits(
-            max_name_bytes=args.max_name_bytes,
-            max_params_per_update=args.max_params_per_update,
-            max_names_per_request=args.max_names_per_request,
-        ),
-        ssl=server_ssl,
-        peer_ssl=peer_ssl,
-        metrics_port=args.metrics_port,
-        replication_factor=args.replication_factor,
-        failure_timeout=args.failure_timeout,
-        acks=args.acks,
-        drain_timeout=args.drain_timeout,
-        unix_socket=args.unix_socket,
-        partition_bytes=args.partition_bytes,
-        peers_dns=args.peers_dns,
-        peers_dns_interval=args.peers_dns_interval,
-    )
+    coordinator_tls = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls_cert else None
+    try:
+        node = Node(
+            args.host,
+            args.port,
+            node_id=args.node_id,
+            peers=args.peers,
+            advertise=args.advertise,
+            repair_interval=args.repair_interval,
+            unreachable_warning=args.unreachable_warning,
+            data_dir=args.data_dir,
+            fsync=args.fsync,
+            ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
+            max_frame_bytes=args.max_frame_bytes,
+            max_upload_bytes=args.max_upload_bytes,
+            max_receiving_bytes=args.max_receiving_bytes,
+            idle_timeout=args.idle_timeout,
+            request_timeout=args.request_timeout,
+            max_connections=args.max_connections,
+            limits=Limits(
+                max_name_bytes=args.max_name_bytes,
+                max_params_per_update=args.max_params_per_update,
+                max_names_per_request=args.max_names_per_request,
+            ),
+            ssl=server_ssl,
+            peer_ssl=peer_ssl,
+            metrics_port=args.metrics_port,
+            replication_factor=args.replication_factor,
+            failure_timeout=args.failure_timeout,
+            acks=args.acks,
+            drain_timeout=args.drain_timeout,
+            unix_socket=args.unix_socket,
+            partition_bytes=args.partition_bytes,
+            peers_dns=args.peers_dns,
+            peers_dns_interval=args.peers_dns_interval,
+            coordinator=args.coordinator,
+            coordinator_prefix=args.coordinator_prefix,
+            coordinator_tls=coordinator_tls,
+        )
+    except CoordinatorError as exc:
+        print(f"aioparamsync-node: --coordinator: {exc}", file=sys.stderr)
+        return 1
     try:
         await node.start()
     except (PersistenceError, MetricsBindError) as exc:
         print(f"aioparamsync-node: {exc}", file=sys.stderr)
+        return 1
+    except CoordinatorError as exc:
+        print(f"aioparamsync-node: --coordinator: {exc}", file=sys.stderr)
         return 1
     except ImportError as exc:
         if exc.name != "prometheus_client":

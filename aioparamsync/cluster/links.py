@@ -471,6 +471,8 @@ class PeerLink:
         placement = cluster.pending or cluster.placement
         if cluster.state == LEAVING:
             return  # it holds nothing any more: it hands off
+        if not cluster.trusted(self.node_id):
+            return  # (a member whose lease expired: what it holds may lose acknowledged writes)
         request = thrift.DigestRequest(
             for_node=cluster.me.node_id,
             members=list(placement.members),
@@ -525,6 +527,7 @@ class PeerLink:
             if loop.time() >= next_repair or self._repair_due:
                 self._repair_due = False
                 await self._repair(client)
+                self.pulled = True
                 next_repair = loop.time() + interval
             if self.outbox:
                 await self._send_outbox(client)

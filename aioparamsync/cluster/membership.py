@@ -47,7 +47,7 @@ from ..placement import (
     UP,
     Placement,
 )
-from ..store.table import Entry, Limits
+from ..store.table import Entry, Limits, lww_key
 from ..values import pieces
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 from .links import (
@@ -62,6 +62,7 @@ from .rebalance import Rebalancer
 
 if TYPE_CHECKING:
     from ..store.writer import ParameterStore
+    from .coordinator import EtcdCoordinator
 
 __all__ = ["Cluster"]
 
@@ -126,6 +127,20 @@ class Cluster:
         replication_factor: how many members hold each key (None: every one).
         failure_timeout: seconds a member may be down before it leaves placement.
         acks: "1" or "all": when a write is answered, unless it says.
+        coordinator: an :class:`~.coordinator.EtcdCoordinator` (None: the
+            members decide among themselves, as above).
+
+    With a coordinator, the members and their states are etcd's (see
+    :mod:`.coordinator`): a member is live while its lease is, whatever this
+    node's link to it does, and the epoch is etcd's revision of the members.
+    Peers' announces no longer change the view (links still carry the
+    replication, repairs and calls passed on). A write with ``acks=all`` is
+    refused before it is applied when a live replica cannot be reached from
+    here; a write that was applied but not confirmed is remembered
+    (:attr:`unconfirmed`), and dropped if this node loses its lease, before
+    it registers anew: so it cannot win, by last-writer-wins, over a write
+    the others acknowledged meanwhile. Replication from, and repairs with, a
+    member not live in etcd are ignored for the same reason.
     """
 
     def __init__(
@@ -141,6 +156,7 @@ class Cluster:
         replication_factor: int | None = DEFAULT_REPLICATION_FACTOR,
         failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
         acks: str = "1",
+        coordinator: EtcdCoordinator | None = None,
     ) -> None:
         if replication_factor is not None and replication_factor < 1:
             raise ValueError(f"replication_factor must be at least 1, not {replication_factor}")
@@ -198,6 +214,15 @@ class Cluster:
         self._alone_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         store.subscribe(self._applied)
+        self.coordinator = coordinator
+        #: writes applied here whose replicas did not confirm them (name -> lww key)
+        self.unconfirmed: dict[str, tuple[int, str]] = {}
+        self._published: asyncio.Future[None] | None = None  # the last state written to etcd
+        if coordinator is not None:
+            coordinator.on_change = self._coordinated
+            coordinator.on_lost = self._lease_lost
+            coordinator.before_register = self._forget_unconfirmed
+            coordinator.on_registered = self._registered_anew
 
     def __repr__(self) -> str:
         up = sum(1 for link in self.links.values() if link.state == LinkState.UP)
@@ -207,7 +232,15 @@ class Cluster:
         self._started = True
         for host, port in seeds:
             self.add(host, port)
-        if self.links:
+        coordinator = self.coordinator
+        if coordinator is not None:
+            self._coordinated()
+            if any(m != self.me.node_id for m in coordinator.members):
+                self.state = JOINING  # (it registered joining)
+            else:
+                self.state = JOINING  # (as it registered)
+                self.set_state(UP)  # the first member: nothing to pull
+        elif self.links:
             self.state = JOINING  # until it holds what it will (see join)
         for link in self.links.values():
             if link.task is None:
@@ -399,6 +432,8 @@ class Cluster:
 
     def learn(self, members: Sequence[Any], peer: PeerLink | None = None) -> None:
         """Members a peer answered (``peer``: the link it answered on; it is the first)."""
+        if self.coordinator is not None:
+            return  # (the members are etcd's)
         for i, member in enumerate(members):
             if i == 0 and peer is not None:
                 self._said(peer, member)
@@ -417,6 +452,8 @@ class Cluster:
         older (an answer to an announce can arrive after the member's next
         announce, on another connection), and changes nothing.
         """
+        if self.coordinator is not None:
+            return  # (the members are etcd's)
         if member.epoch is not None:
             if link.said_epoch is not None and member.epoch < link.said_epoch:
                 return
@@ -491,6 +528,9 @@ class Cluster:
 
     def seen_state(self, link: PeerLink) -> str:
         """A member's state as this node sees it (see the class's docstring)."""
+        if self.coordinator is not None:
+            record = self.coordinator.members.get(link.node_id)
+            return record.state if record is not None else FAILED
         said = link.member_state or UP
         if said not in (UP, LEAVING):
             return said
@@ -505,7 +545,13 @@ class Cluster:
         me = self.me.node_id
         if not me:
             return  # (not started: who this node is is not known yet)
+        coordinator = self.coordinator
+        if coordinator is not None and not coordinator.revision:
+            return  # (etcd not read yet)
         states = {me: self.state}
+        if coordinator is not None:  # (this node too, as etcd has it: one view for all)
+            record = coordinator.members.get(me)
+            states[me] = record.state if record is not None else FAILED
         by_id = {}
         for link in self.links.values():
             if link.node_id and link.node_id != me:
@@ -522,7 +568,7 @@ class Cluster:
             self.placement = placement
         # Members joining or leaving: the placement once they have (see rebalance).
         said = {m: link.member_state for m, link in by_id.items()}
-        said[me] = self.state
+        said[me] = states[me] if coordinator is not None else self.state
         joining = [m for m, s in states.items() if s == JOINING]
         leaving = {m for m in placed if said.get(m) == LEAVING}
         if joining or leaving:
@@ -531,7 +577,10 @@ class Cluster:
         else:
             self.pending = None
         self.live = frozenset(m for m, s in states.items() if s in LIVE)
-        self.epoch += 1
+        if coordinator is not None:
+            self.epoch = max(self.epoch, coordinator.revision)  # (etcd's)
+        else:
+            self.epoch += 1
         log.info(
             "epoch %d: %s (R=%s)",
             self.epoch,
@@ -555,9 +604,125 @@ class Cluster:
             return
         log.info("node %s is %s", self.me.node_id, state)
         self.state = state
+        if self.coordinator is not None:
+            self._published = asyncio.ensure_future(self._publish(state, self._published))
         self.refresh()
         for link in self.links.values():
             link.announce_soon()
+
+    # -- with a coordinator -------------------------------------------------------
+
+    async def _publish(self, state: str, before: asyncio.Future[None] | None) -> None:
+        """Write this node's state to etcd, after the one before it."""
+        if before is not None:
+            await asyncio.wait({before})
+        assert self.coordinator is not None
+        if not await self.coordinator.set_state(state):
+            log.warning("could not write this node's state (%s) to the coordinator", state)
+
+    async def published(self) -> None:
+        """Wait until this node's last state change is written to the coordinator (if any)."""
+        if self._published is not None:
+            await asyncio.wait({self._published})
+
+    def _coordinated(self) -> None:
+        """The members in etcd changed: a link to each, their states; the view."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        me = self.me.node_id
+        for node_id, record in coordinator.members.items():
+            if node_id == me or not me:
+                continue
+            link = self.add(record.host, record.port, node_id, itself=True)
+            if link is not None:
+                link.member_state = record.state
+        self.refresh()
+
+    def fenced(self) -> str | None:
+        """Why this node may take no writes now (None: it may; see :mod:`.coordinator`)."""
+        return self.coordinator.fenced() if self.coordinator is not None else None
+
+    def trusted(self, node_id: str | None) -> bool:
+        """Whether what ``node_id`` sends is taken (with a coordinator: while it is a
+        member there, not joining after a lost lease; without: always)."""
+        coordinator = self.coordinator
+        if coordinator is None or node_id is None:
+            return True
+        return node_id in coordinator.members
+
+    def check_writable(self, names: Iterable[str], acks: str) -> None:
+        """Refuse (UNAVAILABLE) a write this node may not take now, before it is applied.
+
+        With a coordinator: while its lease is not renewed (it is fenced);
+        with ``acks=all``, while a live replica of ``names`` cannot be reached
+        from here (the write could not be confirmed).
+        """
+        if self.coordinator is None:
+            return
+        why = self.coordinator.fenced()
+        if why is not None:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"node {self.me.node_id} takes no writes: {why}; nothing was applied "
+                "(reads go on; another node takes its keys if its lease expires)",
+                epoch=self.epoch,
+            )
+        if acks == "all":
+            cut = self._unreachable([n for n in names if self.holds_here(n)])
+            if cut:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"replicas {', '.join(sorted(cut))} are members but cannot be reached from "
+                    f"{self.me.node_id}: nothing was applied (acks=all); try again",
+                    epoch=self.epoch,
+                )
+
+    def _unreachable(self, names: Iterable[str]) -> set[str]:
+        """The live replicas of ``names`` (other than this node) whose links are not up."""
+        placement, me, live = self.placement, self.me.node_id, self.live
+        members: set[str] = set()
+        if placement.everywhere:
+            members.update(placement.members)
+        else:
+            for name in names:
+                members.update(placement.replicas(name))
+        return {
+            m
+            for m in members & live
+            if m != me and ((link := self.by_id.get(m)) is None or link.state != LinkState.UP)
+        }
+
+    def _lease_lost(self) -> None:
+        """This node's lease expired: it is no member now; it joins anew."""
+        log.warning("node %s lost its lease: it joins again", self.me.node_id)
+        self.state = JOINING
+        for link in self.links.values():  # (what it did not get confirmed is not sent)
+            for name in self.unconfirmed:
+                link.outbox.pop(name, None)
+        self.refresh()
+
+    async def _forget_unconfirmed(self) -> None:
+        """Before registering anew: drop the writes applied here that no replica confirmed."""
+        held, self.unconfirmed = self.unconfirmed, {}
+        for link in self.links.values():
+            for name in held:
+                link.outbox.pop(name, None)
+        if held:
+            dropped = await self.store.drop(held)
+            log.warning(
+                "dropped %d writes applied here that its replicas did not confirm (the "
+                "others' copies are pulled instead)",
+                dropped,
+            )
+
+    def _registered_anew(self) -> None:
+        """Registered again (joining): pull what it holds, then serve it."""
+        for link in self.links.values():
+            link.pulled = False
+            link.repair_soon()
+        task = asyncio.ensure_future(self.join())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def leave(self, timeout: float) -> int:
         """A planned leave: say so, hand every key off (up to ``timeout`` s), say it left.
@@ -571,9 +736,11 @@ class Cluster:
             self.set_state(LEFT)  # (no one to hand anything to)
             return 0
         self.set_state(LEAVING)
+        await self.published()
         await self._tell_all()  # (they must know before what it hands them)
         handed = await self.rebalancer.drain(timeout)
         self.set_state(LEFT)
+        await self.published()
         await self._tell_all()
         return handed
 
@@ -625,11 +792,16 @@ class Cluster:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.state == JOINING:
-            # (a link in backoff cannot be reached: not waited for)
+            # (a link in backoff cannot be reached: not waited for; with a
+            # coordinator, the link of a member live there is: it will answer)
             waiting = [
                 link
                 for link in self.links.values()
-                if link.state in (LinkState.UP, LinkState.CONNECTING) and not link.pulled
+                if not link.pulled
+                and (
+                    link.state in (LinkState.UP, LinkState.CONNECTING)
+                    or (self.coordinator is not None and self.seen_state(link) in LIVE)
+                )
             ]
             if not waiting:
                 break
@@ -655,6 +827,7 @@ class Cluster:
         settling = self.settling = asyncio.get_running_loop().create_future()
         try:
             self.set_state(UP)
+            await self.published()
             if any(link.state == LinkState.UP for link in self.links.values()):
                 await self._tell_all()
                 await self._pull_all()
@@ -721,6 +894,29 @@ class Cluster:
         Raises:
             RequestError: (UNAVAILABLE) a live replica did not confirm in time.
         """
+        names = list(names)
+        try:
+            await self._replicated(names, timeout)
+        except RequestError:
+            if self.coordinator is not None:
+                table = self.store.table
+                for name in names:
+                    entry = table.entry(name)
+                    if entry is not None:
+                        self.unconfirmed[name] = lww_key(entry)
+            raise
+        for name in names:
+            self.unconfirmed.pop(name, None)
+
+    async def _replicated(self, names: list[str], timeout: float) -> None:
+        if self.coordinator is not None:
+            cut = self._unreachable(names)
+            if cut:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"applied by {self.me.node_id}, but replicas {', '.join(sorted(cut))} cannot "
+                    "be reached to confirm it (acks=all)",
+                )
         links = self.replica_links(names)
         if not links:
             return

@@ -275,6 +275,9 @@ class GradientPushes:
                     )
         if push.forwarded and push.epoch is not None:
             self._check_primary(push)
+        if self.cluster is not None:  # (fenced: refused)
+            names = [g.name for g in push.grads or ()]
+            self.cluster.check_writable(names, push.acks or self.cluster.acks)
         if not push.forwarded and push.grads:
             self.encodings.update(g.encoding or "none" for g in push.grads)
         chosen: dict[str, Any] = {}

@@ -9,6 +9,7 @@ is kept by :mod:`aioparamsync.server.holds`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest
 from .routing import Router
 from .rows import RowService
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ParameterService"]
 
@@ -49,6 +52,13 @@ def _newer(entry: Entry, version: int, origin: str | None) -> bool:
     if origin is None:
         return entry.version > version
     return lww_key(entry) > (version, origin)
+
+
+def _done(value: Any) -> asyncio.Future:
+    """A future done already, with ``value``."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 def _then(future: asyncio.Future, make: Callable[[Any], Any]) -> asyncio.Future:
@@ -389,6 +399,11 @@ class ParameterService:
         # From a peer (it says so: from_peer), replication: merged, sent on to
         # no one. From a client: an update like any other.
         if args.update is not None and args.update.from_peer is not None:
+            if self.cluster is not None and not self.cluster.trusted(args.update.from_peer):
+                # (a member whose lease expired: what it sends may be writes its
+                # replicas never confirmed, and could win over acknowledged ones)
+                log.debug("replication from %s ignored: not a member", args.update.from_peer)
+                return _done(None)
             params, timestamp = _params(args.update)
             return self.store.submit(self._incoming(params), timestamp, replicated=True)
         return self._write(args.update, lambda _: None)
@@ -408,6 +423,8 @@ class ParameterService:
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {acks!r}')
         if update.epoch is None:
             check_names([p.name for p in params])
+        if cluster is not None:
+            cluster.check_writable([p.name for p in params], acks)  # (fenced: refused)
         partitioned = self.partitioned
         if partitioned.partition_bytes and any(partitioned.large(p) for p in params):
             return _then(asyncio.ensure_future(partitioned.write(update, params, acks)), answer)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..client.routing import merge_responses, merge_results, read_part
-from ..errors import ConnectError, ErrorCode, RequestError
+from ..errors import ConnectError, ConnectionLostError, ErrorCode, RequestError
 from ..placement import LIVE, Placement, barrier_key
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
@@ -191,7 +191,8 @@ class Router:
         Raises:
             RequestError: the node refused the call; UNAVAILABLE when no
                 replica of a name could take it.
-            NetworkError: the connection broke with the call in flight.
+                It is UNAVAILABLE too when the connection to the node broke with
+                the call in flight (it may have been applied there).
         """
         cluster = self.cluster
         assert cluster is not None
@@ -207,6 +208,14 @@ class Router:
                 last = exc
             except ConnectError as exc:
                 last = exc
+            except ConnectionLostError as exc:
+                # (it may have been applied there: not sent again, answered typed)
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"the call passed on to {link.name} broke in flight ({exc}): it may or may "
+                    "not have been applied there; try again",
+                    cluster.epoch,
+                ) from exc
             else:
                 self.passed_on += 1
                 return [result]

@@ -262,6 +262,8 @@ class RowService:
         if push.acks is not None and push.acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
         ids = decode_ids(push.ids)
+        if self.cluster is not None:  # (fenced: refused)
+            self.cluster.check_writable((), "1")
         return asyncio.ensure_future(self._push(method, push, ids))
 
     async def _push(self, method: Method, push: Any, ids: np.ndarray) -> Any:

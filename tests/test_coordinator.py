@@ -1,0 +1,656 @@
+"""Membership in etcd (``--coordinator``): one view, fencing by lease, and what survives.
+
+Real things only: a real etcd (Debian's ``etcd-server``) started on loopback
+for each test, real node processes, faults injected by TCP proxies (the
+node's connection to etcd, and its peer links, cut by the node's PID) and by
+killing etcd. ``.ci/run`` installs etcd and sets ``AIOPARAMSYNC_REQUIRE_ETCD``:
+there a missing etcd fails these tests; elsewhere they are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import (
+    LOOPBACK,
+    NodeProcess,
+    ProcessCluster,
+    eventually,
+    free_port,
+    open_clients,
+)
+from test_sharding import FaultProxy
+
+from aioparamsync import (
+    CallTimeout,
+    ErrorCode,
+    NetworkError,
+    ParameterClient,
+    ParamSyncError,
+    RequestError,
+)
+from aioparamsync.cluster.coordinator import Record, parse_coordinator
+from aioparamsync.placement import PLACED, Placement
+from aioparamsync.wire import thrift
+
+pytestmark = [
+    pytest.mark.asyncio(loop_factories=["asyncio"]),
+    pytest.mark.timeout(180),
+]
+
+ETCD = shutil.which("etcd")
+TTL = 3.0  # --failure-timeout: the lease's TTL (etcd grants no less than 2 s)
+R = 2
+RETRY = (AssertionError, NetworkError, CallTimeout, RequestError)
+FORM_TIMEOUT = 40.0
+SETTLE_TIMEOUT = 60.0
+POLL = 0.2
+
+
+# -- etcd ---------------------------------------------------------------------------------
+
+
+class Etcd:
+    """One etcd process on loopback, its data in ``data_dir`` (a restart keeps it)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.with_suffix(".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"etcd://{LOOPBACK}:{self.port}"
+
+    async def start(self) -> None:
+        self._spawn()
+        await eventually(self._serves, timeout=20.0, interval=0.1, retry_on=(Exception,))
+
+    def _spawn(self) -> None:
+        assert ETCD is not None
+        client, peer = f"http://{LOOPBACK}:{self.port}", f"http://{LOOPBACK}:{self.peer_port}"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    ETCD,
+                    "--name=test",
+                    f"--data-dir={self.data_dir}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=test={peer}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+
+    async def _serves(self) -> None:
+        assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
+        await self.call(lambda c: c.status())
+
+    async def call(self, make: Any) -> Any:
+        """``make(client)`` on a fresh aetcd client (the test's own look at etcd)."""
+        import aetcd
+
+        async with aetcd.Client(host=LOOPBACK, port=self.port) as client:
+            async with asyncio.timeout(5.0):
+                return await make(client)
+
+    def kill(self) -> None:
+        """SIGKILL, by its PID, and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[Etcd]:
+    if ETCD is None:
+        if os.environ.get("AIOPARAMSYNC_REQUIRE_ETCD"):
+            pytest.fail("etcd is not installed (apt-get install etcd-server), and is required here")
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    server = Etcd(tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+async def procs() -> AsyncIterator[ProcessCluster]:
+    cluster = ProcessCluster(repair_interval=0.5, replication_factor=str(R))
+    try:
+        yield cluster
+    finally:
+        cluster.show_logs()
+        await cluster.close()
+
+
+def coordinated(endpoint: str, prefix: str, *more: str) -> list[str]:
+    return [
+        "--coordinator",
+        endpoint,
+        "--coordinator-prefix",
+        prefix,
+        "--failure-timeout",
+        str(TTL),
+        "--acks",
+        "all",
+        *more,
+    ]
+
+
+def new_prefix() -> str:
+    return f"/test/{uuid.uuid4().hex[:12]}"
+
+
+async def members_in_etcd(server: Etcd, prefix: str) -> dict[str, tuple[dict[str, Any], int]]:
+    """node id -> (its value, its mod revision), as etcd holds them."""
+    found = await server.call(lambda c: c.get_prefix(f"{prefix}/members/".encode()))
+    start = len(f"{prefix}/members/")
+    return {kv.key[start:].decode(): (json.loads(kv.value), kv.mod_revision) for kv in found}
+
+
+async def topologies(clients: Mapping[str, ParameterClient]) -> dict[str, Any]:
+    return {node_id: await client.topology() for node_id, client in clients.items()}
+
+
+async def agreed(clients: Mapping[str, ParameterClient], ids: set[str]) -> int:
+    """Every node is up, sees exactly ``ids`` up, at one epoch; answers it."""
+    tops = await topologies(clients)
+    views = {n: (t.epoch, {m.node_id: m.state for m in t.members}) for n, t in tops.items()}
+    epochs = {epoch for epoch, _ in views.values()}
+    assert len(epochs) == 1, f"epochs differ: {views}"
+    for node_id, (_, seen) in views.items():
+        assert {m for m, s in seen.items() if s == "up"} == ids, f"{node_id} sees {seen}"
+    return epochs.pop()
+
+
+async def replica_states(
+    clients: Mapping[str, ParameterClient], names: Sequence[str]
+) -> dict[tuple[str, str], tuple[int, bytes]]:
+    """(node id, name) -> (version, bytes) at every replica of every name (by the topology)."""
+    some = next(iter(clients.values()))
+    topology = await some.topology()
+    placed = [m.node_id for m in topology.members if m.state in PLACED]
+    placement = Placement(placed, topology.replication_factor or None)
+    held = {}
+    for name in names:
+        for node_id in placement.replicas(name):
+            request = thrift.ParameterRequest(param_names=[name], epoch=topology.epoch)
+            response = await clients[node_id].call("pull_parameters", request=request)
+            for p in response.params:
+                held[node_id, p.name] = (p.version, bytes(p.data))
+            assert (node_id, name) in held, f"{node_id} holds no {name!r}"
+    return held
+
+
+# -- writers that remember what was acknowledged ------------------------------------------
+
+
+@dataclass
+class Write:
+    writer: str
+    name: str
+    data: bytes
+    started: float
+    ended: float = 0.0
+    version: int | None = None  # (acknowledged: the version it made)
+    error: str = ""
+
+
+@dataclass
+class Writers:
+    """Writers (one per client), each writing its names in turn with ``acks=all``."""
+
+    clients: Mapping[str, ParameterClient]
+    names: Sequence[str]
+    writes: list[Write] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self, who: str, client: ParameterClient) -> None:
+        seq = 0
+        while not self.stop.is_set():
+            name = self.names[seq % len(self.names)]
+            value = np.array([hash(who) % 1000, seq, time.monotonic_ns()], np.int64)
+            write = Write(who, name, value.tobytes(), time.monotonic())
+            self.writes.append(write)
+            try:
+                result = await client.update_parameters({name: value}, acks="all", timeout=2 * TTL)
+                write.version = result[name]
+            except ParamSyncError as exc:  # (refused, timed out, or broke: maybe applied)
+                write.error = f"{type(exc).__name__}: {exc}"
+            write.ended = time.monotonic()
+            seq += 1
+            await asyncio.sleep(0.05)
+
+    def start(self) -> list[asyncio.Task[None]]:
+        return [asyncio.ensure_future(self.run(w, c)) for w, c in self.clients.items()]
+
+    def acknowledged(self) -> list[Write]:
+        return [w for w in self.writes if w.version is not None]
+
+    def last_acknowledged(self) -> dict[str, Write]:
+        """Each name's acknowledged write that ended last."""
+        last: dict[str, Write] = {}
+        for w in sorted(self.acknowledged(), key=lambda w: w.ended):
+            last[w.name] = w
+        return last
+
+
+def assert_acknowledged_survive(
+    writers: Writers, held: Mapping[tuple[str, str], tuple[int, bytes]]
+) -> None:
+    """No replica lost an acknowledged write: what each holds of a name is a write no
+    acknowledged write of that name began after the end of (the last acknowledged one, one
+    concurrent with it, or one tried after it whose answer was an error: maybe applied)."""
+    by_data = {w.data: w for w in writers.writes}
+    acked: dict[str, list[Write]] = {}
+    for w in writers.acknowledged():
+        acked.setdefault(w.name, []).append(w)
+    for (node_id, name), (_, data) in held.items():
+        found = by_data.get(data)
+        if found is None:
+            assert not acked.get(name), f"{node_id} holds of {name!r} bytes no writer wrote"
+            continue  # (the value from before the writers)
+        later = [x for x in acked.get(name, ()) if x.started > found.ended]
+        assert not later, (
+            f"{node_id} holds of {name!r} the write of {found.writer} at {found.started:.2f}-"
+            f"{found.ended:.2f} ({'acknowledged' if found.version is not None else found.error}"
+            f"), but {len(later)} acknowledged writes began after it, the first by "
+            f"{later[0].writer} at {later[0].started:.2f}"
+        )
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+async def test_a_coordinator_is_etcd_endpoints() -> None:
+    assert parse_coordinator("etcd://127.0.0.1:2379") == [("127.0.0.1", 2379)]
+    assert parse_coordinator("etcd://a:1,[::1]:2, b:3") == [("a", 1), ("::1", 2), ("b", 3)]
+    for bad in (
+        "127.0.0.1:2379",
+        "http://127.0.0.1:2379",
+        "etcd://",
+        "etcd://host",
+        "etcd://host:port",
+        "etcd://host:99999",
+        "etcd://a:1,,b:2",
+        "etcd://a:1/path",
+    ):
+        with pytest.raises(ValueError, match=r"etcd://|endpoint"):
+            parse_coordinator(bad)
+
+
+async def test_a_member_key_that_is_not_a_member_is_ignored() -> None:
+    ok = Record("n1", "127.0.0.1", 9090, "up")
+    assert Record.decode("n1", ok.encode()) == ok
+    for raw in (
+        b"",
+        b"not json",
+        b"[]",
+        b'{"host": "h", "port": 1}',
+        b'{"host": "h", "port": 0, "state": "up"}',
+        b'{"host": "h", "port": "x", "state": "up"}',
+        b'{"host": "h", "port": 1, "state": "sleeping"}',
+    ):
+        assert Record.decode("n1", raw) is None, raw
+
+
+async def test_nodes_share_one_view_whose_epoch_is_etcd_revision(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    flags = coordinated(etcd.endpoint, prefix)
+    nodes = [await procs.spawn(extra=flags) for _ in range(3)]  # (no --peers: etcd has them)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, nodes)
+        ids = set(clients)
+        epoch = await eventually(
+            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
+        )
+        held = await members_in_etcd(etcd, prefix)
+        assert set(held) == ids
+        assert {v["state"] for v, _ in held.values()} == {"up"}
+        # The epoch is etcd's revision of the last change to the members.
+        assert epoch == max(rev for _, rev in held.values())
+        config = await etcd.call(lambda c: c.get(f"{prefix}/config".encode()))
+        assert json.loads(config.value) == {"replication_factor": R}
+        # Workers need no etcd: a routed client learns the topology from a node.
+        async with ParameterClient(nodes[0].address, timeout=10) as worker:
+            names = [f"p{i}" for i in range(12)]
+            await worker.update_arrays({n: np.full(4, i, np.float32) for i, n in enumerate(names)})
+            got = await worker.get_arrays(names)
+            assert [float(got[n][0]) for n in names] == list(range(12))
+        states = await replica_states(clients, names)
+        assert len(states) == R * len(names)
+
+
+async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_survive_the_heal(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    """A cut off from etcd and from its peers while clients write on both sides with
+    acks=all: A acknowledges nothing past its lease, B and C take over once it expired,
+    and after the heal every replica holds every name's last acknowledged write. Two
+    rounds, each at a random cut point (the seed is printed)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    prefix = new_prefix()
+    async with contextlib.AsyncExitStack() as stack:
+        to_etcd = FaultProxy(etcd.port)
+        proxies = [FaultProxy(free_port()) for _ in range(3)]
+        for proxy in (to_etcd, *proxies):
+            await proxy.start()
+            stack.push_async_callback(proxy.close)
+        endpoint = f"etcd://{LOOPBACK}:{to_etcd.port}"
+        nodes: list[NodeProcess] = []
+        for i, proxy in enumerate(proxies):
+            extra = coordinated(endpoint, prefix, "--advertise", proxy.address_text)
+            nodes.append(
+                await procs.spawn(port=proxy.target[1], extra=[*extra, "--node-id", "abc"[i]])
+            )
+        a = nodes[0]
+        clients = await open_clients(stack, nodes)
+        ids = set(clients)
+        await eventually(
+            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
+        )
+        names = [f"k{i}" for i in range(6)]
+        await clients["b"].update_arrays({n: np.zeros(3, np.int64) for n in names}, acks="all")
+
+        for round_ in range(2):
+            writers = Writers({"a": clients["a"], "b": clients["b"]}, names)
+            tasks = writers.start()
+            await asyncio.sleep(rng.uniform(0.3, 2.0))
+            cut = time.monotonic()
+            to_etcd.cut_from(a.pid)
+            proxies[0].cut()
+            proxies[1].cut_from(a.pid)
+            proxies[2].cut_from(a.pid)
+            # Past the TTL, A's lease has expired; B and C take its names over.
+            await asyncio.sleep(TTL + rng.uniform(1.0, 3.0))
+            late = [w for w in writers.acknowledged() if w.writer == "a" and w.ended > cut + TTL]
+            assert not late, f"round {round_}: A acknowledged past its lease: {late[:3]}"
+
+            async def b_takes_writes(writers: Writers = writers, since: float = cut + TTL) -> None:
+                done = {
+                    w.name for w in writers.acknowledged() if w.writer == "b" and w.started > since
+                }
+                errors = [w.error for w in writers.writes if w.writer == "b" and w.error][-3:]
+                assert done == set(names), (
+                    f"B's side wrote only {sorted(done)} since A's lease; its last errors: {errors}"
+                )
+
+            await eventually(b_takes_writes, timeout=FORM_TIMEOUT, interval=POLL)
+            for proxy in (to_etcd, *proxies):
+                proxy.heal()
+            # A learns its lease expired, drops what it did not get confirmed, joins again.
+            await eventually(
+                lambda: agreed(clients, ids), timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
+            )
+            await asyncio.sleep(0.5)  # (writes on both sides again, after the heal)
+            writers.stop.set()
+            await asyncio.gather(*tasks)
+            assert sum(1 for w in writers.acknowledged() if w.writer == "a") > 0
+
+            async def survived(writers: Writers = writers) -> None:
+                assert_acknowledged_survive(writers, await replica_states(clients, names))
+
+            await eventually(survived, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+
+async def test_without_etcd_writes_stop_within_the_ttl_reads_go_on_and_both_come_back(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    flags = coordinated(etcd.endpoint, prefix)
+    nodes = [await procs.spawn(extra=flags) for _ in range(3)]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, nodes)
+        ids = set(clients)
+        await eventually(
+            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
+        )
+        names = [f"e{i}" for i in range(6)]
+        await clients[nodes[0].node_id].update_arrays(
+            {n: np.full(2, i, np.float32) for i, n in enumerate(names)}
+        )
+        etcd.kill()
+        killed = time.monotonic()
+
+        async def every_node_refuses_writes() -> None:
+            for node_id, client in clients.items():
+                try:
+                    await client.update_arrays({"e0": np.zeros(2, np.float32)})
+                except RequestError as exc:
+                    assert exc.code == ErrorCode.UNAVAILABLE, (node_id, exc)
+                    assert "lease" in exc.message, exc.message
+                else:
+                    raise AssertionError(f"{node_id} took a write")
+
+        await eventually(every_node_refuses_writes, timeout=2 * TTL, interval=POLL)
+        assert time.monotonic() - killed < TTL + 2.0  # (TTL/2 after the last renewal)
+        for client in clients.values():  # reads go on, from what each node holds
+            got = await client.get_arrays(names)
+            assert [float(got[n][0]) for n in names] == list(range(len(names)))
+        await asyncio.sleep(TTL)
+        await etcd.start()  # (its data kept: the leases survive, their TTL counted anew)
+
+        async def every_node_takes_writes() -> None:
+            for i, client in enumerate(clients.values()):
+                await client.update_arrays({f"e{i}": np.full(2, 100 + i, np.float32)})
+
+        await eventually(
+            every_node_takes_writes, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
+        )
+        await eventually(
+            lambda: agreed(clients, ids), timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
+        )
+        for client in clients.values():
+            got = await client.get_arrays(names)
+            assert [float(got[n][0]) for n in names] == [100, 101, 102, 3, 4, 5]
+
+
+async def test_a_join_and_a_drain_during_writes_lose_no_acknowledged_write(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    flags = coordinated(etcd.endpoint, prefix)
+    first = [await procs.spawn(extra=flags) for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, first)
+        await eventually(
+            lambda: agreed(clients, set(clients)),
+            timeout=FORM_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        names = [f"j{i}" for i in range(10)]
+        writers = Writers(dict(clients), names)
+        tasks = writers.start()
+        await asyncio.sleep(1.0)
+        joined = await procs.spawn(extra=flags)
+        clients[joined.node_id] = await stack.enter_async_context(joined.client())
+        await eventually(
+            lambda: agreed(clients, set(clients)),
+            timeout=FORM_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        await asyncio.sleep(1.0)
+        leaving = first[1]
+        writers.stop.set()  # (its writer stops before its node does)
+        await asyncio.gather(*tasks)
+        writers.stop.clear()
+        del clients[leaving.node_id]
+        tasks = [asyncio.ensure_future(writers.run(n, c)) for n, c in clients.items()]
+        leaving.signal(signal.SIGTERM)  # a planned leave: it hands its keys off first
+        assert await leaving.wait_exit(timeout=60.0) == 0
+        held = await members_in_etcd(etcd, prefix)
+        assert leaving.node_id not in held  # (its lease revoked: gone at once)
+        await eventually(
+            lambda: agreed(clients, set(clients)),
+            timeout=FORM_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        await asyncio.sleep(1.0)
+        writers.stop.set()
+        await asyncio.gather(*tasks)
+        assert len(writers.acknowledged()) > 20
+
+        async def survived() -> None:
+            assert_acknowledged_survive(writers, await replica_states(clients, names))
+
+        await eventually(survived, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+
+async def test_a_second_process_under_one_id_waits_for_the_first_lease(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    flags = [*coordinated(etcd.endpoint, prefix), "--node-id", "same"]
+    first = await procs.spawn(extra=flags)
+    pending = asyncio.ensure_future(procs.spawn(extra=flags))
+    await asyncio.sleep(TTL)
+    assert not pending.done(), "a second process took the id while the first held it"
+    await first.kill()  # (no leave: its lease expires TTL later)
+    killed = time.monotonic()
+    second = await asyncio.wait_for(pending, 3 * TTL + 10)
+    assert time.monotonic() - killed >= TTL - 1.0
+    held = await members_in_etcd(etcd, prefix)
+    assert held["same"][0]["port"] == second.port
+
+
+async def test_a_node_refuses_a_cluster_of_another_replication_factor(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    await procs.spawn(extra=coordinated(etcd.endpoint, prefix))
+    rc, err = await run_node(
+        *coordinated(etcd.endpoint, prefix), "--replication-factor", "3", timeout=30.0
+    )
+    assert rc == 1, err
+    assert "replication factor 2" in err and "started with 3" in err
+
+
+async def test_a_node_that_cannot_reach_etcd_exits_with_a_clear_error() -> None:
+    unused = f"etcd://{LOOPBACK}:{free_port()}"
+    started = time.monotonic()
+    rc, err = await run_node(*coordinated(unused, "/nowhere"), timeout=60.0)
+    assert rc == 1, err
+    assert "could not reach the coordinator within" in err and unused in err
+    assert time.monotonic() - started < 40.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--coordinator", "http://127.0.0.1:2379"], "etcd://HOST:PORT"),
+        (["--coordinator", "etcd://127.0.0.1"], "HOST:PORT"),
+        (["--coordinator", "etcd://127.0.0.1:1", "--coordinator-prefix", "nope"], "prefix"),
+        (["--coordinator", "etcd://127.0.0.1:1", "--coordinator-prefix", "/a/"], "prefix"),
+    ],
+)
+async def test_bad_coordinator_flags_are_refused(flags: list[str], message: str) -> None:
+    rc, err = await run_node("--port", "0", *flags, timeout=30.0)
+    assert rc == 2, err
+    assert message in err
+
+
+async def test_the_coordinator_can_come_from_the_environment(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    prefix = new_prefix()
+    env = {"AIOPARAMSYNC_COORDINATOR": etcd.endpoint, "AIOPARAMSYNC_COORDINATOR_PREFIX": prefix}
+    rc, _ = await run_node(
+        "--port", "0", "--coordinator", "bad", timeout=30.0, env=env
+    )  # (a flag wins over its variable)
+    assert rc == 2
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "aioparamsync",
+        "--port",
+        "0",
+        env={**os.environ, **env},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30.0)
+        assert b"listening on" in line
+        node_id = line.split()[1].decode()
+        held = await members_in_etcd(etcd, prefix)
+        assert node_id in held
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30.0)
+
+
+async def test_without_aetcd_the_node_says_which_extra_to_install() -> None:
+    code = (
+        "import sys; sys.modules['aetcd'] = None\n"
+        "from aioparamsync.cli.node import main\n"
+        "sys.exit(main(['--port', '0', '--coordinator', 'etcd://127.0.0.1:1']))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60.0)
+    assert proc.returncode == 1, err
+    assert b"pip install '.[etcd]' in the checkout" in err
+    assert b"Traceback" not in err
+
+
+async def run_node(
+    *flags: str, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Run a node to its exit (killed past ``timeout``); answer (exit code, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "aioparamsync",
+        *flags,
+        env={**os.environ, **(env or {})},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, err.decode(errors="replace")
