@@ -3,7 +3,7 @@
 
 One command, every cluster a set of fresh processes on loopback::
 
-    python benchmarks/bench_coordinator.py [--nodes 3] [--count 2000] [--ttl 3]
+    python benchmarks/bench_coordinator.py [--nodes 3] [--count 2000] [--ttl 3] [--reps 3]
                                            [--etcd etcd://HOST:PORT] [--json out.json]
 
 Two clusters of ``--nodes`` node processes (R=2), side by side: ``peer`` (the
@@ -23,6 +23,7 @@ public client (one connection to node 0, ``route=False``):
    partition would also make two primaries); with one, a member is live until
    its lease expires: TTL plus the hand-over.
 
+Each is run ``--reps`` times, the two alternating; the table shows medians.
 Every process is stopped by its PID (SIGTERM, then SIGKILL) in a ``finally``.
 """
 
@@ -36,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ from aioparamsync.placement import Placement
 
 R = 2
 NAME = "w"
+FAILOVER_NAME = "f"
 SIZE = 4096
 FAILOVER_LIMIT = 120.0  # seconds: a failover slower than this is reported as failed
 POLL = 0.02
@@ -175,20 +178,23 @@ async def latency(nodes: Sequence[ServerProcess], count: int, acks: str) -> dict
 
 
 async def failover(nodes: list[ServerProcess]) -> float | None:
-    """Kill the primary of NAME; seconds until a survivor takes a write of it (None: never)."""
+    """Kill the primary of FAILOVER_NAME; seconds until a survivor takes a write of it
+    (None: none did within FAILOVER_LIMIT)."""
     topology = await formed(nodes)
     ids = [m.node_id for m in topology.members]
-    primary = Placement(ids, R).replicas(NAME)[0]
+    primary = Placement(ids, R).replicas(FAILOVER_NAME)[0]
     victim = next(i for i, node_id in enumerate(ids) if node_id == primary)
     by_id = {f"n{i}": node for i, node in enumerate(nodes)}
     survivor = next(node for node_id, node in by_id.items() if node_id != primary)
     async with ParameterClient(survivor.address, route=False, timeout=5) as client:
-        await client.update_parameters({NAME: np.ones(4, np.float32)}, acks="all")
+        await client.update_parameters({FAILOVER_NAME: np.ones(4, np.float32)}, acks="all")
         by_id[ids[victim]].proc.kill()
         killed = time.monotonic()
         while time.monotonic() - killed < FAILOVER_LIMIT:
             try:
-                await client.update_parameters({NAME: np.full(4, 2, np.float32)}, acks="all")
+                await client.update_parameters(
+                    {FAILOVER_NAME: np.full(4, 2, np.float32)}, acks="all"
+                )
                 return time.monotonic() - killed
             except (RequestError, NetworkError):
                 await asyncio.sleep(POLL)
@@ -209,6 +215,16 @@ async def run(kind: str, args: argparse.Namespace, endpoint: str | None) -> dict
             node.stop()
 
 
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over ``runs`` (a failover that failed counts as the longest)."""
+    out: dict[str, Any] = {"kind": runs[0]["kind"]}
+    for acks in ("acks=1", "acks=all"):
+        out[acks] = {q: statistics.median(r[acks][q] for r in runs) for q in runs[0][acks]}
+    times = [r["failover_s"] for r in runs]
+    out["failover_s"] = None if None in times else statistics.median(times)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=3, help="nodes per cluster (default: 3)")
@@ -216,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ttl", type=float, default=3.0, help="--failure-timeout, the lease's TTL (default: 3)"
     )
+    parser.add_argument("--reps", type=int, default=3, help="runs of each (default: 3)")
     parser.add_argument("--etcd", help="an etcd to use (default: one started on loopback)")
     parser.add_argument("--json", help="also write the results here")
     return parser
@@ -223,16 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.nodes < 2 or args.count < 1 or args.ttl < 2:
-        raise SystemExit("--nodes >= 2, --count >= 1, --ttl >= 2")
+    if args.nodes < 2 or args.count < 1 or args.ttl < 2 or args.reps < 1:
+        raise SystemExit("--nodes >= 2, --count >= 1, --ttl >= 2, --reps >= 1")
     etcd = None if args.etcd else LocalEtcd()
     endpoint = args.etcd or (etcd.endpoint if etcd is not None else None)
+    results: list[dict[str, Any]] = []
     try:
-        results = [asyncio.run(run(kind, args, endpoint)) for kind in ("peer", "etcd")]
+        for _ in range(args.reps):  # (alternating: the machine's noise falls on both)
+            results += [asyncio.run(run(kind, args, endpoint)) for kind in ("peer", "etcd")]
     finally:
         if etcd is not None:
             etcd.stop()
-    peer, coord = results
+    peer, coord = (median_of([r for r in results if r["kind"] == k]) for k in ("peer", "etcd"))
+    print(f"medians of {args.reps} runs each")
     print(f"{args.nodes} nodes, R={R}, {SIZE} B updates x {args.count}, TTL {args.ttl:g} s")
     print(f"{'':10} {'peer':>10} {'etcd':>10} {'etcd/peer':>10}")
     for acks in ("1", "all"):

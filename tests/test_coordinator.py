@@ -55,6 +55,7 @@ pytestmark = [
 ]
 
 ETCD = shutil.which("etcd")
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_coordinator.py"
 TTL = 3.0  # --failure-timeout: the lease's TTL (etcd grants no less than 2 s)
 R = 2
 RETRY = (AssertionError, NetworkError, CallTimeout, RequestError)
@@ -654,3 +655,29 @@ async def run_node(
         raise
     assert proc.returncode is not None
     return proc.returncode, err.decode(errors="replace")
+
+
+async def test_the_coordinator_benchmark_runs_end_to_end(etcd: Etcd, tmp_path: Path) -> None:
+    """benchmarks/bench_coordinator.py with tiny settings (no timing is asserted)."""
+    out = tmp_path / "bench.json"
+    flags = ["--nodes", "2", "--count", "20", "--reps", "1", "--etcd", etcd.endpoint]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(BENCH),
+        *flags,
+        "--json",
+        str(out),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 120.0)
+    assert proc.returncode == 0, stderr.decode()
+    assert b"etcd/peer" in stdout and b"failover s" in stdout
+    doc = json.loads(await asyncio.to_thread(out.read_text))
+    results = {r["kind"]: r for r in doc["results"]}
+    assert set(results) == {"peer", "etcd"}
+    for result in results.values():
+        assert 0 < result["acks=all"]["p50_ms"] <= result["acks=all"]["p99_ms"]
+    # With etcd, the killed primary is a member until its lease expires (TTL 3 s).
+    assert results["etcd"]["failover_s"] is not None and results["etcd"]["failover_s"] > 1.0

@@ -931,6 +931,15 @@ class Cluster:
                 f"applied by {self.me.node_id}, but replicas {', '.join(names_late)} did not "
                 f"confirm within {timeout:.0f} s (acks=all)",
             )
+        if self.coordinator is not None:
+            # (a link that went down meanwhile: its member is live until etcd says not)
+            lost = [link.name for link, wait in waits.items() if not wait.result()]
+            if lost:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"applied by {self.me.node_id}, but the links to replicas "
+                    f"{', '.join(lost)} broke before they confirmed it (acks=all)",
+                )
 
     def statistics(self) -> list[dict[str, Any]]:
         return [link.statistics() for link in self.links.values()]
