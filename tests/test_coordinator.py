@@ -70,8 +70,9 @@ POLL = 0.2
 class Etcd:
     """One etcd process on loopback, its data in ``data_dir`` (a restart keeps it)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, tls: tuple[Path, Path, Path] | None = None) -> None:
         self.data_dir = data_dir
+        self.tls = tls  # (its certificate, its key, the CA its clients' certificates are from)
         self.port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -87,7 +88,17 @@ class Etcd:
 
     def _spawn(self) -> None:
         assert ETCD is not None
-        client, peer = f"http://{LOOPBACK}:{self.port}", f"http://{LOOPBACK}:{self.peer_port}"
+        scheme = "https" if self.tls else "http"
+        client, peer = f"{scheme}://{LOOPBACK}:{self.port}", f"http://{LOOPBACK}:{self.peer_port}"
+        tls = []
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            tls = [
+                f"--cert-file={cert}",
+                f"--key-file={key}",
+                f"--trusted-ca-file={ca}",
+                "--client-cert-auth",
+            ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -99,6 +110,7 @@ class Etcd:
                     f"--listen-peer-urls={peer}",
                     f"--initial-advertise-peer-urls={peer}",
                     f"--initial-cluster=test={peer}",
+                    *tls,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -107,6 +119,10 @@ class Etcd:
 
     async def _serves(self) -> None:
         assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
+        if self.tls is not None:  # (it listens: the nodes' TLS is what is tested)
+            _, writer = await asyncio.open_connection(LOOPBACK, self.port)
+            writer.close()
+            return
         await self.call(lambda c: c.status())
 
     async def call(self, make: Any) -> Any:
@@ -124,12 +140,17 @@ class Etcd:
             self.proc.wait(timeout=10)
 
 
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[Etcd]:
+def need_etcd() -> None:
+    """Skip without etcd, or fail where it is required (``.ci/run``)."""
     if ETCD is None:
         if os.environ.get("AIOPARAMSYNC_REQUIRE_ETCD"):
             pytest.fail("etcd is not installed (apt-get install etcd-server), and is required here")
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[Etcd]:
+    need_etcd()
     server = Etcd(tmp_path / "etcd")
     await server.start()
     try:
@@ -681,3 +702,31 @@ async def test_the_coordinator_benchmark_runs_end_to_end(etcd: Etcd, tmp_path: P
         assert 0 < result["acks=all"]["p50_ms"] <= result["acks=all"]["p99_ms"]
     # With etcd, the killed primary is a member until its lease expires (TTL 3 s).
     assert results["etcd"]["failover_s"] is not None and results["etcd"]["failover_s"] > 1.0
+
+
+async def test_etcd_is_reached_over_tls_with_the_nodes_certificate(
+    tmp_path: Path, procs: ProcessCluster
+) -> None:
+    import trustme
+
+    need_etcd()
+    ca = trustme.CA()
+    files = {n: tmp_path / f"{n}.pem" for n in ("ca", "etcd", "etcd-key", "node")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    served = ca.issue_cert("127.0.0.1")
+    served.cert_chain_pems[0].write_to_path(str(files["etcd"]))
+    served.private_key_pem.write_to_path(str(files["etcd-key"]))
+    node_cert = ca.issue_cert("127.0.0.1", "localhost")
+    node_cert.private_key_and_cert_chain_pem.write_to_path(str(files["node"]))
+    server = Etcd(tmp_path / "etcd", tls=(files["etcd"], files["etcd-key"], files["ca"]))
+    await server.start()
+    try:
+        prefix = new_prefix()
+        tls = ["--tls-cert", str(files["node"]), "--tls-ca", str(files["ca"])]
+        node = await procs.spawn(extra=[*coordinated(server.endpoint, prefix), *tls])
+        assert "registered as joining" in node.stderr
+        # Without the node's certificate (plain gRPC), etcd cannot be reached.
+        rc, err = await run_node(*coordinated(server.endpoint, new_prefix()), timeout=60.0)
+        assert rc == 1 and "could not reach the coordinator" in err, err
+    finally:
+        server.kill()
