@@ -417,7 +417,10 @@ class EtcdCoordinator:
             if record is not None:
                 members[node_id] = record
         self.members = members
-        self.revision = max(self.revision, found.header.revision)
+        # The last change seen: the newest put here (a delete since is not seen, but
+        # the watch, from here, replays it: every node ends at the same revision).
+        newest = max((kv.mod_revision for kv in found), default=found.header.revision)
+        self.revision = max(self.revision, newest)
         self.on_change()
 
     async def stop(self, *, leave: bool = True) -> None:

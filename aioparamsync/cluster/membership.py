@@ -560,6 +560,8 @@ class Cluster:
         self.by_id = by_id
         view = (tuple(sorted(states.items())), self.replication_factor)
         if view == self._view:
+            if coordinator is not None and coordinator.revision > self.epoch:
+                self.epoch = coordinator.revision  # (a change, and its undoing: the same view)
             return
         self._view = view
         placed = [m for m, s in states.items() if s in PLACED]
