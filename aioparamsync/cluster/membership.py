@@ -218,6 +218,7 @@ class Cluster:
         #: writes applied here whose replicas did not confirm them (name -> lww key)
         self.unconfirmed: dict[str, tuple[int, str]] = {}
         self._published: asyncio.Future[None] | None = None  # the last state written to etcd
+        self._rejoining: asyncio.Future[None] | None = None  # joining again, its lease lost
         if coordinator is not None:
             coordinator.on_change = self._coordinated
             coordinator.on_lost = self._lease_lost
@@ -285,7 +286,7 @@ class Cluster:
     async def stop(self) -> None:
         self._started = False
         await self.rebalancer.stop()
-        for task in (self._reporter, self._watcher, self._ticker):
+        for task in (self._reporter, self._watcher, self._ticker, self._rejoining):
             if task is not None:
                 task.cancel()
                 await asyncio.wait({task})
@@ -722,9 +723,9 @@ class Cluster:
         for link in self.links.values():
             link.pulled = False
             link.repair_soon()
-        task = asyncio.ensure_future(self.join())
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        if self._rejoining is not None:
+            self._rejoining.cancel()
+        self._rejoining = asyncio.ensure_future(self.join())
 
     async def leave(self, timeout: float) -> int:
         """A planned leave: say so, hand every key off (up to ``timeout`` s), say it left.
