@@ -305,6 +305,17 @@ def assert_acknowledged_survive(
         )
 
 
+async def survive(
+    writers: Writers, clients: Mapping[str, ParameterClient], names: Sequence[str]
+) -> None:
+    """Wait until every replica holds what :func:`assert_acknowledged_survive` asks."""
+
+    async def check() -> None:
+        assert_acknowledged_survive(writers, await replica_states(clients, names))
+
+    await eventually(check, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+
 # -- the tests ------------------------------------------------------------------------------
 
 
@@ -437,10 +448,7 @@ async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_surviv
             await asyncio.gather(*tasks)
             assert sum(1 for w in writers.acknowledged() if w.writer == "a") > 0
 
-            async def survived(writers: Writers = writers) -> None:
-                assert_acknowledged_survive(writers, await replica_states(clients, names))
-
-            await eventually(survived, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+            await survive(writers, clients, names)
 
 
 async def test_without_etcd_writes_stop_within_the_ttl_reads_go_on_and_both_come_back(
@@ -543,10 +551,7 @@ async def test_a_join_and_a_drain_during_writes_lose_no_acknowledged_write(
         await asyncio.gather(*tasks)
         assert len(writers.acknowledged()) > 20
 
-        async def survived() -> None:
-            assert_acknowledged_survive(writers, await replica_states(clients, names))
-
-        await eventually(survived, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+        await survive(writers, clients, names)
 
 
 async def test_a_second_process_under_one_id_waits_for_the_first_lease(
