@@ -442,7 +442,8 @@ class Node:
 
     def readiness(self) -> tuple[bool, str]:
         """Whether to send this node traffic (``/readyz``), and why: it has joined its
-        cluster and caught up, and is not leaving or shutting down."""
+        cluster and caught up, is not leaving or shutting down, and (with a coordinator)
+        holds its lease, so it takes writes."""
         state = self.cluster.state
         if self._writer is None:
             return False, "not started"
@@ -454,6 +455,9 @@ class Node:
             return False, state
         if self.cluster.settling is not None:
             return False, "taking over as the primary of its keys"
+        fenced = self.cluster.fenced()
+        if fenced is not None:
+            return False, f"takes no writes: {fenced}"
         return True, f"up at epoch {self.cluster.epoch}"
 
     async def shutdown(self, *, cluster: bool = True, snapshot: bool = False) -> Any:

@@ -31,6 +31,7 @@ from cluster_helpers import (
     LOOPBACK,
     NodeProcess,
     ProcessCluster,
+    assert_,
     eventually,
     free_port,
     open_clients,
@@ -735,3 +736,31 @@ async def test_etcd_is_reached_over_tls_with_the_nodes_certificate(
         assert rc == 1 and "could not reach the coordinator" in err, err
     finally:
         server.kill()
+
+
+async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lease(
+    etcd: Etcd,
+) -> None:
+    from aioparamsync import Node
+
+    node = Node(
+        port=0, coordinator=etcd.endpoint, coordinator_prefix=new_prefix(), failure_timeout=TTL
+    )
+    async with node:
+        assert node.readiness() == (True, f"up at epoch {node.cluster.epoch}")
+        assert node.coordinator is not None and node.node_id in node.coordinator.members
+        etcd.kill()
+
+        def not_ready() -> None:
+            ready, why = node.readiness()
+            assert not ready and "takes no writes" in why and "lease" in why, why
+
+        await eventually(not_ready, timeout=2 * TTL, interval=POLL)
+        async with ParameterClient(node.address, timeout=5) as client:
+            with pytest.raises(RequestError) as info:
+                await client.update_arrays({"x": np.zeros(2, np.float32)})
+            assert info.value.code == ErrorCode.UNAVAILABLE
+        await etcd.start()
+        await eventually(
+            lambda: assert_(node.readiness()[0]), timeout=SETTLE_TIMEOUT, interval=POLL
+        )
