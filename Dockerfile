@@ -25,9 +25,10 @@ RUN groupadd --gid 10001 aioparamsync \
  && mkdir /data \
  && chown 10001:10001 /data
 
-# The wheel is mounted for the install only, so no copy of it stays in a layer.
+# The wheel is mounted for the install only, so no copy of it stays in a layer; with /metrics
+# and the etcd client (--coordinator).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(ls /wheels/aioparamsync-*.whl)[metrics]"
+    pip install --no-cache-dir "$(ls /wheels/aioparamsync-*.whl)[metrics,etcd]"
 
 # Listen on every interface of the container; peers are told --advertise instead.
 ENV AIOPARAMSYNC_HOST=0.0.0.0 \

@@ -386,7 +386,7 @@ def test_the_image_runs_the_node_as_a_numeric_user():
     assert all(part.isdigit() for part in user) and int(user[0]) != 0
     assert json.loads(words["ENTRYPOINT"]) == ["aioparamsync-node"]
     installs = [rest for word, rest in instructions if word == "RUN" and "pip install" in rest]
-    assert any("[metrics]" in rest and "--no-cache-dir" in rest for rest in installs)
+    assert any("[metrics,etcd]" in rest and "--no-cache-dir" in rest for rest in installs)
     # the wheel it installs is built with the compiled fast path, or the build fails
     builds = [rest for word, rest in instructions if word == "RUN" and "pip wheel" in rest]
     assert any("AIOPARAMSYNC_REQUIRE_EXT=1" in rest for rest in builds), builds
