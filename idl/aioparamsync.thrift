@@ -462,6 +462,11 @@ struct NodeInfo {
     // Which per-call path the node runs: "compiled" (its C extensions) or "pure"
     // (Python only: built without a compiler, or AIOPARAMSYNC_NO_EXT=1).
     14: optional string fast_path,
+    // With --coordinator: where the members are kept ("etcd://HOST:PORT,... PREFIX").
+    15: optional string coordinator,
+    // Why this node takes no writes now (it cannot renew its lease on the
+    // coordinator); unset while it takes them.
+    16: optional string fenced,
 }
 
 service ParameterSyncService {

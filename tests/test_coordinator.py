@@ -739,16 +739,25 @@ async def test_etcd_is_reached_over_tls_with_the_nodes_certificate(
 
 
 async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lease(
-    etcd: Etcd,
+    etcd: Etcd, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from aioparamsync import Node
+    from aioparamsync.cli.ctl import main as ctl
 
-    node = Node(
-        port=0, coordinator=etcd.endpoint, coordinator_prefix=new_prefix(), failure_timeout=TTL
-    )
+    async def stats() -> dict[str, Any]:
+        capsys.readouterr()
+        rc = await asyncio.to_thread(ctl, ["--json", "stats", f"{LOOPBACK}:{node.port}"])
+        out, err = capsys.readouterr()
+        assert (rc, err) == (0, "")
+        return json.loads(out)
+
+    prefix = new_prefix()
+    node = Node(port=0, coordinator=etcd.endpoint, coordinator_prefix=prefix, failure_timeout=TTL)
     async with node:
         assert node.readiness() == (True, f"up at epoch {node.cluster.epoch}")
         assert node.coordinator is not None and node.node_id in node.coordinator.members
+        shown = await stats()
+        assert (shown["coordinator"], shown["fenced"]) == (f"{etcd.endpoint} {prefix}", None)
         etcd.kill()
 
         def not_ready() -> None:
@@ -760,6 +769,7 @@ async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lea
             with pytest.raises(RequestError) as info:
                 await client.update_arrays({"x": np.zeros(2, np.float32)})
             assert info.value.code == ErrorCode.UNAVAILABLE
+        assert "lease" in (await stats())["fenced"]
         await etcd.start()
         await eventually(
             lambda: assert_(node.readiness()[0]), timeout=SETTLE_TIMEOUT, interval=POLL

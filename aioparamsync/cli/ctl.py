@@ -235,6 +235,11 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
                 "uptime_seconds": info.uptime_seconds,
                 "counters": dict(sorted(info.counters.items())),
                 "peers": [_peer(p) for p in peers],
+                **(
+                    {"coordinator": info.coordinator, "fenced": info.fenced}
+                    if info.coordinator
+                    else {}
+                ),
             }
         )
         return OK
@@ -249,6 +254,11 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
                 ("timestamp", format_timestamp(info.timestamp, info.parameter_count)),
                 ("uptime", format_duration(info.uptime_seconds)),
                 ("peers", f"{len(peers)} ({up} up)"),
+                *(
+                    [("coordinator", info.coordinator), ("writes", info.fenced or "taken")]
+                    if info.coordinator
+                    else []
+                ),
             ]
         )
     )

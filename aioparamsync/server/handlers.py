@@ -512,6 +512,10 @@ class ParameterService:
                 info.keys_moving = rebalancer.moving
                 info.under_replicated = rebalancer.under_replicated
             counters["requests_passed_on"] = self.router.passed_on
+            coordinator = getattr(cluster, "coordinator", None)
+            if coordinator is not None:
+                info.coordinator = f"{coordinator.address} {coordinator.prefix}"
+                info.fenced = cluster.fenced()
         return method.result(success=info)
 
     def _topology_now(self) -> Any:
