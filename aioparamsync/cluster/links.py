@@ -295,6 +295,17 @@ class PeerLink:
             if not taken_back:
                 self._wakeup.set()
 
+    def discard(self) -> dict[str, tuple[int, str]]:
+        """Empty the outbox, unsent; answer what it held (name -> ``lww_key``).
+
+        A write waiting for its confirmation (``acks=all``) is told it failed.
+        """
+        taken, self.outbox = self.outbox, {}
+        self._oldest = None
+        self.drained.set()
+        self._settle_confirms(False)
+        return {name: lww_key(entry) for name, entry in taken.items()}
+
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"aioparamsync-peer-{self.address}")
 

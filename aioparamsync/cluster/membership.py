@@ -138,8 +138,9 @@ class Cluster:
     refused before it is applied when a live replica cannot be reached from
     here; a write that was applied but not confirmed is remembered
     (:attr:`unconfirmed`), and dropped if this node loses its lease, before
-    it registers anew: so it cannot win, by last-writer-wins, over a write
-    the others acknowledged meanwhile. Replication from, and repairs with, a
+    it registers anew, with what its outboxes still hold (writes that never
+    reached those replicas): so none can win, by last-writer-wins, over a
+    write the others acknowledged meanwhile. Replication from, and repairs with, a
     member not live in etcd are ignored for the same reason.
     """
 
@@ -236,10 +237,8 @@ class Cluster:
         coordinator = self.coordinator
         if coordinator is not None:
             self._coordinated()
-            if any(m != self.me.node_id for m in coordinator.members):
-                self.state = JOINING  # (it registered joining)
-            else:
-                self.state = JOINING  # (as it registered)
+            self.state = JOINING  # (as it registered)
+            if not any(m != self.me.node_id for m in coordinator.members):
                 self.set_state(UP)  # the first member: nothing to pull
         elif self.links:
             self.state = JOINING  # until it holds what it will (see join)
@@ -647,7 +646,7 @@ class Cluster:
 
     def trusted(self, node_id: str | None) -> bool:
         """Whether what ``node_id`` sends is taken (with a coordinator: while it is a
-        member there, not joining after a lost lease; without: always)."""
+        member there, its lease alive or registered anew; without: always)."""
         coordinator = self.coordinator
         if coordinator is None or node_id is None:
             return True
@@ -696,20 +695,28 @@ class Cluster:
         }
 
     def _lease_lost(self) -> None:
-        """This node's lease expired: it is no member now; it joins anew."""
+        """This node's lease expired: it is no member now; it joins anew.
+
+        What its outboxes still hold never reached those replicas (it was
+        fenced for half a TTL: a link that was up has sent it all): writes
+        applied here while cut off, acknowledged with ``acks=1`` at most.
+        They join the unconfirmed ones, dropped before it registers again.
+        """
         log.warning("node %s lost its lease: it joins again", self.me.node_id)
         self.state = JOINING
-        for link in self.links.values():  # (what it did not get confirmed is not sent)
-            for name in self.unconfirmed:
-                link.outbox.pop(name, None)
+        unconfirmed = self.unconfirmed
+        for link in self.links.values():
+            for name, key in link.discard().items():
+                if name not in unconfirmed or unconfirmed[name] < key:
+                    unconfirmed[name] = key
         self.refresh()
 
     async def _forget_unconfirmed(self) -> None:
         """Before registering anew: drop the writes applied here that no replica confirmed."""
         held, self.unconfirmed = self.unconfirmed, {}
         for link in self.links.values():
-            for name in held:
-                link.outbox.pop(name, None)
+            for name, key in link.discard().items():  # (offered since: a send that failed)
+                held[name] = max(held.get(name, key), key)
         if held:
             dropped = await self.store.drop(held)
             log.warning(
