@@ -253,8 +253,9 @@ class EtcdCoordinator:
             async with asyncio.timeout(timeout):
                 if self._client is None:
                     self._client = self._connect(self.endpoints[self._endpoint])
-                    await self._client.connect()
-                return await make(self._client)
+                client = self._client
+                await client.connect()  # (at once when connected; else with the one connecting)
+                return await make(client)
         except (Exception, TimeoutError) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -296,7 +297,7 @@ class EtcdCoordinator:
         """Check the cluster's config, register this node (its state in ``me``), watch.
 
         Raises:
-            CoordinatorError: etcd could not be reached within ``START_TIMEOUT``,
+            CoordinatorError: etcd could not be reached within :attr:`start_timeout`,
                 or its config disagrees with this node's.
         """
         deadline = time.monotonic() + self.start_timeout
