@@ -275,7 +275,7 @@ class GradientPushes:
                     )
         if push.forwarded and push.epoch is not None:
             self._check_primary(push)
-        if self.cluster is not None:  # (fenced: refused)
+        if self.cluster is not None and self.cluster.coordinator is not None:  # (fenced: refused)
             names = [g.name for g in push.grads or ()]
             self.cluster.check_writable(names, push.acks or self.cluster.acks)
         if not push.forwarded and push.grads:

@@ -29,9 +29,9 @@ from .partitioned import Partitioned, check_names, inline_limit, is_manifest
 from .routing import Router
 from .rows import RowService
 
-log = logging.getLogger(__name__)
-
 __all__ = ["ParameterService"]
+
+log = logging.getLogger(__name__)
 
 
 # The server's counters (see transport.py), in info's counters from the start:
@@ -423,8 +423,8 @@ class ParameterService:
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {acks!r}')
         if update.epoch is None:
             check_names([p.name for p in params])
-        if cluster is not None:
-            cluster.check_writable([p.name for p in params], acks)  # (fenced: refused)
+        if cluster is not None and cluster.coordinator is not None:  # (fenced: refused)
+            cluster.check_writable([p.name for p in params], acks)
         partitioned = self.partitioned
         if partitioned.partition_bytes and any(partitioned.large(p) for p in params):
             return _then(asyncio.ensure_future(partitioned.write(update, params, acks)), answer)
