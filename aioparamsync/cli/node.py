@@ -18,7 +18,12 @@ from collections.abc import Mapping, Sequence
 
 from .._version import __version__
 from ..client.environment import ENV_PREFIX, switch
-from ..cluster.coordinator import DEFAULT_PREFIX, CoordinatorError, parse_coordinator
+from ..cluster.coordinator import (
+    DEFAULT_PREFIX,
+    CoordinatorError,
+    check_prefix,
+    parse_coordinator,
+)
 from ..cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
 from ..cluster.links import DEFAULT_REPAIR_INTERVAL
 from ..cluster.membership import ACKS, DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING
@@ -378,11 +383,10 @@ def coordinator_spec(text: str) -> str:
 
 
 def coordinator_prefix(text: str) -> str:
-    if not text.startswith("/") or text.endswith("/") or "//" in text:
-        raise argparse.ArgumentTypeError(
-            f"a prefix is a path like /aioparamsync/NAME (no trailing /), not {text!r}"
-        )
-    return text
+    try:
+        return check_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def tls_contexts(

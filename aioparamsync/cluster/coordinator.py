@@ -101,6 +101,19 @@ def parse_coordinator(spec: str) -> list[tuple[str, int]]:
     return endpoints
 
 
+def check_prefix(prefix: str) -> str:
+    """``prefix``, where it is a path like ``/aioparamsync/NAME``.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if not prefix.startswith("/") or prefix.endswith("/") or "//" in prefix:
+        raise ValueError(
+            f"a prefix is a path like /aioparamsync/NAME (no trailing /), not {prefix!r}"
+        )
+    return prefix
+
+
 @dataclass(frozen=True)
 class Record:
     """A member as it is in etcd."""
@@ -190,10 +203,7 @@ class EtcdCoordinator:
             raise ValueError("a coordinator needs at least one endpoint")
         if not ttl >= MIN_TTL:
             raise ValueError(f"the coordinator's lease TTL must be at least {MIN_TTL} s, not {ttl}")
-        if not prefix.startswith("/") or prefix.endswith("/") or "//" in prefix:
-            raise ValueError(
-                f"a coordinator prefix is a path like /aioparamsync/NAME, not {prefix!r}"
-            )
+        check_prefix(prefix)
         self._client_class = _client_class()  # (raises at once without aetcd)
         self.endpoints = list(endpoints)
         self.prefix = prefix

@@ -704,19 +704,21 @@ class Cluster:
         """
         log.warning("node %s lost its lease: it joins again", self.me.node_id)
         self.state = JOINING
+        self._take_outboxes()
+        self.refresh()
+
+    def _take_outboxes(self) -> None:
+        """Empty every link's outbox, unsent, into :attr:`unconfirmed`."""
         unconfirmed = self.unconfirmed
         for link in self.links.values():
             for name, key in link.discard().items():
                 if name not in unconfirmed or unconfirmed[name] < key:
                     unconfirmed[name] = key
-        self.refresh()
 
     async def _forget_unconfirmed(self) -> None:
         """Before registering anew: drop the writes applied here that no replica confirmed."""
+        self._take_outboxes()  # (offered since: a send that failed)
         held, self.unconfirmed = self.unconfirmed, {}
-        for link in self.links.values():
-            for name, key in link.discard().items():  # (offered since: a send that failed)
-                held[name] = max(held.get(name, key), key)
         if held:
             dropped = await self.store.drop(held)
             log.warning(
