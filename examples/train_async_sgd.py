@@ -379,11 +379,16 @@ async def worker(
 
 
 async def wait_for_mesh(addresses: Sequence[str]) -> None:
-    """Wait until every node has a link, up, to each of the others."""
+    """Wait until every node has a link, up, to each of the others, and sees each
+    member up (a node that joins holds and serves its share only once it is up)."""
 
     async def meshed(client: ParameterClient) -> bool:
         info = await client.info()
-        return sum(peer.state == "up" for peer in info.peers or []) == len(addresses) - 1
+        if sum(peer.state == "up" for peer in info.peers or []) != len(addresses) - 1:
+            return False
+        topology = await client.topology()
+        states = [member.state for member in topology.members or []]
+        return states == ["up"] * len(addresses)
 
     await until_all(addresses, meshed, "form a full mesh")
 

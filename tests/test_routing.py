@@ -7,6 +7,7 @@ processes (kills, joins, drains, partitions) are in ``test_sharding.py``.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from cluster_helpers import LocalCluster, eventually
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
+from aioparamsync.client.routing import CHANGING_REFRESH_SECONDS, REFRESH_SECONDS, Topology
 from aioparamsync.placement import Placement, barrier_key
 
 pytestmark = pytest.mark.asyncio
@@ -277,6 +279,53 @@ async def test_the_topology_names_every_member_its_state_and_r(sharded: list[Nod
     assert info.topology.epoch >= topology.epoch
     assert info.state == "up"
     assert info.keys_moving == 0
+
+
+async def test_a_client_that_learned_a_member_joining_soon_routes_to_it_once_up() -> None:
+    """A node that joined holds its share, but a call routed by the topology before
+    (the member joining) is still served where it is sent, from what that node holds
+    (every key is on every node here): no MOVED tells the client. It asks for the
+    topology again soon (not after the 30 s of a steady one), so it finds the member."""
+    cluster = LocalCluster(replication_factor=3)
+    try:
+        a = await cluster.start()
+        nodes = [a, await cluster.start(peers=[a]), await cluster.start(peers=[a])]
+
+        def formed() -> None:
+            for node in nodes:
+                assert node.cluster.state == "up"
+                assert node.cluster.live == {n.node_id for n in nodes}, node.cluster.live
+
+        await eventually(formed)
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(arrays())
+            await eventually(lambda: assert_routed(client))
+            routes = client.routes
+            assert routes is not None
+            # What the client learns while the third node is joining.
+            joining = nodes[2].node_id
+            answer = await client.topology()
+            for member in answer.members:
+                if member.node_id == joining:
+                    member.state = "joining"
+            routes.topology = Topology(answer)
+            routes._learned_at = time.monotonic()
+            assert joining not in routes.topology.live
+            learned = routes.refreshes
+            started = time.monotonic()
+
+            async def routes_to_it() -> None:
+                got = await client.get_arrays(NAMES)  # served, from a and b
+                assert all((got[n] == v).all() for n, v in arrays().items())
+                assert routes.topology is not None and joining in routes.topology.live
+
+            await eventually(routes_to_it)
+            assert routes.refreshes == learned + 1
+            assert time.monotonic() - started < CHANGING_REFRESH_SECONDS + 5
+            # Steady again: the next refresh is the steady one's.
+            assert routes.topology.refresh_after == REFRESH_SECONDS
+    finally:
+        await cluster.close()
 
 
 async def test_a_node_alone_answers_a_topology_of_itself() -> None:

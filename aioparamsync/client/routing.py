@@ -18,7 +18,11 @@ epoch to its first node, which passes it on (every node answers every name).
 A node that cannot be reached is taken as down (its keys go to their next
 replica) and the topology is asked for again; a part that may have reached
 it (its connection broke in flight) is sent again only if the method is
-idempotent. The topology is also asked for again every ``REFRESH_SECONDS``.
+idempotent. The topology is also asked for again every ``REFRESH_SECONDS``,
+or every ``CHANGING_REFRESH_SECONDS`` while a member is joining, leaving or
+down: a node still answers, from what it holds or by passing on, a call routed
+by the topology before such a change ends (no MOVED tells the client), so
+without it the client would keep sending a joined node's keys the long way.
 
 A cluster of one node, or one that answers no topology (not an aioparamsync
 node, or an old one), is not routed: every call goes to the client's node.
@@ -46,7 +50,7 @@ from ..errors import (
     RequestError,
     ServerError,
 )
-from ..placement import LIVE, PLACED, Placement, barrier_key
+from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
 from .partitions import collapse, cut, gather, manifests_of, readable_error
@@ -65,6 +69,9 @@ READ_FROM = ("primary", "any")
 MAX_MOVES = 2
 # How often a client asks for the topology again, at its next call (seconds).
 REFRESH_SECONDS = 30.0
+# ... and while a member of the topology known is in a state that changes soon.
+CHANGING_REFRESH_SECONDS = 1.0
+CHANGING = frozenset({JOINING, LEAVING, DOWN})
 # The methods routed by the names they carry, and the argument holding them.
 ROUTED = {
     "get_parameters": "request",
@@ -91,6 +98,12 @@ class Topology:
         self.single = len(placed) <= 1
         #: parameters larger than this are stored as partitions (0: none is)
         self.partition_bytes: int = answer.partition_bytes or 0
+        #: seconds before asking for the topology again (soon while a member changes)
+        self.refresh_after = (
+            CHANGING_REFRESH_SECONDS
+            if any(m.state in CHANGING for m in members)
+            else REFRESH_SECONDS
+        )
 
     def target(self, name: str, read_from: str, salt: bytes) -> str | None:
         """Where a call for ``name`` goes: its primary, or (reads from any) one live replica."""
@@ -213,16 +226,17 @@ class Routes:
         Until the topology is known, calls go to the client's node (which
         passes on what it does not hold) while it is asked for, in the
         background: the first call waits for no extra round trip. It is
-        asked for again every ``REFRESH_SECONDS``.
+        asked for again every ``REFRESH_SECONDS`` (``CHANGING_REFRESH_SECONDS``
+        while a member changes).
         """
         if not self.enabled:
             return False
+        topology = self.topology
         if self._learning is None and (
-            self.topology is None or time.monotonic() - self._learned_at > REFRESH_SECONDS
+            topology is None or time.monotonic() - self._learned_at > topology.refresh_after
         ):
             self._learned_at = time.monotonic()
             self._background = asyncio.ensure_future(self._relearn())
-        topology = self.topology
         return topology is not None and not topology.single
 
     async def invoke(self, m: Method, timeout: float | EllipsisType | None, args: dict) -> Any:
