@@ -565,8 +565,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# Signals that stop the job as Ctrl-C (SIGINT) does: the nodes are stopped on the way out.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# Signals that stop the job: the nodes are stopped on the way out. SIGINT (Ctrl-C) is
+# handled here too, not left to Python's default: a job started in the background by a
+# script (``cmd &``) inherits SIGINT ignored, and Python keeps it so; the nodes handle it
+# themselves as well.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -576,8 +579,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def run(coroutine: Coroutine[Any, Any, Result]) -> Result:
     """Run on uvloop when it is installed, else on asyncio's own loop.
 
-    While it runs, a stop signal cancels it, as asyncio does on Ctrl-C (an
-    exception raised in the middle of the loop's own code could be lost).
+    While it runs, a stop signal (Ctrl-C included) cancels it, as asyncio does on
+    Ctrl-C (an exception raised in the middle of the loop's own code could be lost).
     """
 
     async def cancellable() -> Result:

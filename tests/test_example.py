@@ -192,8 +192,17 @@ def read_until(process: subprocess.Popen[bytes], pattern: str, timeout: float) -
     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{output.decode()}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupted_run_stops_every_node(sig, tmp_path) -> None:
+def ignore_sigint() -> None:
+    """What a script's ``cmd &`` does to a background job: it starts with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "inherited"),
+    [(signal.SIGINT, None), (signal.SIGINT, ignore_sigint), (signal.SIGTERM, None)],
+    ids=["SIGINT", "SIGINT-started-ignored", "SIGTERM"],
+)
+def test_an_interrupted_run_stops_every_node(sig, inherited, tmp_path) -> None:
     pids: list[int] = []
     with (tmp_path / "stderr").open("w+b") as stderr:
         process = subprocess.Popen(
@@ -202,6 +211,7 @@ def test_an_interrupted_run_stops_every_node(sig, tmp_path) -> None:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=stderr,
+            preexec_fn=inherited,  # (one signal call in the child, before exec)
         )
         with cleanup(pids):
             try:
@@ -210,7 +220,12 @@ def test_an_interrupted_run_stops_every_node(sig, tmp_path) -> None:
                 assert all(running(pid) for pid in pids)
                 wait_for_progress(stderr, RUN_TIMEOUT)
                 process.send_signal(sig)  # to the script alone, not its nodes
-                rc = process.wait(timeout=EXIT_TIMEOUT)
+                try:
+                    rc = process.wait(timeout=EXIT_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    stderr.seek(0)
+                    tail = stderr.read().decode(errors="replace")[-4000:]
+                    pytest.fail(f"no exit within {EXIT_TIMEOUT} s of {sig.name}; stderr:\n{tail}")
             finally:
                 if process.poll() is None:
                     process.kill()  # by its PID
