@@ -126,10 +126,15 @@ async def run_workers(
 
 
 async def stoppable(coroutine: Coroutine[Any, Any, Result]) -> Result:
-    """Run ``coroutine``; SIGTERM cancels it, as Ctrl-C does (the workers are stopped)."""
+    """Run ``coroutine``; SIGINT (Ctrl-C) or SIGTERM cancels it (the workers are stopped).
+
+    SIGINT is handled here, not left to asyncio's default: a job started in the
+    background by a script (``cmd &``) inherits SIGINT ignored, and Python keeps it so.
+    """
     task = asyncio.current_task()
     assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
     return await coroutine
 
 

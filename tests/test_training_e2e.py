@@ -34,6 +34,9 @@ topk one at worst by a thin 0.3%; ``test_no_pushed_gradient_is_lost`` is the
 check that does not depend on a margin. The figures are in the assertion
 messages (printed with ``-s``).
 
+A Ctrl-C (SIGINT) to the example stops it and its workers, also when it
+started with SIGINT ignored (a background job of a script).
+
 Every wait is bounded; the test kills (by PID) only the processes it started:
 the nodes, and the example (which stops its own workers; they also stop once
 its stdin closes, and at ``--time-limit``).
@@ -42,9 +45,13 @@ its stdin closes, and at ``--time-limit``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
+import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,3 +249,87 @@ def test_no_pushed_gradient_is_lost(runs: dict[str, Run], prefix: str) -> None:
     # Each worker pushes one gradient a step: all of them, so 0 == 0 cannot pass.
     assert run.report["gradients_pushed"] == WORKERS * STEPS, run.figures()
     assert run.report["version_advance"] == run.report["gradients_pushed"], run.figures()
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs of the live processes whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _ignore_sigint() -> None:
+    """What a script's ``cmd &`` does to a background job: it starts with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("inherited", [None, _ignore_sigint], ids=["SIGINT", "started-ignored"])
+def test_ctrl_c_stops_the_example_and_its_workers(inherited) -> None:
+    """SIGINT to the coordinator (its workers ignore it) stops the run: exit 130, no
+    worker left. Also when it started with SIGINT ignored, as a background job does."""
+    with asyncio.Runner() as runner:
+        runner.run(_interrupt(inherited))
+
+
+async def _interrupt(inherited) -> None:
+    cluster = ProcessCluster(repair_interval=0.5)
+    workers: list[int] = []
+    try:
+        node = await cluster.spawn()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(EXAMPLE),
+            "--nodes",
+            node.address_text,
+            *TRAINING,
+            "--steps",
+            "1000000",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=inherited,  # (one signal call in the child, before exec)
+        )
+        try:
+            # Its workers started (and, a moment later, training).
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while len(workers) < WORKERS and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                workers = _children(process.pid)
+            assert len(workers) == WORKERS, f"workers started: {workers}"
+            await asyncio.sleep(2.0)
+            process.send_signal(signal.SIGINT)  # to the coordinator alone
+            async with asyncio.timeout(30):
+                _, stderr = await process.communicate()
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()  # by its PID
+                await process.wait()
+        assert process.returncode == 130, stderr.decode()
+        assert "interrupted: the workers were stopped" in stderr.decode()
+        assert not [pid for pid in workers if _running(pid)], "workers outlived the example"
+    finally:
+        for pid in workers:
+            if _running(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        await cluster.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process of the example."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return b"train_gradients" in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z"
