@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_helpers import LocalCluster, eventually
+from cluster_helpers import CONVERGE_TIMEOUT, LocalCluster, eventually
 
-from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule, thrift
+from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sgd, sum_rule, thrift
 from aioparamsync.client.routing import CHANGING_REFRESH_SECONDS, REFRESH_SECONDS, Topology
 from aioparamsync.placement import Placement, barrier_key
 
@@ -390,6 +390,143 @@ async def test_a_node_logs_what_it_holds_and_after_a_restart_catches_up_the_rest
                 assert bytes(a.table.entry(name).data) == arrays(100)[name].tobytes(), name
 
         await eventually(caught_up)
+    finally:
+        await cluster.close()
+
+
+async def test_a_hand_off_that_sees_a_newer_epoch_drops_nothing_and_loses_nothing() -> None:
+    """a holds every key when b joins (R=1) and hands b its share; while b confirms,
+    b starts to leave (a newer epoch, in which a holds every key again). The round
+    drops nothing (what b confirmed was for the placement before); b hands all back."""
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        a = await cluster.start()
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(arrays())
+        rebalancer = a.cluster.rebalancer
+        hand_to, drop, one_round = rebalancer._hand_to, a.cluster.store.drop, rebalancer.round
+        leaving: list[asyncio.Task] = []
+        ended = asyncio.Event()  # the round in which b started to leave has ended
+        wrong: list[str] = []  # names a dropped while the placement gives them to it
+
+        async def hand_to_then_b_leaves(link: Any, entries: Any) -> set[str]:
+            held = await hand_to(link, entries)
+            if held and not leaving:
+                epoch = a.cluster.epoch
+
+                def started() -> None:  # (b's start may not have returned yet)
+                    assert len(cluster.running) == 2
+
+                await eventually(started)
+                b = cluster.running[1]
+                leaving.append(asyncio.ensure_future(cluster.stop(b, leave=True)))
+
+                def newer() -> None:
+                    assert a.cluster.epoch != epoch
+
+                await eventually(newer)
+            return held
+
+        async def checked_drop(held: Any) -> int:
+            after = a.cluster.pending or a.cluster.placement
+            wrong.extend(n for n in held if after.holds(a.node_id, n))
+            return await drop(held)
+
+        async def noted_round() -> int:
+            dropped = await one_round()
+            if leaving:
+                ended.set()
+            return dropped
+
+        rebalancer._hand_to = hand_to_then_b_leaves  # type: ignore[method-assign]
+        rebalancer.round = noted_round  # type: ignore[method-assign]
+        a.cluster.store.drop = checked_drop  # type: ignore[method-assign]
+        await cluster.start(peers=[a])
+        async with asyncio.timeout(CONVERGE_TIMEOUT):
+            await ended.wait()
+        assert rebalancer.aborted == 1
+        assert not wrong, f"dropped while placed here: {sorted(wrong)}"
+
+        def left() -> None:
+            assert leaving and leaving[0].done()
+
+        await eventually(left)
+        await leaving[0]
+
+        def all_back() -> None:
+            assert a.cluster.live == {a.node_id}
+            assert set(a.table.names()) == set(NAMES)
+            for name, array in arrays().items():
+                assert bytes(a.table.entry(name).data) == array.tobytes(), name
+
+        await eventually(all_back)
+        assert not wrong, f"dropped while placed here: {sorted(wrong)}"
+    finally:
+        await cluster.close()
+
+
+async def test_a_bucket_hand_off_that_sees_a_newer_epoch_keeps_the_bucket() -> None:
+    """The same for an embedding table's buckets: a handed one bucket to b when b
+    starts to leave; a keeps that bucket (the very block: it was not dropped and
+    handed back), and every row is on a once b has left."""
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        a = await cluster.start()
+        ids = np.arange(2000, dtype=np.int64)
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=16)
+            await client.push_row_gradients("emb", ids, np.ones((len(ids), 4), np.float32))
+        rows = a.service.rows
+        table = rows.tables.tables["emb"]
+        blocks = dict(table.blocks)  # bucket -> its block, before b joins
+        assert len(blocks) == 16
+        hand_off, hooks = rows._hand_off, a.cluster.rebalancer.hooks
+        rebalance = hooks[hooks.index(rows.rebalance)]
+        leaving: list[asyncio.Task] = []
+        handed: list[int] = []  # the bucket handed off when b started to leave
+        ended = asyncio.Event()
+
+        async def hand_off_then_b_leaves(table: Any, bucket: int, holders: Any) -> bool:
+            ok = await hand_off(table, bucket, holders)
+            if ok and not leaving:
+                handed.append(bucket)
+                epoch = a.cluster.epoch
+
+                def started() -> None:
+                    assert len(cluster.running) == 2
+
+                await eventually(started)
+                leaving.append(asyncio.ensure_future(cluster.stop(cluster.running[1], leave=True)))
+
+                def newer() -> None:
+                    assert a.cluster.epoch != epoch
+
+                await eventually(newer)
+            return ok
+
+        async def noted_rebalance() -> int:
+            waiting = await rebalance()
+            if leaving:
+                ended.set()
+            return waiting
+
+        rows._hand_off = hand_off_then_b_leaves  # type: ignore[method-assign]
+        hooks[hooks.index(rows.rebalance)] = noted_rebalance
+        await cluster.start(peers=[a])
+        async with asyncio.timeout(CONVERGE_TIMEOUT):
+            await ended.wait()
+        assert table.blocks.get(handed[0]) is blocks[handed[0]]
+
+        def all_back() -> None:
+            assert leaving and leaving[0].done()
+            assert a.cluster.live == {a.node_id}
+            assert sorted(table.blocks) == sorted(blocks)
+
+        await eventually(all_back)
+        await leaving[0]
+        async with ParameterClient(a.address, timeout=10) as client:
+            pulled = await client.pull_rows("emb", ids)
+        np.testing.assert_array_equal(pulled, np.full((len(ids), 4), -1.0, np.float32))
     finally:
         await cluster.close()
 

@@ -15,6 +15,11 @@ to the key's replicas and only then forgets it:
    newer are dropped here (through the store's writer, in order with the
    updates: a version written here since is kept for the next round).
 
+A round works for the epoch it started at: if a newer one came while it
+waited for the replicas (a member joined, left or failed meanwhile), it drops
+nothing, since what they confirmed was for the placement before; the next
+round, which the new epoch starts, works from the new placement.
+
 A replica that is down cannot confirm: the key stays here until it can, or
 until placement moves it to members that can. So a key is never dropped
 before its new holders have it: no acknowledged write is lost to a join, a
@@ -59,6 +64,7 @@ class Rebalancer:
         under_replicated: keys this node is primary of, some of whose replicas
             are not live (last round).
         handed_off: keys dropped here once their replicas had them, so far.
+        aborted: rounds that dropped nothing, a newer epoch having come meanwhile.
     """
 
     def __init__(self, cluster: Cluster) -> None:
@@ -67,6 +73,7 @@ class Rebalancer:
         self.under_replicated = 0
         self.handed_off = 0
         self.stuck = 0  # keys to move none of whose holders to come is up (last round)
+        self.aborted = 0
         #: rounds of other keys than parameters (embedding tables' buckets), run
         #: after each round here and at a take-over; each answers the keys it still
         #: has to move
@@ -148,6 +155,7 @@ class Rebalancer:
             return 0
         cluster = self.cluster
         me = cluster.me.node_id
+        epoch = cluster.epoch
         after = cluster.pending or cluster.placement
         # Each key's holders to come, and the entries each is to confirm.
         targets: dict[str, list[str]] = {}
@@ -174,6 +182,14 @@ class Rebalancer:
                 log.info("handing keys to %s failed: %s", m, result)
             else:
                 confirmed[m] = result
+        if cluster.epoch != epoch:
+            self.aborted += 1
+            log.info(
+                "rebalancing round of epoch %d dropped nothing: epoch %d came meanwhile",
+                epoch,
+                cluster.epoch,
+            )
+            return 0
         handed = {
             e.name: lww_key(e)
             for e in surplus

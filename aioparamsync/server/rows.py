@@ -483,14 +483,15 @@ class RowService:
         them until it has (its folds meanwhile reach the holders to come as
         well: see :meth:`_replicate`); it drops a bucket once it is no replica
         of it now and every holder to come has it. Also drops the rows past
-        their tables' ``row_ttl``. Answers the buckets that still wait.
+        their tables' ``row_ttl``. A round drops nothing once a newer epoch has come
+        (as :mod:`..cluster.rebalance`'s). Answers the buckets that still wait.
         """
         for table in list(self.tables.tables.values()):
             table.evict(time.time())
         cluster = self.cluster
         if cluster is None or not cluster.links:
             return 0
-        me, now = self._me, cluster.placement
+        me, now, epoch = self._me, cluster.placement, cluster.epoch
         after = cluster.pending or now
         waiting = 0
         for table in list(self.tables.tables.values()):
@@ -521,6 +522,11 @@ class RowService:
                         continue
                     self._handed[mark] = after
                 if me not in now.replicas(key):
+                    if cluster.epoch != epoch:
+                        # (handed off for the placement before a newer epoch: the
+                        # next round, which that epoch starts, decides)
+                        waiting += 1
+                        continue
                     del table.blocks[bucket]
                     self._handed.pop(mark, None)
         return waiting
