@@ -777,3 +777,30 @@ async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lea
         await eventually(
             lambda: assert_(node.readiness()[0]), timeout=SETTLE_TIMEOUT, interval=POLL
         )
+
+
+async def test_rows_a_non_member_replicates_are_ignored_a_members_taken(etcd: Etcd) -> None:
+    """A node whose lease expired is no member: rows it sends (``replicate_rows``) may
+    be folds its replicas never confirmed, and are ignored, as its parameters are; the
+    same rows from a member are taken."""
+    from aioparamsync import Node, sgd
+    from aioparamsync.values.rowwire import encode_ids
+    from aioparamsync.wire import METHODS
+
+    node = Node(
+        port=0, coordinator=etcd.endpoint, coordinator_prefix=new_prefix(), failure_timeout=TTL
+    )
+    ids = np.arange(8, dtype=np.int64)
+    async with node, ParameterClient(node.address, timeout=5, route=False) as client:
+        await client.create_table("emb", 4, rule=sgd(1.0), buckets=1)
+        await client.push_row_gradients("emb", ids, np.ones((8, 4), np.float32))
+        table = node.service.rows.tables.tables["emb"]
+        for sender, taken in (("127.0.0.1:1", False), (node.node_id, True)):
+            delta = table.delta(0, None, sender)  # every row, newer, at 42
+            versions = np.frombuffer(delta.versions, "<i8") + 5
+            delta.versions = encode_ids(versions)
+            delta.rows = np.full((len(versions), 4), 42.0, "<f4").tobytes()
+            kept = await client.invoke(METHODS.replicate_rows, deltas=[delta])
+            assert kept == (len(ids) if taken else 0), sender
+            rows = await client.pull_rows("emb", ids)
+            np.testing.assert_array_equal(rows, np.full((8, 4), 42.0 if taken else -1.0))

@@ -437,7 +437,13 @@ class RowService:
             raise RequestError(ErrorCode.BAD_REQUEST, "the deltas are missing, or their table")
         kept_deltas, kept = [], 0
         now = time.time()
+        cluster = self.cluster
         for delta in deltas:
+            if cluster is not None and not cluster.trusted(delta.from_peer):
+                # (a member whose lease expired: rows its replicas never confirmed,
+                # as for parameters; see server.handlers)
+                log.debug("rows from %s ignored: not a member", delta.from_peer)
+                continue
             table = self.tables.create(table_spec(delta.table))[0]
             n = table.merge(delta, now)
             if n:
@@ -506,7 +512,7 @@ class RowService:
                         if await self._take(table, bucket, sources):
                             # (taken from every holder only once all are up: one down
                             # now is asked again at a later round)
-                            if all(self._up(m) for m in sources):
+                            if all(self._up(m) and cluster.trusted(m) for m in sources):
                                 self._synced[mark] = after
                         else:
                             waiting += 1
@@ -535,7 +541,8 @@ class RowService:
         """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
         page; whether every one answered."""
         cluster = self.cluster
-        others = [m for m in sources if m != self._me and self._up(m)]
+        # (not from a member whose lease expired: what it holds may lose acknowledged rows)
+        others = [m for m in sources if m != self._me and self._up(m) and cluster.trusted(m)]
         page = self._page_rows(table)
         ok = True
         for member in others:
