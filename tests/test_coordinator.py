@@ -804,3 +804,58 @@ async def test_rows_a_non_member_replicates_are_ignored_a_members_taken(etcd: Et
             assert kept == (len(ids) if taken else 0), sender
             rows = await client.pull_rows("emb", ids)
             np.testing.assert_array_equal(rows, np.full((8, 4), 42.0 if taken else -1.0))
+
+
+async def test_a_row_push_a_live_replica_cannot_take_is_refused_before_it_is_folded(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    """Tables as parameters: with acks=all, a push whose buckets have a replica live in
+    etcd that this node cannot reach is refused (UNAVAILABLE) and folds nothing; once
+    the replica is reached again, the push folds on both."""
+    from aioparamsync import sgd
+
+    prefix = new_prefix()
+    async with contextlib.AsyncExitStack() as stack:
+        proxies = [FaultProxy(free_port()) for _ in range(2)]
+        for proxy in proxies:
+            await proxy.start()
+            stack.push_async_callback(proxy.close)
+        nodes = []
+        for i, proxy in enumerate(proxies):
+            extra = coordinated(etcd.endpoint, prefix, "--advertise", proxy.address_text)
+            nodes.append(
+                await procs.spawn(port=proxy.target[1], extra=[*extra, "--node-id", "ab"[i]])
+            )
+        a = nodes[0]
+        clients = await open_clients(stack, nodes)
+        await eventually(
+            lambda: agreed(clients, set(clients)),
+            timeout=FORM_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        ids = np.arange(64, dtype=np.int64)
+        ones = np.ones((len(ids), 4), np.float32)
+        await clients["a"].create_table("emb", 4, rule=sgd(1.0), buckets=4)
+        await clients["a"].push_row_gradients("emb", ids, ones, acks="all")
+
+        async def link_to_b(state: str) -> None:
+            peers = {p.node_id: p.state for p in (await clients["a"].info()).peers or []}
+            assert (peers.get("b") == "up") == (state == "up"), peers
+
+        proxies[1].cut_from(a.pid)  # A cannot reach B; both reach etcd: B stays live
+        await eventually(lambda: link_to_b("down"), timeout=FORM_TIMEOUT, interval=POLL)
+        with pytest.raises(RequestError) as info:
+            await clients["a"].push_row_gradients("emb", ids, ones, acks="all")
+        assert info.value.code == ErrorCode.UNAVAILABLE
+        assert "nothing was applied" in info.value.message
+        for node_id in ("a", "b"):  # (each answers from what it holds: every bucket, R=2)
+            rows = await clients[node_id].pull_rows("emb", ids)
+            np.testing.assert_array_equal(rows, np.full((len(ids), 4), -1.0), node_id)
+
+        proxies[1].heal()
+        await eventually(lambda: link_to_b("up"), timeout=FORM_TIMEOUT, interval=POLL)
+        await clients["a"].push_row_gradients("emb", ids, ones, acks="all")
+        for node_id in ("a", "b"):
+            rows = await clients[node_id].pull_rows("emb", ids)
+            np.testing.assert_array_equal(rows, np.full((len(ids), 4), -2.0), node_id)

@@ -296,6 +296,12 @@ class RowService:
         settling = cluster.settling if cluster is not None else None
         if settling is not None:
             await settling
+        if cluster is not None and cluster.coordinator is not None:
+            # (acks=all: refused before it is folded while a live replica of one of its
+            # buckets cannot be reached, as a write of parameters is)
+            acks = push.acks or cluster.acks
+            buckets = np.unique(table.buckets_of(ids)) if acks == "all" else ()
+            cluster.check_writable([bucket_key(table.spec.name, int(b)) for b in buckets], acks)
         changed, created = table.fold(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
