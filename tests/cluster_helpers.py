@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from aioparamsync import CallTimeout, NetworkError, Node, ParameterClient
@@ -47,6 +48,24 @@ State = dict[str, tuple[int, str, bytes]]
 def assert_(condition: bool) -> None:
     """``assert condition``, as a call (for ``eventually(lambda: assert_(...))``)."""
     assert condition
+
+
+def process_runs(pid: int, marker: bytes) -> bool:
+    """Whether process ``pid`` runs (a zombie does not) with ``marker`` in its command
+    line (a PID reused by another program does not count)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return marker in cmdline and state != "Z"
 
 
 async def eventually(

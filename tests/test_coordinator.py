@@ -210,6 +210,19 @@ async def agreed(clients: Mapping[str, ParameterClient], ids: set[str]) -> int:
     return epochs.pop()
 
 
+async def until_agreed(
+    clients: Mapping[str, ParameterClient],
+    ids: set[str] | None = None,
+    timeout: float = FORM_TIMEOUT,
+) -> int:
+    """Wait until :func:`agreed` (every node up, seeing ``ids``, all of them by default,
+    up at one epoch); answer the epoch."""
+    wanted = set(clients) if ids is None else ids
+    return await eventually(
+        lambda: agreed(clients, wanted), timeout=timeout, interval=POLL, retry_on=RETRY
+    )
+
+
 async def replica_states(
     clients: Mapping[str, ParameterClient], names: Sequence[str]
 ) -> dict[tuple[str, str], tuple[int, bytes]]:
@@ -361,9 +374,7 @@ async def test_nodes_share_one_view_whose_epoch_is_etcd_revision(
     async with contextlib.AsyncExitStack() as stack:
         clients = await open_clients(stack, nodes)
         ids = set(clients)
-        epoch = await eventually(
-            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
-        )
+        epoch = await until_agreed(clients, ids)
         held = await members_in_etcd(etcd, prefix)
         assert set(held) == ids
         assert {v["state"] for v, _ in held.values()} == {"up"}
@@ -409,9 +420,7 @@ async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_surviv
         a = nodes[0]
         clients = await open_clients(stack, nodes)
         ids = set(clients)
-        await eventually(
-            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
-        )
+        await until_agreed(clients, ids)
         names = [f"k{i}" for i in range(6)]
         await clients["b"].update_arrays({n: np.zeros(3, np.int64) for n in names}, acks="all")
 
@@ -444,9 +453,7 @@ async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_surviv
             for proxy in (to_etcd, *proxies):
                 proxy.heal()
             # A learns its lease expired, drops what it did not get confirmed, joins again.
-            await eventually(
-                lambda: agreed(clients, ids), timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
-            )
+            await until_agreed(clients, ids, timeout=SETTLE_TIMEOUT)
             await asyncio.sleep(0.5)  # (writes on both sides again, after the heal)
             writers.stop.set()
             await asyncio.gather(*tasks)
@@ -464,9 +471,7 @@ async def test_without_etcd_writes_stop_within_the_ttl_reads_go_on_and_both_come
     async with contextlib.AsyncExitStack() as stack:
         clients = await open_clients(stack, nodes)
         ids = set(clients)
-        await eventually(
-            lambda: agreed(clients, ids), timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY
-        )
+        await until_agreed(clients, ids)
         names = [f"e{i}" for i in range(6)]
         await clients[nodes[0].node_id].update_arrays(
             {n: np.full(2, i, np.float32) for i, n in enumerate(names)}
@@ -499,9 +504,7 @@ async def test_without_etcd_writes_stop_within_the_ttl_reads_go_on_and_both_come
         await eventually(
             every_node_takes_writes, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
         )
-        await eventually(
-            lambda: agreed(clients, ids), timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY
-        )
+        await until_agreed(clients, ids, timeout=SETTLE_TIMEOUT)
         for client in clients.values():
             got = await client.get_arrays(names)
             assert [float(got[n][0]) for n in names] == [100, 101, 102, 3, 4, 5]
@@ -515,24 +518,14 @@ async def test_a_join_and_a_drain_during_writes_lose_no_acknowledged_write(
     first = [await procs.spawn(extra=flags) for _ in range(2)]
     async with contextlib.AsyncExitStack() as stack:
         clients = await open_clients(stack, first)
-        await eventually(
-            lambda: agreed(clients, set(clients)),
-            timeout=FORM_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
+        await until_agreed(clients)
         names = [f"j{i}" for i in range(10)]
         writers = Writers(dict(clients), names)
         tasks = writers.start()
         await asyncio.sleep(1.0)
         joined = await procs.spawn(extra=flags)
         clients[joined.node_id] = await stack.enter_async_context(joined.client())
-        await eventually(
-            lambda: agreed(clients, set(clients)),
-            timeout=FORM_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
+        await until_agreed(clients)
         await asyncio.sleep(1.0)
         leaving = first[1]
         writers.stop.set()  # (its writer stops before its node does)
@@ -544,12 +537,7 @@ async def test_a_join_and_a_drain_during_writes_lose_no_acknowledged_write(
         assert await leaving.wait_exit(timeout=60.0) == 0
         held = await members_in_etcd(etcd, prefix)
         assert leaving.node_id not in held  # (its lease revoked: gone at once)
-        await eventually(
-            lambda: agreed(clients, set(clients)),
-            timeout=FORM_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
+        await until_agreed(clients)
         await asyncio.sleep(1.0)
         writers.stop.set()
         await asyncio.gather(*tasks)
@@ -828,12 +816,7 @@ async def test_a_row_push_a_live_replica_cannot_take_is_refused_before_it_is_fol
             )
         a = nodes[0]
         clients = await open_clients(stack, nodes)
-        await eventually(
-            lambda: agreed(clients, set(clients)),
-            timeout=FORM_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
+        await until_agreed(clients)
         ids = np.arange(64, dtype=np.int64)
         ones = np.ones((len(ids), 4), np.float32)
         await clients["a"].create_table("emb", 4, rule=sgd(1.0), buckets=4)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_helpers import process_runs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,19 +58,7 @@ def node_pids(stdout: str) -> list[int]:
 
 def running(pid: int) -> bool:
     """Whether a node process with this PID runs (a zombie, or another program, does not)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return b"aioparamsync" in cmdline and state != "Z"
+    return process_runs(pid, b"aioparamsync")
 
 
 def assert_all_stopped(pids: list[int]) -> None:

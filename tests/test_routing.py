@@ -394,6 +394,25 @@ async def test_a_node_logs_what_it_holds_and_after_a_restart_catches_up_the_rest
         await cluster.close()
 
 
+async def _second_node_leaves(cluster: LocalCluster) -> asyncio.Task:
+    """Start the second node's leave (its start may not have returned yet); answer its
+    task once the first node is at a newer epoch."""
+    first = cluster.running[0]
+    epoch = first.cluster.epoch
+
+    def started() -> None:
+        assert len(cluster.running) == 2
+
+    await eventually(started)
+    task = asyncio.ensure_future(cluster.stop(cluster.running[1], leave=True))
+
+    def newer() -> None:
+        assert first.cluster.epoch != epoch
+
+    await eventually(newer)
+    return task
+
+
 async def test_a_hand_off_that_sees_a_newer_epoch_drops_nothing_and_loses_nothing() -> None:
     """a holds every key when b joins (R=1) and hands b its share; while b confirms,
     b starts to leave (a newer epoch, in which a holds every key again). The round
@@ -412,19 +431,7 @@ async def test_a_hand_off_that_sees_a_newer_epoch_drops_nothing_and_loses_nothin
         async def hand_to_then_b_leaves(link: Any, entries: Any) -> set[str]:
             held = await hand_to(link, entries)
             if held and not leaving:
-                epoch = a.cluster.epoch
-
-                def started() -> None:  # (b's start may not have returned yet)
-                    assert len(cluster.running) == 2
-
-                await eventually(started)
-                b = cluster.running[1]
-                leaving.append(asyncio.ensure_future(cluster.stop(b, leave=True)))
-
-                def newer() -> None:
-                    assert a.cluster.epoch != epoch
-
-                await eventually(newer)
+                leaving.append(await _second_node_leaves(cluster))
             return held
 
         async def checked_drop(held: Any) -> int:
@@ -490,18 +497,7 @@ async def test_a_bucket_hand_off_that_sees_a_newer_epoch_keeps_the_bucket() -> N
             ok = await hand_off(table, bucket, holders)
             if ok and not leaving:
                 handed.append(bucket)
-                epoch = a.cluster.epoch
-
-                def started() -> None:
-                    assert len(cluster.running) == 2
-
-                await eventually(started)
-                leaving.append(asyncio.ensure_future(cluster.stop(cluster.running[1], leave=True)))
-
-                def newer() -> None:
-                    assert a.cluster.epoch != epoch
-
-                await eventually(newer)
+                leaving.append(await _second_node_leaves(cluster))
             return ok
 
         async def noted_rebalance() -> int:

@@ -66,6 +66,7 @@ from cluster_helpers import (
     ProcessCluster,
     assert_mesh_over_wire,
     eventually,
+    process_runs,
     run_process,
 )
 
@@ -327,9 +328,4 @@ async def _interrupt(inherited) -> None:
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a live (not zombie) process of the example."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return b"train_gradients" in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return process_runs(pid, b"train_gradients")
