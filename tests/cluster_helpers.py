@@ -50,6 +50,12 @@ def assert_(condition: bool) -> None:
     assert condition
 
 
+def _state_and_parent(stat: str) -> tuple[str, int]:
+    """A process's state letter and parent PID, from its ``/proc/PID/stat``."""
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+    return state, int(ppid)
+
+
 def process_runs(pid: int, marker: bytes) -> bool:
     """Whether process ``pid`` runs (a zombie does not) with ``marker`` in its command
     line (a PID reused by another program does not count)."""
@@ -64,8 +70,28 @@ def process_runs(pid: int, marker: bytes) -> bool:
         except ProcessLookupError:
             return False
         return True
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return marker in cmdline and state != "Z"
+    return marker in cmdline and _state_and_parent(stat)[0] != "Z"
+
+
+def children_of(pid: int) -> list[int]:
+    """The PIDs of the live (not zombie) processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = _state_and_parent((entry / "stat").read_text())
+        except OSError:
+            continue
+        if ppid == pid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def ignore_sigint() -> None:
+    """What a script's ``cmd &`` does to a background job: it starts with SIGINT ignored.
+    (A ``preexec_fn``: a test starts a process so, to see it handle SIGINT anyway.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 async def eventually(

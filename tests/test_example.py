@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_helpers import process_runs
+from cluster_helpers import ignore_sigint, process_runs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -179,11 +179,6 @@ def read_until(process: subprocess.Popen[bytes], pattern: str, timeout: float) -
         if re.search(pattern, output.decode(errors="replace"), re.MULTILINE):
             return output.decode(errors="replace")
     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{output.decode()}")
-
-
-def ignore_sigint() -> None:
-    """What a script's ``cmd &`` does to a background job: it starts with SIGINT ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.mark.parametrize(

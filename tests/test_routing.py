@@ -413,6 +413,18 @@ async def _second_node_leaves(cluster: LocalCluster) -> asyncio.Task:
     return task
 
 
+def _noting(one_round: Any, leaving: list[asyncio.Task], ended: asyncio.Event) -> Any:
+    """``one_round`` that sets ``ended`` once a round in which the leave began has ended."""
+
+    async def noted() -> int:
+        answer = await one_round()
+        if leaving:
+            ended.set()
+        return answer
+
+    return noted
+
+
 async def test_a_hand_off_that_sees_a_newer_epoch_drops_nothing_and_loses_nothing() -> None:
     """a holds every key when b joins (R=1) and hands b its share; while b confirms,
     b starts to leave (a newer epoch, in which a holds every key again). The round
@@ -439,14 +451,8 @@ async def test_a_hand_off_that_sees_a_newer_epoch_drops_nothing_and_loses_nothin
             wrong.extend(n for n in held if after.holds(a.node_id, n))
             return await drop(held)
 
-        async def noted_round() -> int:
-            dropped = await one_round()
-            if leaving:
-                ended.set()
-            return dropped
-
         rebalancer._hand_to = hand_to_then_b_leaves  # type: ignore[method-assign]
-        rebalancer.round = noted_round  # type: ignore[method-assign]
+        rebalancer.round = _noting(one_round, leaving, ended)  # type: ignore[method-assign]
         a.cluster.store.drop = checked_drop  # type: ignore[method-assign]
         await cluster.start(peers=[a])
         async with asyncio.timeout(CONVERGE_TIMEOUT):
@@ -500,14 +506,8 @@ async def test_a_bucket_hand_off_that_sees_a_newer_epoch_keeps_the_bucket() -> N
                 leaving.append(await _second_node_leaves(cluster))
             return ok
 
-        async def noted_rebalance() -> int:
-            waiting = await rebalance()
-            if leaving:
-                ended.set()
-            return waiting
-
         rows._hand_off = hand_off_then_b_leaves  # type: ignore[method-assign]
-        hooks[hooks.index(rows.rebalance)] = noted_rebalance
+        hooks[hooks.index(rows.rebalance)] = _noting(rebalance, leaving, ended)
         await cluster.start(peers=[a])
         async with asyncio.timeout(CONVERGE_TIMEOUT):
             await ended.wait()

@@ -65,7 +65,9 @@ from cluster_helpers import (
     NodeProcess,
     ProcessCluster,
     assert_mesh_over_wire,
+    children_of,
     eventually,
+    ignore_sigint,
     process_runs,
     run_process,
 )
@@ -252,28 +254,7 @@ def test_no_pushed_gradient_is_lost(runs: dict[str, Run], prefix: str) -> None:
     assert run.report["version_advance"] == run.report["gradients_pushed"], run.figures()
 
 
-def _children(pid: int) -> list[int]:
-    """The PIDs of the live processes whose parent is ``pid`` (read from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _ignore_sigint() -> None:
-    """What a script's ``cmd &`` does to a background job: it starts with SIGINT ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@pytest.mark.parametrize("inherited", [None, _ignore_sigint], ids=["SIGINT", "started-ignored"])
+@pytest.mark.parametrize("inherited", [None, ignore_sigint], ids=["SIGINT", "started-ignored"])
 def test_ctrl_c_stops_the_example_and_its_workers(inherited) -> None:
     """SIGINT to the coordinator (its workers ignore it) stops the run: exit 130, no
     worker left. Also when it started with SIGINT ignored, as a background job does."""
@@ -304,7 +285,7 @@ async def _interrupt(inherited) -> None:
             deadline = time.monotonic() + RUN_TIMEOUT
             while len(workers) < WORKERS and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-                workers = _children(process.pid)
+                workers = children_of(process.pid)
             assert len(workers) == WORKERS, f"workers started: {workers}"
             await asyncio.sleep(2.0)
             process.send_signal(signal.SIGINT)  # to the coordinator alone
