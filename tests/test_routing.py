@@ -493,8 +493,8 @@ async def test_a_bucket_hand_off_that_sees_a_newer_epoch_keeps_the_bucket() -> N
         table = rows.tables.tables["emb"]
         blocks = dict(table.blocks)  # bucket -> its block, before b joins
         assert len(blocks) == 16
-        hand_off, hooks = rows._hand_off, a.cluster.rebalancer.hooks
-        rebalance = hooks[hooks.index(rows.rebalance)]
+        moves, hooks = rows.moves, a.cluster.rebalancer.hooks
+        hand_off, rebalance = moves._hand_off, hooks[hooks.index(moves.round)]
         leaving: list[asyncio.Task] = []
         handed: list[int] = []  # the bucket handed off when b started to leave
         ended = asyncio.Event()
@@ -506,8 +506,8 @@ async def test_a_bucket_hand_off_that_sees_a_newer_epoch_keeps_the_bucket() -> N
                 leaving.append(await _second_node_leaves(cluster))
             return ok
 
-        rows._hand_off = hand_off_then_b_leaves  # type: ignore[method-assign]
-        hooks[hooks.index(rows.rebalance)] = _noting(rebalance, leaving, ended)
+        moves._hand_off = hand_off_then_b_leaves  # type: ignore[method-assign]
+        hooks[hooks.index(moves.round)] = _noting(rebalance, leaving, ended)
         await cluster.start(peers=[a])
         async with asyncio.timeout(CONVERGE_TIMEOUT):
             await ended.wait()

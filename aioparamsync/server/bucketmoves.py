@@ -1,0 +1,154 @@
+"""Embedding tables' buckets after a change of topology (see :mod:`.rows`).
+
+At each round of the node's rebalancer, a node pulls the whole of each bucket
+it has become a replica of from the other replicas (``bucket_rows``, page by
+page), and hands each bucket it is no replica of any more to its replicas
+(``replicate_rows``), dropping it once every one of them has it and no newer
+epoch has come meanwhile (as :mod:`..cluster.rebalance` does for parameters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..placement import bucket_key
+from ..store.rows import RowTable
+from ..wire import METHODS, thrift
+
+if TYPE_CHECKING:
+    from .rows import RowService
+
+__all__ = ["BucketMoves"]
+
+# The deadline of a call to a peer (seconds).
+PEER_TIMEOUT = 30.0
+# About the bytes of rows one message moves when a bucket moves.
+PAGE_BYTES = 8 * 1024 * 1024
+
+
+class BucketMoves:
+    """The buckets of ``rows``' tables pulled and handed off (see the module)."""
+
+    def __init__(self, rows: RowService) -> None:
+        self.rows = rows
+        # (table, bucket) -> the placement this node last took it (or handed it off) at
+        self._synced: dict[tuple[str, int], Any] = {}
+        self._handed: dict[tuple[str, int], Any] = {}
+
+    async def round(self) -> int:
+        """Pull the buckets this node newly holds; hand off those it is to hold no more.
+
+        By the placement to come (members joining or leaving counted): a
+        leaving node hands every bucket on before it goes, and keeps serving
+        them until it has (its folds meanwhile reach the holders to come as
+        well: see :meth:`.RowService._replicate`); it drops a bucket once it is no replica
+        of it now and every holder to come has it. Also drops the rows past
+        their tables' ``row_ttl``. A round drops nothing once a newer epoch has come
+        (as :mod:`..cluster.rebalance`'s). Answers the buckets that still wait.
+        """
+        rows = self.rows
+        for table in list(rows.tables.tables.values()):
+            table.evict(time.time())
+        cluster = rows.cluster
+        if cluster is None or not cluster.links:
+            return 0
+        me, now, epoch = rows._me, cluster.placement, cluster.epoch
+        after = cluster.pending or now
+        waiting = 0
+        for table in list(rows.tables.tables.values()):
+            for bucket in range(table.spec.buckets):
+                key = bucket_key(table.spec.name, bucket)
+                mark = (table.spec.name, bucket)
+                holders = after.replicas(key)
+                if me in holders:
+                    self._handed.pop(mark, None)
+                    if self._synced.get(mark) != after:
+                        sources = {*holders, *now.replicas(key)} - {me}
+                        if await self._take(table, bucket, sources):
+                            # (taken from every holder only once all are up: one down
+                            # now is asked again at a later round)
+                            if all(self._up(m) and cluster.trusted(m) for m in sources):
+                                self._synced[mark] = after
+                        else:
+                            waiting += 1
+                    continue
+                self._synced.pop(mark, None)
+                if bucket not in table.blocks:
+                    continue
+                if self._handed.get(mark) != after:
+                    if not holders or not all(self._up(h) for h in holders if h != me):
+                        continue  # (stuck: no holder to come is up to take it; kept here)
+                    if not await self._hand_off(table, bucket, holders):
+                        waiting += 1
+                        continue
+                    self._handed[mark] = after
+                if me not in now.replicas(key):
+                    if cluster.epoch != epoch:
+                        # (handed off for the placement before a newer epoch: the
+                        # next round, which that epoch starts, decides)
+                        waiting += 1
+                        continue
+                    del table.blocks[bucket]
+                    self._handed.pop(mark, None)
+        return waiting
+
+    async def _take(self, table: RowTable, bucket: int, sources: Iterable[str]) -> bool:
+        """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
+        page; whether every one answered."""
+        cluster, me = self.rows.cluster, self.rows._me
+        # (not from a member whose lease expired: what it holds may lose acknowledged rows)
+        others = [m for m in sources if m != me and self._up(m) and cluster.trusted(m)]
+        page = self._page_rows(table)
+        ok = True
+        for member in others:
+            offset, total = 0, 1
+            while offset < total:
+                request = thrift.BucketRequest(
+                    table=table.spec.name, bucket=bucket, offset=offset, limit=page
+                )
+                try:
+                    link = cluster.by_id[member]
+                    delta = await link.proxy().invoke(
+                        METHODS.bucket_rows, timeout=PEER_TIMEOUT, request=request
+                    )
+                except RequestError as exc:
+                    ok = ok and exc.code == ErrorCode.UNKNOWN_PARAMETER  # (no such table there)
+                    break
+                except ParamSyncError:
+                    ok = False
+                    break
+                if table.merge(delta, time.time()) and self.rows.log is not None:
+                    await self.rows.log([delta])
+                total = delta.total or 0
+                offset += page
+        return ok
+
+    async def _hand_off(self, table: RowTable, bucket: int, holders: Iterable[str]) -> bool:
+        """Give every row of ``bucket`` to each of ``holders``, page by page; whether every
+        one of them took it (each must be linked)."""
+        rows, me = self.rows, self.rows._me
+        holders = [h for h in holders if h != me]
+        block = table.blocks[bucket]
+        page = self._page_rows(table)
+        for offset in range(0, max(len(block), 1), page):
+            delta = table.delta(bucket, None, me, slice(offset, offset + page))
+            sent = await asyncio.gather(*(rows._send_deltas(h, [delta]) for h in holders))
+            if not all(sent):
+                return False
+        return True
+
+    def _up(self, member: str) -> bool:
+        """Whether this node's link to ``member`` is up (it may be joining)."""
+        link = self.rows.cluster.by_id.get(member)
+        return link is not None and link.state == "up"
+
+    @staticmethod
+    def _page_rows(table: RowTable) -> int:
+        """Rows of a page of a bucket moved between nodes (values and state: ~PAGE_BYTES)."""
+        spec = table.spec
+        per_row = spec.dim * (spec.dtype.itemsize + 8 * len(spec.rows.rule.state_names)) + 16
+        return max(1, PAGE_BYTES // per_row)
