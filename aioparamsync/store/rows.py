@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import ErrorCode, RequestError
 from ..placement import bucket_of
+from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
 from ..values.rows import Init, RowBlock, RowRule
@@ -134,6 +135,7 @@ def table_spec(t: Any) -> TableSpec:
             beta2=row_rule.beta2,
             eps=row_rule.eps,
             initial_accumulator=row_rule.initial_accumulator,
+            allow_nonfinite=row_rule.allow_nonfinite,
         ),
         buckets=buckets,
         row_ttl_seconds=float(ttl),
@@ -151,7 +153,7 @@ def _row_rule(rule: Any) -> RowRule:
         raise _bad(f"rule {kind} of rows takes lr, eps and betas, no momentum or weight_decay")
     given = {
         f: getattr(rule, f)
-        for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator")
+        for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator", "allow_nonfinite")
         if getattr(rule, f) is not None
     }
     if kind == "adagrad" and "eps" not in given:
@@ -219,8 +221,7 @@ class RowTable:
                 f"table {self.spec.name!r}: gradients of shape {grads.shape} for {len(ids)} "
                 f"ids of width {self.spec.dim}",
             )
-        if not np.isfinite(grads).all():
-            raise _bad(f"table {self.spec.name!r}: gradients hold values that are not finite")
+        rules.check_finite(f"table {self.spec.name!r}: gradients", grads, self.spec.wire.rule)
 
     def fold(
         self, ids: np.ndarray, grads: np.ndarray, now: float

@@ -385,6 +385,9 @@ class ParameterTable:
     def check_gradients(self, grads: Sequence[Any]) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
 
+        A gradient holding NaN or inf is refused unless its parameter's rule
+        allows them (see :func:`~aioparamsync.values.rules.check_finite`).
+
         Answers, for each, its parameter's entry, the parameter's array and the gradient's.
         """
         self._check_names(grads, what="gradients")
@@ -421,6 +424,7 @@ class ParameterTable:
                     f"{weights.shape}",
                 )
             check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
+            rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
             work.append((current, weights, grad))
         return work
 

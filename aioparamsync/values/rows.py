@@ -292,7 +292,8 @@ class RowBlock:
                 then unchanged.
         """
         ids = _check_ids(ids)
-        grads = _check_rows("grads", grads, len(ids), self._spec.dim)
+        finite = not self._spec.rule.allow_nonfinite
+        grads = _check_rows("grads", grads, len(ids), self._spec.dim, finite=finite)
         stamp = _check_time("now", now)
         uniq, summed = sum_duplicates(ids, grads, self._work)
         slots = self._ensure(uniq, stamp)
@@ -471,7 +472,9 @@ class RowBlock:
         if _has_duplicates(ids):
             raise _bad(f"table {self._spec.name!r}: ids repeat; each row is installed once")
         dim, n = self._spec.dim, len(ids)
-        rows = _check_rows("rows", rows, n, dim)
+        # (rows a rule that allows non-finite gradients folded may hold NaN or inf)
+        finite = not self._spec.rule.allow_nonfinite
+        rows = _check_rows("rows", rows, n, dim, finite=finite)
         names = self._spec.rule.state_names
         given = dict(state or {})
         if set(given) != set(names):
@@ -484,7 +487,7 @@ class RowBlock:
             if name == "step":
                 checked[name] = _check_steps(given[name], n)
                 continue
-            a = _check_rows(name, given[name], n, dim)
+            a = _check_rows(name, given[name], n, dim, finite=finite)
             if name != "exp_avg" and (a < 0).any():
                 raise _bad(f"{name}: a sum of squares cannot be negative")
             checked[name] = a
@@ -516,7 +519,7 @@ def _check_ids(ids: Any) -> np.ndarray:
     return ids
 
 
-def _check_rows(what: str, rows: Any, n: int, dim: int) -> np.ndarray:
+def _check_rows(what: str, rows: Any, n: int, dim: int, *, finite: bool = True) -> np.ndarray:
     rows = np.asarray(rows)
     if not _is_float(rows.dtype):
         raise _bad(f"{what} must be of a float dtype, not {rows.dtype}", ErrorCode.SHAPE_MISMATCH)
@@ -525,9 +528,10 @@ def _check_rows(what: str, rows: Any, n: int, dim: int) -> np.ndarray:
             f"{what} must have shape ({n}, {dim}) (a row of {dim} per id), not {rows.shape}",
             ErrorCode.SHAPE_MISMATCH,
         )
-    finite = np.isfinite(rows)
-    if not finite.all():
-        raise _bad(f"{what} has {finite.size - np.count_nonzero(finite)} NaN or infinite values")
+    if finite:
+        ok = np.isfinite(rows)
+        if not ok.all():
+            raise _bad(f"{what} has {ok.size - np.count_nonzero(ok)} NaN or infinite values")
     return rows
 
 

@@ -205,6 +205,8 @@ class RowRule(_Plain):
         eps: adagrad's and adam's epsilon, > 0.
         beta1, beta2: adam's betas, in [0, 1).
         initial_accumulator: adagrad's initial ``s``, finite and >= 0.
+        allow_nonfinite: fold gradients holding NaN or inf (by default refused),
+            and so keep rows that hold them.
     """
 
     kind: str = "sgd"
@@ -213,12 +215,15 @@ class RowRule(_Plain):
     beta1: float = 0.9
     beta2: float = 0.999
     initial_accumulator: float = 0.0
+    allow_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
             raise _bad(f"rule: kind must be one of {', '.join(RULE_KINDS)}, not {self.kind!r}")
         for name, need, ok in _RULE_FIELDS:
             _check_number("rule", name, getattr(self, name), need, ok)
+        if not isinstance(self.allow_nonfinite, bool):
+            raise _bad(f"rule: allow_nonfinite is True or False, not {self.allow_nonfinite!r}")
 
     @property
     def state_names(self) -> tuple[str, ...]:
