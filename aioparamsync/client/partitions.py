@@ -21,7 +21,6 @@ itself) do the same: see :mod:`aioparamsync.values.partitions` for the layout.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,20 +28,10 @@ from ..errors import ErrorCode, RequestError
 from ..placement import parse_key
 from ..values import partitions as layouts
 from ..values.compression import decode_parameter
-from ..values.partitions import Layout
+from ..values.partitions import Layout, readable
 from ..wire import thrift
 
 __all__ = ["collapse", "cut", "gather", "manifests_of", "readable"]
-
-# A partition's or manifest's key as repr() shows it in a message.
-_KEY_IN_MESSAGE = re.compile(r"\\x00#(m|\d+)")
-
-
-def readable(message: str) -> str:
-    """``message`` with partition keys as ``name[partition i]`` (manifests: ``name[manifest]``)."""
-    return _KEY_IN_MESSAGE.sub(
-        lambda m: "[manifest]" if m.group(1) == "m" else f"[partition {m.group(1)}]", message
-    )
 
 
 def readable_error(exc: RequestError) -> RequestError:
