@@ -31,7 +31,15 @@ from ..values.compression import decode_parameter
 from ..values.partitions import Layout, readable
 from ..wire import thrift
 
-__all__ = ["collapse", "cut", "gather", "manifests_of", "readable"]
+__all__ = ["Replaced", "collapse", "cut", "gather", "manifests_of", "readable"]
+
+# How many times a read is made again when a parameter was replaced amid it.
+READ_AGAIN = 3
+
+
+class Replaced(RequestError):
+    """(UNAVAILABLE) A partition read does not fit the manifest read before it: the
+    parameter was replaced between the two. Reading again reads the new one."""
 
 
 def readable_error(exc: RequestError) -> RequestError:
@@ -157,7 +165,7 @@ async def gather(
             )
         except ValueError as exc:
             # (a replace of the parameter came between its manifest and a partition)
-            raise RequestError(ErrorCode.UNAVAILABLE, f"{exc}: read it again") from None
+            raise Replaced(ErrorCode.UNAVAILABLE, f"{exc}: read it again") from None
         params.append(assembled)
     return thrift.ParameterResponse(params=params, timestamp=stamp)
 

@@ -53,7 +53,15 @@ from ..errors import (
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
-from .partitions import collapse, cut, gather, manifests_of, readable_error
+from .partitions import (
+    READ_AGAIN,
+    Replaced,
+    collapse,
+    cut,
+    gather,
+    manifests_of,
+    readable_error,
+)
 from .pool import ConnectionPool
 
 if TYPE_CHECKING:
@@ -246,8 +254,13 @@ class Routes:
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
         if arg == "request" and m.name != "barrier":
-            response = await self._send(m, arg, value, timeout, args, moves=0)
-            return await self._gather(value, response, timeout)
+            for again in range(READ_AGAIN, -1, -1):
+                response = await self._send(m, arg, value, timeout, args, moves=0)
+                try:
+                    return await self._gather(value, response, timeout)
+                except Replaced:
+                    if not again:
+                        raise
         topology = self.topology
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
             return await self._cut(m, arg, value, timeout, topology.partition_bytes)
@@ -289,9 +302,19 @@ class Routes:
             cut_items, manifests, chosen = cut(items, partition_bytes, self.layouts)
         except ValueError as exc:
             raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
+        known = self.layouts
+        if arg == "update" and known:
+            for item in items:
+                if item.name not in chosen:
+                    known.pop(item.name, None)  # (written whole: it may no longer be cut)
         if not chosen:
             return await self._send(m, arg, value, timeout, {arg: value}, moves=0)
-        known = self.layouts
+        if arg == "update" and any(p.replace or p.dtype is None for p in items if p.name in chosen):
+            # A replacement may change a parameter between whole and partitions: the
+            # node writes its partitions, then its manifest, past the stored version.
+            for name in chosen:
+                known.pop(name, None)
+            return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: value})
         try:
             if arg == "update":
                 new = [
