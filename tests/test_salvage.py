@@ -1,4 +1,5 @@
-"""A damaged snapshot with ``--ignore-corrupt-snapshot``: what is intact is kept.
+"""Damaged files, started with ``--ignore-corrupt-snapshot`` or ``--ignore-corrupt-log``:
+what is intact is kept, what is damaged kept aside.
 
 Real files and real node processes (``python -m aioparamsync`` on 127.0.0.1,
 killed by PID at teardown): a node writes a snapshot of a small parameter
@@ -6,7 +7,7 @@ killed by PID at teardown): a node writes a snapshot of a small parameter
 partition's data is flipped in the file. Without the flag the node refuses
 to start, naming the file and the flag; with it, ``w`` is back, ``big`` is
 dropped (or brought back by the log, or by a replica's repair), and the
-damaged files are kept aside.
+damaged files are kept aside. Then a log damaged before other records.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ from cluster_helpers import (
     Spawn,
     eventually,
     wait_formed,
+)
+from test_durability import (
+    RECORD,
+    flip_byte,
+    log_image,
+    record_spans,
+    recover_into_table,
+    refused,
+    running,
+    segment_path,
+    split_segment,
+    table_state,
 )
 
 from aioparamsync import Node, ParameterClient, thrift
@@ -196,3 +209,32 @@ async def test_a_replica_brings_back_a_dropped_parameter(spawn: Spawn, tmp_path:
     async with a.client() as client:
         got = await client.get_parameters(["w"])
         assert [(p.name, p.version) for p in got.params] == [("w", W_VERSION)]
+
+
+async def test_a_damaged_log_names_the_flag_that_starts_it_and_what_that_loses(
+    tmp_path: Path,
+) -> None:
+    image, _ = await log_image(tmp_path)
+    split_segment(image, 3)  # (records 0-2 in segment 1, 3-5 in segment 2)
+    first, second = segment_path(image, 1), segment_path(image, 2)
+    pos, size = record_spans(first.read_bytes())[1]
+    flip_byte(first, pos + RECORD.size + size // 2)
+    damaged, after = first.read_bytes(), second.read_bytes()
+    message = str(await refused(image))
+    assert str(first) in message and f"byte {pos}" in message, message
+    assert "--ignore-corrupt-log" in message and second.name in message, message
+    assert first.read_bytes() == damaged, "nothing is cut"
+    # What the flag keeps: the log up to the damage (record 0).
+    expected_dir = tmp_path / "expected"
+    shutil.copytree(image, expected_dir)
+    segment_path(expected_dir, 1).write_bytes(damaged[:pos])
+    segment_path(expected_dir, 2).unlink()
+    expected, _ = recover_into_table(expected_dir)
+    assert expected
+    async with running(image, ignore_corrupt_log=True) as node:
+        assert table_state(node.table) == expected
+    kept = sorted(p.name for p in image.iterdir() if ".corrupt-" in p.name)
+    assert [name.split(".corrupt-")[0] for name in kept] == [first.name, second.name], kept
+    assert [(image / name).read_bytes() for name in kept] == [damaged, after]
+    async with running(image) as node:  # (no flag needed any more)
+        assert table_state(node.table) == expected

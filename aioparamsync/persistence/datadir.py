@@ -25,7 +25,9 @@ Recovery loads the newest snapshot and replays the segments from its number
 on. A record cut short or failing its checksum at the end of the last
 segment is a torn write: it is cut off, with a warning. Damage anywhere else,
 or a snapshot that fails its checks, is an error: the node refuses to start
-rather than lose data silently. ``ignore_corrupt_snapshot`` overrides for a
+rather than lose data silently, saying which flag would start it and what
+that loses. ``ignore_corrupt_log`` overrides for the log (see :mod:`.wal`);
+``ignore_corrupt_snapshot`` for a
 snapshot: each parameter has its own checksum, so only those that fail theirs
 are dropped (one stored as partitions, whole); the rest is loaded, the log
 replayed over it (bringing back what it holds of the dropped ones), the
@@ -101,7 +103,9 @@ class DataDir(WriteAheadLog):
         path: the directory (made if missing).
         fsync: ``always``, ``batch`` or ``never`` (see the module's docstring).
         snapshot_wal_bytes: log bytes after which :meth:`snapshot_due` says so.
-        ignore_corrupt_snapshot: start without a snapshot that fails its checks.
+        ignore_corrupt_snapshot: start without what fails its checks in a snapshot.
+        ignore_corrupt_log: start from the log up to damage that is no torn write
+            (see :mod:`.wal`).
     """
 
     def __init__(
@@ -111,12 +115,14 @@ class DataDir(WriteAheadLog):
         fsync: str = "batch",
         snapshot_wal_bytes: int = DEFAULT_SNAPSHOT_WAL_BYTES,
         ignore_corrupt_snapshot: bool = False,
+        ignore_corrupt_log: bool = False,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
         super().__init__(Path(path), fsync, FSYNC_BATCH_SECONDS)
         self.snapshot_wal_bytes = snapshot_wal_bytes
         self.ignore_corrupt_snapshot = ignore_corrupt_snapshot
+        self.ignore_corrupt_log = ignore_corrupt_log
         self._lock_fd: int | None = None  # LOCK, flocked: from recover() to close()
 
     def __repr__(self) -> str:
