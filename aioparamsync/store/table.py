@@ -350,12 +350,14 @@ class ParameterTable:
         entries = self._entries
         together = _partitions_together(params) if len(params) > 1 else {}
         made = []
+        replaced = []  # the other keys of parameters written (see the module)
         for p in params:
             current = entries.get(p.name)
             stored = current.version if current is not None else 0
             partner = self.partner(p.name)
             if partner is not None and (other := entries.get(partner)) is not None:
                 stored = max(stored, other.version)  # (it replaces the other: see the module)
+                replaced.append(partner)
             given = p.version or 0
             dtype = p.dtype
             shape = tuple(p.shape) if p.shape is not None else None
@@ -385,7 +387,7 @@ class ParameterTable:
                     rule,
                 )
             )
-        return self._store(made, timestamp)
+        return self._store(made, timestamp, replaced)
 
     def fold(self, grads: Sequence[Any], timestamp: int) -> Applied:
         """Fold gradients into their parameters by each one's rule, wholly or not at all.
@@ -421,7 +423,7 @@ class ParameterTable:
                 )
             )
         self._states.update(states)
-        return self._store(made, timestamp, pairs=False)
+        return self._store(made, timestamp)
 
     def check_gradients(self, grads: Sequence[Any]) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
@@ -518,23 +520,24 @@ class ParameterTable:
         # (a message may hold both keys of a parameter: the newer of them is merged)
         given = {p.name: p for p in params} if any("\x00" in p.name for p in params) else {}
         made = []
+        replaced = []
         for p in params:
             current = entries.get(p.name)
             if current is not None and lww_key(current) >= lww_key(p):
                 continue
             name = p.name
-            partner = (
-                _manifest_of(name) if "\x00" in name else manifest_key(name) if given else None
-            ) or self.partner(name)
+            partner = manifest_key(name) if given and "\x00" not in name else self.partner(name)
             if partner is not None:
                 others = [o for o in (given.get(partner), entries.get(partner)) if o is not None]
                 if any(_stands(other, p) for other in others):
                     continue  # (the parameter's other key is newer: see the module)
+                if partner in entries:
+                    replaced.append(partner)
             shape = tuple(p.shape) if p.shape is not None else None
             made.append(
                 Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin, p.rule)
             )
-        return self._store(made, timestamp)
+        return self._store(made, timestamp, replaced)
 
     def drop(self, held: Mapping[str, tuple[int, str]]) -> list[str]:
         """Forget parameters handed to other nodes: each name whose ``lww_key`` is
@@ -556,11 +559,13 @@ class ParameterTable:
         if "\x00" in name and _manifest_of(name) is not None:
             self._manifests -= 1
 
-    def _store(self, made: list[Entry], timestamp: int, *, pairs: bool = True) -> Applied:
-        # Nothing here can fail: the update is applied whole. With ``pairs``,
-        # each entry replaces its parameter's other key (see the module):
-        # apply and merge store only entries that win over it.
+    def _store(self, made: list[Entry], timestamp: int, replaced: Sequence[str] = ()) -> Applied:
+        # Nothing here can fail: the update is applied whole. ``replaced``: the
+        # other keys of parameters in ``made``, which they replace (see the module).
         entries = self._entries
+        for key in replaced:
+            if key in entries:
+                self._remove(key)
         for entry in made:
             old = entries.get(entry.name)
             if old is not None:
@@ -569,8 +574,6 @@ class ParameterTable:
                     self._states.pop(entry.name, None)  # a new rule or layout starts over
             elif "\x00" in entry.name and _manifest_of(entry.name) is not None:
                 self._manifests += 1
-            if pairs and (partner := self.partner(entry.name)) is not None and partner in entries:
-                self._remove(partner)
             entries[entry.name] = entry
             self._nbytes += entry.nbytes
         if timestamp > self.timestamp:
