@@ -424,7 +424,8 @@ class RowService:
     async def _send_deltas(self, replica: str, deltas: list[Any]) -> bool:
         try:
             link = self.cluster.by_id[replica]
-            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
+            # (the replication lane: it never waits behind a forwarded write)
+            await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
         except (ParamSyncError, KeyError) as exc:
             self.replication_failures += 1
