@@ -6,9 +6,9 @@ each call on the one with the fewest calls in flight, opening another while
 every open one is busy. A call never pipelines behind a large message under
 way on a connection (a large read's reply arriving, a large write's upload
 going out): it waits for a new connection instead, so a write does not wait
-for a large read to end, nor a read for a large write. Given several addresses (nodes of one cluster), it
-uses one node at a time and moves to the next when that one cannot be
-reached, or keeps breaking connections.
+for a large read to end, nor a read for a large write. Given several
+addresses (nodes of one cluster), it uses one node at a time and moves to
+the next when that one cannot be reached, or keeps breaking connections.
 
 A connection that breaks fails its calls in flight with
 :class:`~aioparamsync.errors.ConnectionLostError` and leaves the pool; the
