@@ -34,11 +34,13 @@ from .errors import (
     ProtocolError,
     RemoteProtocolError,
     RequestError,
+    RunningLoopError,
     ServerError,
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .client.api import ParameterClient
+    from .client.blocking import SyncParameterClient
     from .node import Node
     from .values.arrays import from_parameter, to_parameter
     from .values.rules import adagrad, adam, sgd, sum_rule
@@ -71,8 +73,10 @@ __all__ = [
     "RemoteProtocolError",
     "RequestError",
     "Rule",
+    "RunningLoopError",
     "ServerError",
     "StaleSync",
+    "SyncParameterClient",
     "__version__",
     "adagrad",
     "adam",
@@ -90,6 +94,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "Node": (".node", "Node"),
     "ParameterClient": (".client.api", "ParameterClient"),
     "StaleSync": (".client.stale", "StaleSync"),
+    "SyncParameterClient": (".client.blocking", "SyncParameterClient"),
     "from_parameter": (".values.arrays", "from_parameter"),
     "to_parameter": (".values.arrays", "to_parameter"),
     "adagrad": (".values.rules", "adagrad"),
