@@ -332,13 +332,8 @@ def _generate() -> None:
                 f"ParameterClient.{name} is a {type(member).__name__}: "
                 "SyncParameterClient has no twin of it (see client/blocking.py)"
             )
-    init: Any = SyncParameterClient.__init__
+    init: Any = SyncParameterClient.__init__  # (help() shows the arguments it passes on)
     init.__signature__ = inspect.signature(ParameterClient.__init__)
-    from_env: Any = SyncParameterClient.from_env.__func__  # type: ignore[attr-defined]
-    parameters = inspect.signature(ParameterClient.from_env.__func__).parameters  # type: ignore[attr-defined]
-    from_env.__signature__ = inspect.Signature(
-        list(parameters.values()), return_annotation="SyncParameterClient"
-    )
 
 
 _generate()
