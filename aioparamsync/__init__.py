@@ -4,6 +4,9 @@ async with ParameterClient("127.0.0.1:9090") as client:
     await client.update_arrays({"w": np.zeros((3, 4), np.float32)})
     arrays = await client.get_arrays(["w"])
 
+In synchronous code (a PyTorch training loop), the same methods, blocking:
+``with SyncParameterClient("127.0.0.1:9090") as client: client.get_arrays(["w"])``.
+
 The public API is imported lazily (PEP 562): ``import aioparamsync`` loads
 nothing but this file, the version and the errors, and ``aioparamsync.ParameterClient``
 imports the client when first used. So the sans-IO layers

@@ -274,7 +274,9 @@ def test_eight_threads_share_one_client(client: SyncParameterClient) -> None:
 
 
 async def test_a_call_from_a_running_loop_is_refused_naming_the_async_client(node: Node) -> None:
+    before = set(loop_threads())
     client = SyncParameterClient(node.address, timeout=BOUND)
+    (mine,) = set(loop_threads()) - before
     try:
         with pytest.raises(RunningLoopError, match="use ParameterClient and await") as info:
             client.ping()
@@ -296,7 +298,8 @@ async def test_a_call_from_a_running_loop_is_refused_naming_the_async_client(nod
     finally:
         client.close()  # (from a loop: started, not waited for)
     assert client.closed
-    await asyncio.to_thread(lambda: [t.join(BOUND) for t in loop_threads()])
+    await asyncio.to_thread(mine.join, BOUND)
+    assert not mine.is_alive()
     with pytest.raises(ClientClosedError):
         await asyncio.to_thread(client.ping)
 
@@ -414,6 +417,13 @@ def test_a_server_that_is_no_node_is_the_async_clients_protocol_error() -> None:
 
 # -- Ctrl-C and the interpreter's exit (processes of their own) --------------------------------
 
+
+def python(script: str, node: Node) -> list[str]:
+    """The command that runs ``script`` with the node's ``host:port`` as its argument."""
+    host, port = node.address
+    return [sys.executable, "-c", script, f"{host}:{port}"]
+
+
 INTERRUPTED = """
 import sys, numpy as np
 from aioparamsync import SyncParameterClient
@@ -434,9 +444,8 @@ print("closed", flush=True)
 def test_ctrl_c_cancels_the_waiting_call_and_the_next_call_works(
     client: SyncParameterClient, node: Node, on_loop: OnLoop
 ) -> None:
-    host, port = node.address
     child = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED, f"{host}:{port}"],
+        python(INTERRUPTED, node),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -489,9 +498,8 @@ print("exiting", flush=True)
 def test_the_interpreter_exits_with_a_client_left_open_and_a_call_held(
     client: SyncParameterClient, node: Node, on_loop: OnLoop
 ) -> None:
-    host, port = node.address
     done = subprocess.run(
-        [sys.executable, "-c", LEFT_OPEN, f"{host}:{port}"],
+        python(LEFT_OPEN, node),
         capture_output=True,
         text=True,
         timeout=BOUND,
