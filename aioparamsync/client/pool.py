@@ -346,7 +346,7 @@ class ConnectionPool:
             return None
         if getattr(result, "error", None) is not None:
             error = result.error
-            raise RequestError(error.code, error.message, error.epoch)
+            raise RequestError.of(error.code, error.message, error.epoch)
         if 0 not in result.thrift_spec:
             return None  # a void method (update_parameters): its result has no success
         if result.success is None:

@@ -70,7 +70,7 @@ from ..errors import ClientClosedError, ConnectError, ParamSyncError
 from ..placement import LEAVING
 from ..store.table import Entry, lww_key
 from ..values import pieces
-from ..wire import METHODS, thrift
+from ..wire import METHODS, Method, thrift
 
 if TYPE_CHECKING:
     from .membership import Cluster
@@ -385,24 +385,55 @@ class PeerLink:
         """The peer is (back) up: cut short the wait before the next try."""
         self._poked.set()
 
-    async def forward(self, push: Any) -> Any:
+    async def forward(self, push: Any, timeout: float | None = PEER_CALL_TIMEOUT) -> Any:
         """Send a gradient push on to this peer (its owner); answer its ``UpdateResult``.
+
+        It goes on the forwarding lane (:meth:`proxy`), never on the link's own
+        connection: a forwarded write waits there for its replication, and its
+        reply holds up the replies behind it, so replication (and its
+        confirming pings) sharing that connection could wait for it, and it
+        for them, the other way round (a cycle between two nodes).
 
         Raises:
             NetworkError: the link is down, or broke.
             RequestError: the peer refused the push.
         """
+        await self._connected()
+        return await self.proxy().invoke(METHODS.push_gradients, timeout=timeout, push=push)
+
+    async def replicate(self, m: Method, /, timeout: float = PEER_CALL_TIMEOUT, **args: Any) -> Any:
+        """Call ``m`` on the replication lane: the link's own connection.
+
+        Only for replication (what this node applied, for the peer to apply as
+        it is): a call that waits for nothing but the peer's store, so it never
+        waits behind a forwarded write (see :meth:`forward`).
+
+        Raises:
+            ConnectError: the link is not up.
+        """
+        client = self.client
+        if client is None or self.state != _UP:
+            raise ConnectError(f"peer {self.name} is {self.state}")
+        return await client.invoke(m, timeout=timeout, **args)
+
+    async def _connected(self) -> None:
+        """Wait (a little) while the link is being made; raise unless it is up.
+
+        A link being made (e.g. to a member just learned) is not down: a call
+        waits for it up to ``FORWARD_CONNECT_WAIT``; a link in backoff is not
+        waited for.
+
+        Raises:
+            ConnectError: the link is not up.
+        """
         if self.client is None and self.state == _CONNECTING:
-            # (a link being made, e.g. to a member just learned: not down)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FORWARD_CONNECT_WAIT):
                     while self.client is None and self.state == _CONNECTING:
                         self._changed.clear()
                         await self._changed.wait()
-        client = self.client
-        if client is None or self.state != _UP:
-            raise ConnectError(f"peer {self.node_id or self.address} is {self.state}")
-        return await client.invoke(METHODS.push_gradients, push=push)
+        if self.client is None or self.state != _UP:
+            raise ConnectError(f"peer {self.name} is {self.state}")
 
     # -- the link's task ----------------------------------------------------------
 

@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import bucket_key
+from ..placement import LIVE, bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
+from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
-from .gradients import FORWARD_RETRY_DELAYS  # (pauses before a part MOVED is cut again)
 from .routing import moved
 
 __all__ = ["RowService"]
@@ -173,59 +173,50 @@ class RowService:
             self._check_held(table, ids, "does not hold")
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
-        me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in ("up", "leaving")
-        parts: dict[tuple[str, ...] | None, list[np.ndarray]] = {}
+        me, placement = self._me, cluster.placement
+        serving = cluster.state in LIVE
+        positions_of: dict[str, np.ndarray] = {}
+        parts: dict[str | None, list[str]] = {}
         for bucket, positions in table.by_bucket(ids):
             key = bucket_key(table.spec.name, bucket)
-            if serving and placement.holds(me, key):
-                holders = None
-            else:
-                # its live replicas, the primary first: each asked in turn
-                holders = tuple(r for r in placement.replicas(key) if r in live and r != me)
-                if not holders:
+            positions_of[key] = positions
+            node = None
+            if not (serving and placement.holds(me, key)):
+                node = forward.holder(cluster, key)
+                if node is None:
                     raise RequestError(
                         ErrorCode.UNAVAILABLE,
                         f"no replica of bucket {bucket} of table {table.spec.name!r} is up",
+                        cluster.epoch,
                     )
-            parts.setdefault(holders, []).append(positions)
+            parts.setdefault(None if node == me else node, []).append(key)
         out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
 
-        async def part(holders: tuple[str, ...] | None, positions: np.ndarray) -> None:
-            if holders is None:
-                out[positions] = table.pull(ids[positions])
-                return
+        def where(keys: list[str]) -> np.ndarray:
+            return np.concatenate([positions_of[k] for k in keys])
+
+        async def here(keys: list[str]) -> None:
+            positions = where(keys)
+            out[positions] = table.pull(ids[positions])
+
+        async def send(link: Any, keys: list[str], fallback: bool) -> None:
+            positions = where(keys)
             # (raw, and with this node's epoch: the holder answers what it holds, or MOVED)
             sub = thrift.RowsRequest(
                 table=table.spec.name, ids=encode_ids(ids[positions]), epoch=cluster.epoch
             )
-            last: Exception | None = None
-            for holder in holders:
-                link = cluster.by_id.get(holder)
-                if link is None:
-                    continue
-                try:
-                    answer = await link.proxy().invoke(
-                        METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub
-                    )
-                except RequestError as exc:
-                    if exc.code != ErrorCode.MOVED:
-                        raise
-                    last = exc
-                    continue
-                except ParamSyncError as exc:
-                    last = exc
-                    continue
-                self.passed_on += 1
-                out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
-                return
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"no holder of those rows of table {table.spec.name!r} answered ({last}); "
-                "try again",
-            )
+            answer = await link.proxy().invoke(METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub)
+            self.passed_on += 1
+            out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
 
-        await asyncio.gather(*(part(h, np.concatenate(ps)) for h, ps in parts.items()))
+        async def part(node: str | None, keys: list[str]) -> None:
+            if node is None:
+                await here(keys)
+            else:
+                what = f"a pull of rows of table {table.spec.name!r}"
+                await forward.pass_on(cluster, node, keys, send, here, what=what, idempotent=True)
+
+        await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
         return method.result(success=encode_rows(out, request.encoding))
 
     def _check_held(
@@ -237,7 +228,7 @@ class RowService:
         if cluster is None or not cluster.links:
             return
         me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in ("up", "leaving")
+        serving = cluster.state in LIVE
         missing = []
         for bucket, _ in table.by_bucket(ids):
             key = bucket_key(table.spec.name, bucket)
@@ -307,82 +298,60 @@ class RowService:
         return sum(folded.values()), created
 
     async def _fold_by_primary(
-        self,
-        table: RowTable,
-        ids: np.ndarray,
-        grads: np.ndarray,
-        push: Any,
-        moves: int = 0,
-        tried: frozenset[str] = frozenset(),
+        self, table: RowTable, ids: np.ndarray, grads: np.ndarray, push: Any
     ) -> tuple[int, int]:
+        """Fold each bucket's rows at its primary, by the one forward policy (:mod:`.forward`)."""
         cluster = self.cluster
         me = self._me
-        parts: dict[str | None, list[np.ndarray]] = {}
+        positions_of: dict[str, np.ndarray] = {}
+        parts: dict[str | None, list[str]] = {}
         for bucket, positions in table.by_bucket(ids):
             key = bucket_key(table.spec.name, bucket)
-            target = next(
-                (
-                    r
-                    for r in cluster.placement.replicas(key)
-                    if r in cluster.live and r not in tried
-                ),
-                None,
-            )
-            if target is None:
+            positions_of[key] = positions
+            node = forward.holder(cluster, key)
+            if node is None:
                 raise RequestError(
                     ErrorCode.UNAVAILABLE,
                     f"no replica of bucket {bucket} of table {table.spec.name!r} is up; "
-                    "nothing of that part was folded: push again",
+                    "nothing of the push was folded: push again",
+                    cluster.epoch,
                 )
-            parts.setdefault(None if target == me else target, []).append(positions)
+            parts.setdefault(None if node == me else node, []).append(key)
 
-        async def part(target: str | None, positions: np.ndarray) -> tuple[int, int]:
-            sub_ids, sub_grads = ids[positions], grads[positions]
-            if target is None:
-                return await self._fold_here(table, sub_ids, sub_grads, push)
+        def where(keys: list[str]) -> np.ndarray:
+            return np.concatenate([positions_of[k] for k in keys])
+
+        async def here(keys: list[str]) -> tuple[int, int]:
+            positions = where(keys)
+            return await self._fold_here(table, ids[positions], grads[positions], push)
+
+        async def send(link: Any, keys: list[str], fallback: bool) -> tuple[int, int]:
+            positions = where(keys)
             sub = thrift.RowPush(
                 table=table.spec.name,
-                ids=encode_ids(sub_ids),
-                grads=encode_rows(sub_grads),
+                ids=encode_ids(ids[positions]),
+                grads=encode_rows(grads[positions]),
                 request_id=push.request_id,
                 # (to a next replica, its primary out of reach: folded where it arrives)
-                epoch=None if tried else cluster.epoch,
+                epoch=None if fallback else cluster.epoch,
                 acks=push.acks or cluster.acks,
                 forwarded=True,
             )
-            try:
-                link = cluster.by_id[target]
-                result = await link.proxy().invoke(
-                    METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
-                )
-            except RequestError as exc:
-                if exc.code != ErrorCode.MOVED:
-                    raise
-                if moves >= len(FORWARD_RETRY_DELAYS):
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"rows of table {table.spec.name!r} were not folded: the nodes disagree "
-                        f"on their primary ({exc.message}); push again",
-                    ) from None
-                await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
-                return await self._fold_by_primary(
-                    table, sub_ids, sub_grads, push, moves + 1, tried
-                )
-            except (ParamSyncError, KeyError) as exc:
-                log.warning(
-                    "rows of table %r not passed on to %s (%s): to the next replica",
-                    table.spec.name,
-                    target,
-                    exc,
-                )
-                return await self._fold_by_primary(
-                    table, sub_ids, sub_grads, push, moves, tried | {target}
-                )
+            result = await link.proxy().invoke(
+                METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
+            )
             self.passed_on += 1
             return result.rows, result.created
 
-        results = await asyncio.gather(*(part(t, np.concatenate(ps)) for t, ps in parts.items()))
-        return sum(r for r, _ in results), sum(c for _, c in results)
+        async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:
+            if node is None:
+                return [await here(keys)]
+            what = f"rows of table {table.spec.name!r}"
+            return await forward.pass_on(cluster, node, keys, send, here, what=what)
+
+        results = await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
+        done = [r for rs in results for r in rs]
+        return sum(r for r, _ in done), sum(c for _, c in done)
 
     # -- replication ------------------------------------------------------------------
 
@@ -424,7 +393,8 @@ class RowService:
     async def _send_deltas(self, replica: str, deltas: list[Any]) -> bool:
         try:
             link = self.cluster.by_id[replica]
-            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
+            # (the replication lane: it never waits behind a forwarded write)
+            await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
         except (ParamSyncError, KeyError) as exc:
             self.replication_failures += 1
