@@ -18,6 +18,7 @@ fits, ours derives from it too, so ``except TimeoutError`` or
 - :class:`NetworkError`: :class:`ConnectError`, :class:`ConnectionLostError`.
 - :class:`CallTimeout`, :class:`ConnectTimeout`: deadlines.
 - :class:`ClientClosedError`: the client was closed by its owner.
+- :class:`RunningLoopError`: a blocking call from a thread that runs an event loop.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RequestError",
+    "RunningLoopError",
     "ServerError",
 ]
 
@@ -145,3 +147,12 @@ class ConnectTimeout(CallTimeout):
 
 class ClientClosedError(ParamSyncError, RuntimeError):
     """The client was closed; no more calls can be made on it."""
+
+
+class RunningLoopError(ParamSyncError, RuntimeError):
+    """A blocking client's method was called from a thread that runs an event loop.
+
+    It would stall every task of that loop until answered (and, on the
+    client's own loop, never be answered): async code uses
+    :class:`~aioparamsync.ParameterClient` and awaits its methods.
+    """
