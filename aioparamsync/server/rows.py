@@ -13,14 +13,15 @@ parameter's name: its replicas hold its rows, its primary folds them.
   the buckets' holders for their rows and puts the answer together.
 - A push is checked whole first (the table, the ids, every gradient finite),
   then cut by bucket primary: this node's part is folded here, each other
-  part is passed on to its primary (``forwarded``, with this node's epoch: a
-  node that is not the primary at that epoch answers MOVED and the part is
-  cut again, after a pause, as the primaries are then seen; one that cannot
-  be reached has its part folded by the next replica). A push folds each
+  part is passed on to its primary (``forwarded``, with this node's epoch),
+  by the one forward policy of every key (:mod:`.forward`). A push folds each
   bucket once per request id (see :class:`~aioparamsync.store.rows.RowLedger`).
-- The rows a fold changed go to the bucket's other live replicas
-  (``replicate_rows``), which keep a row unless they hold it at the same or
-  a newer version; with ``acks=all`` the push is answered once they have.
+- The rows a fold changed go to the bucket's other replicas as a parameter's
+  update does: offered to the links' outboxes (a link's
+  :mod:`~aioparamsync.cluster.rowbox`), sent on the replication lane
+  (``replicate_rows``), kept for the next connection when a send fails, and
+  confirmed by the links' pings with ``acks=all``. A replica keeps a row
+  unless it holds it at the same or a newer version.
 - After a change of topology (:class:`~.bucketmoves.BucketMoves`) a node
   pulls the whole of each bucket it has become a replica of from the other
   replicas (``bucket_rows``), and hands each bucket it is no replica of any
@@ -67,7 +68,6 @@ class RowService:
         self.tables = tables if tables is not None else RowTables()
         self.passed_on = 0  # parts of row calls passed on to other nodes
         self.replication_failures = 0
-        self._background: set[asyncio.Future[Any]] = set()
         #: the buckets pulled and handed off after a change of topology
         self.moves = BucketMoves(self)
         #: called with the deltas a fold or merge made, before it is answered
@@ -290,11 +290,9 @@ class RowService:
         changed, created = table.fold(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
-        if self.log is not None or self._peers():  # (the changed rows copied only to go out)
-            deltas = {b: table.delta(b, c, self._me) for b, c in changed.items()}
-            if self.log is not None:
-                await self.log(list(deltas.values()))
-            await self._replicate(table, deltas, push.acks)
+        if self.log is not None:  # (the changed rows copied only to go out)
+            await self.log([table.delta(b, c, self._me) for b, c in changed.items()])
+        await self._replicate(table, changed, push.acks)
         return sum(folded.values()), created
 
     async def _fold_by_primary(
@@ -355,45 +353,38 @@ class RowService:
 
     # -- replication ------------------------------------------------------------------
 
-    async def _replicate(self, table: RowTable, deltas: dict[int, Any], acks: str | None) -> None:
-        """Send each bucket's delta to its other live replicas; with acks=all, wait for them."""
+    async def _replicate(
+        self, table: RowTable, changed: dict[int, np.ndarray], acks: str | None
+    ) -> None:
+        """Offer each bucket's changed rows to the links of its other replicas (and of those
+        to come, while members join or leave), as a parameter's update is offered; with
+        acks=all, wait until they confirm them (:meth:`Cluster.replicated`)."""
         cluster = self.cluster
-        if cluster is None or not cluster.links or not deltas:
+        if cluster is None or not cluster.links or not changed:
             return
         me, pending = self._me, cluster.pending
-        by_replica: dict[str, list[Any]] = {}
-        for bucket, delta in deltas.items():
+        keys = []
+        for bucket, ids in changed.items():
             key = bucket_key(table.spec.name, bucket)
+            keys.append(key)
             targets = set(cluster.placement.replicas(key))
-            if pending is not None:  # (members joining or leaving: the holders to come too)
+            if pending is not None:
                 targets.update(pending.replicas(key))
             for replica in targets:
-                if replica != me and replica in cluster.by_id:
-                    by_replica.setdefault(replica, []).append(delta)
-        if not by_replica:
-            return
-        # (one message a replica, whatever the buckets)
-        calls = [(r, self._send_deltas(r, ds)) for r, ds in by_replica.items()]
+                if replica != me and (link := cluster.by_id.get(replica)) is not None:
+                    link.offer_rows(table, bucket, ids)
         if (acks or cluster.acks) == "all":
-            sent = await asyncio.gather(*(call for _, call in calls))
-            late = {
-                r for (r, _), ok in zip(calls, sent, strict=True) if not ok and r in cluster.live
-            }
-            if late:
+            try:
+                await cluster.replicated(keys)
+            except RequestError as exc:
                 raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"rows of table {table.spec.name!r} folded by {me}, but replicas "
-                    f"{', '.join(sorted(late))} did not take them (acks=all)",
-                )
-            return
-        task = asyncio.gather(*(call for _, call in calls))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                    exc.code, f"rows of table {table.spec.name!r}: {exc.message}", exc.epoch
+                ) from None
 
-    async def _send_deltas(self, replica: str, deltas: list[Any]) -> bool:
+    async def send_deltas(self, replica: str, deltas: list[Any]) -> bool:
+        """Send ``deltas`` to ``replica`` now, on the replication lane; whether it took them."""
         try:
             link = self.cluster.by_id[replica]
-            # (the replication lane: it never waits behind a forwarded write)
             await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
         except (ParamSyncError, KeyError) as exc:
@@ -449,8 +440,3 @@ class RowService:
         delta.total = len(block) if block is not None else 0
         return method.result(success=delta)
 
-    async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        if self._background:
-            await asyncio.wait(self._background)
