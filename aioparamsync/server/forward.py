@@ -46,9 +46,9 @@ from ..errors import (
     Moved,
     RequestError,
 )
-from ..placement import Placement
+from ..placement import LIVE, Placement
 
-__all__ = ["FORWARD_RETRY_DELAYS", "Holders", "by_holder", "holder", "pass_on"]
+__all__ = ["FORWARD_RETRY_DELAYS", "Holders", "by_holder", "cut", "holder", "pass_on"]
 
 # Waits before a part answered Moved goes again to its holders as this node
 # sees them then (seconds): views differ for a moment while members change.
@@ -62,6 +62,7 @@ class Holders(Protocol):
 
     me: Any
     epoch: int
+    state: str
     placement: Placement
     live: frozenset[str]
     by_id: Mapping[str, Any]
@@ -80,6 +81,50 @@ def by_holder(
     groups: dict[str | None, list[str]] = {}
     for key in keys:
         groups.setdefault(holder(cluster, key, tried), []).append(key)
+    return groups
+
+
+def cut(
+    cluster: Holders,
+    keys: Iterable[str],
+    *,
+    what: str,
+    held_here: bool = False,
+    refuse: bool = True,
+    shown: Callable[[str], str] = repr,
+) -> dict[str | None, list[str]]:
+    """``keys`` by the node each is served at (None: this node): the one cut.
+
+    Each key goes to its :func:`holder`; with ``held_here``, a key this node
+    holds (a replica, serving) is served here (a read, or a write that any
+    replica applies).
+
+    Args:
+        what: the call, as the error names it ("the push", "the update").
+        refuse: a key none of whose replicas is up is refused (else served
+            here: a read answers what this node has of it).
+        shown: how the error names a key.
+
+    Raises:
+        RequestError: (UNAVAILABLE) with ``refuse``, a key none of whose replicas
+            is up (not failed yet): nothing is applied, for a copy made here
+            would start the key anew, and could lose to the old one by
+            last-writer-wins when its replicas come back.
+    """
+    me, placement = cluster.me.node_id, cluster.placement
+    serving = held_here and cluster.state in LIVE
+    groups: dict[str | None, list[str]] = {}
+    for key in keys:
+        node = None if serving and placement.holds(me, key) else holder(cluster, key)
+        if node is None and refuse and not (serving and placement.holds(me, key)):
+            down = ", ".join(placement.replicas(key))
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"no replica of {shown(key)} is up ({down}); nothing of {what} was applied: "
+                "try again when one is, or after the failure timeout",
+                cluster.epoch,
+            )
+        groups.setdefault(None if node == me else node, []).append(key)
     return groups
 
 

@@ -358,18 +358,10 @@ class GradientPushes:
         parts: dict[str | None, list[Any]] = {}
         if cluster is None or not cluster.links or push.forwarded:
             return parts
-        me = cluster.me.node_id
+        cut = forward.cut(cluster, dict.fromkeys(g.name for g in grads), what="the push")
+        node_of = {name: node for node, names in cut.items() for name in names}
         for g in grads:
-            node = forward.holder(cluster, g.name)
-            if node is None:
-                down = ", ".join(cluster.placement.replicas(g.name))
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"no replica of {g.name!r} is up ({down}); nothing of the push was "
-                    "folded: push again when one is, or after the failure timeout",
-                    cluster.epoch,
-                )
-            parts.setdefault(None if node == me else node, []).append(g)
+            parts.setdefault(node_of[g.name], []).append(g)
         return parts
 
     def _check(self, parts: dict[str | None, list[Any]]) -> None:

@@ -36,7 +36,7 @@ import copy
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..errors import ErrorCode, Moved, RequestError
+from ..errors import Moved, RequestError
 from ..placement import LIVE, Placement, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
 from ..store.table import lww_key
@@ -141,27 +141,9 @@ class Router:
         if cluster is None or not cluster.links:
             return None
         me, placement = cluster.me.node_id, cluster.placement
-        serving = cluster.state in LIVE
-        if serving and placement.everywhere and me in placement.members:
+        if cluster.state in LIVE and placement.everywhere and me in placement.members:
             return None
-        parts: dict[str | None, list[str]] = {}
-        for name in names:
-            target = None
-            if not (serving and placement.holds(me, name)):
-                target = forward.holder(cluster, name)
-                if target is None and write:
-                    # Every replica is down (not failed yet): a copy made here
-                    # would start the key anew, and could lose to the old one
-                    # by last-writer-wins when its holders come back.
-                    down = ", ".join(placement.replicas(name))
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"no replica of {name!r} is up ({down}); nothing of the update was "
-                        "applied: try again when one is, or after the failure timeout",
-                    )
-                if target == me:
-                    target = None
-            parts.setdefault(target, []).append(name)
+        parts = forward.cut(cluster, names, what="the update", held_here=True, refuse=write)
         return None if not parts or list(parts) == [None] else parts
 
     def owner(self, key: str) -> str | None:

@@ -52,6 +52,14 @@ from .routing import moved
 
 __all__ = ["RowService"]
 
+
+def _bucket_shown(key: str) -> str:
+    """A bucket's key (see :func:`~aioparamsync.placement.bucket_key`) as errors show it:
+    ``bucket 3 of table 'emb'``."""
+    _, _, table, bucket = key.split("\x00", 3)
+    return f"bucket {bucket} of table {table!r}"
+
+
 log = logging.getLogger(__name__)
 
 
@@ -173,23 +181,12 @@ class RowService:
             self._check_held(table, ids, "does not hold")
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
-        me, placement = self._me, cluster.placement
-        serving = cluster.state in LIVE
         positions_of: dict[str, np.ndarray] = {}
-        parts: dict[str | None, list[str]] = {}
         for bucket, positions in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            positions_of[key] = positions
-            node = None
-            if not (serving and placement.holds(me, key)):
-                node = forward.holder(cluster, key)
-                if node is None:
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"no replica of bucket {bucket} of table {table.spec.name!r} is up",
-                        cluster.epoch,
-                    )
-            parts.setdefault(None if node == me else node, []).append(key)
+            positions_of[bucket_key(table.spec.name, bucket)] = positions
+        parts = forward.cut(
+            cluster, positions_of, what="the pull", held_here=True, shown=_bucket_shown
+        )
         out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
 
         def where(keys: list[str]) -> np.ndarray:
@@ -300,21 +297,10 @@ class RowService:
     ) -> tuple[int, int]:
         """Fold each bucket's rows at its primary, by the one forward policy (:mod:`.forward`)."""
         cluster = self.cluster
-        me = self._me
         positions_of: dict[str, np.ndarray] = {}
-        parts: dict[str | None, list[str]] = {}
         for bucket, positions in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            positions_of[key] = positions
-            node = forward.holder(cluster, key)
-            if node is None:
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"no replica of bucket {bucket} of table {table.spec.name!r} is up; "
-                    "nothing of the push was folded: push again",
-                    cluster.epoch,
-                )
-            parts.setdefault(None if node == me else node, []).append(key)
+            positions_of[bucket_key(table.spec.name, bucket)] = positions
+        parts = forward.cut(cluster, positions_of, what="the push", shown=_bucket_shown)
 
         def where(keys: list[str]) -> np.ndarray:
             return np.concatenate([positions_of[k] for k in keys])
@@ -439,4 +425,3 @@ class RowService:
         block = table.blocks.get(bucket)
         delta.total = len(block) if block is not None else 0
         return method.result(success=delta)
-
