@@ -36,7 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..client.partitions import (
+from ..errors import ErrorCode, RequestError
+from ..placement import is_reserved, manifest_key, parse_key
+from ..routing.partitions import (
     READ_AGAIN,
     Replaced,
     collapse,
@@ -45,8 +47,6 @@ from ..client.partitions import (
     manifests_of,
     readable_error,
 )
-from ..errors import ErrorCode, RequestError
-from ..placement import is_reserved, manifest_key, parse_key
 from ..store.checks import check_rule_fits
 from ..store.table import Entry
 from ..values.arrays import describe_layout
