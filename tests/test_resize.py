@@ -29,6 +29,7 @@ from thriftpy2.thrift import TApplicationException
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sgd, thrift
 from aioparamsync.placement import Placement, manifest_key, parse_key, partition_key
+from aioparamsync.routing.partitions import READ_AGAIN, Replaced, gather
 from aioparamsync.store.table import ParameterTable
 from aioparamsync.values.partitions import DEFAULT_PARTITION_BYTES, Layout
 from aioparamsync.wire import SEED_IDL_PATH
@@ -118,6 +119,42 @@ def test_replicas_converge_on_the_newer_key_in_any_order() -> None:
     assert table.names() == [m]
     table.merge([P("w", version=10, origin="a"), P(m, manifest("w"), version=9, origin="b")], 0)
     assert table.names() == ["w"]
+
+
+async def test_a_read_that_meets_a_replacement_reads_again() -> None:
+    # The manifest read says 2 partitions of 4 float32; its partitions, read after, were
+    # emptied by a replacement: the read is made again, and answers the new value.
+    layout = Layout("<f4", None, 8, 4)
+    old = thrift.ParameterResponse(
+        params=[thrift.Parameter(name=manifest_key("w"), data=layout.to_bytes(), version=1)],
+        timestamp=1,
+    )
+    new = thrift.ParameterResponse(params=[P("w", SMALL.tobytes(), 9)], timestamp=2)
+    emptied = thrift.ParameterResponse(
+        params=[P(partition_key("w", i), b"", 8) for i in range(2)], timestamp=2
+    )
+    request = thrift.ParameterRequest(param_names=["w"])
+    reads: list[Any] = []
+
+    async def read(sub: Any) -> Any:
+        reads.append(sub.param_names)
+        return emptied
+
+    async def again() -> Any:
+        return new
+
+    assert (await gather(request, old, read, again=again)).params == new.params
+    assert reads == [[partition_key("w", 0), partition_key("w", 1)]]
+    with pytest.raises(Replaced) as info:  # (without again: said, typed)
+        await gather(request, old, read)
+    assert info.value.code == ErrorCode.UNAVAILABLE and "read it again" in info.value.message
+
+    async def still_old() -> Any:
+        return old
+
+    with pytest.raises(Replaced):  # (a bounded number of times)
+        await gather(request, old, read, again=still_old)
+    assert len(reads) == 2 + 1 + READ_AGAIN
 
 
 # -- a node alone, our client -------------------------------------------------------------------

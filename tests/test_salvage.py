@@ -16,14 +16,11 @@ import json
 import shutil
 import signal
 import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cluster_helpers import (
-    NODE_COMMAND,
-    START_TIMEOUT,
     NodeProcess,
     Spawn,
     eventually,
@@ -36,6 +33,7 @@ from test_durability import (
     record_spans,
     recover_into_table,
     refused,
+    run_cli,
     running,
     segment_path,
     split_segment,
@@ -93,17 +91,6 @@ async def stop(node: NodeProcess) -> None:
     assert await node.wait_exit(EXIT_TIMEOUT) == 0, node.stderr
 
 
-def run_refused(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*NODE_COMMAND, "--port", "0", *flags],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT,
-        check=False,
-    )
-
-
 async def test_a_flipped_byte_in_a_partition_drops_that_parameter_alone(
     spawn: Spawn, tmp_path: Path
 ) -> None:
@@ -117,7 +104,7 @@ async def test_a_flipped_byte_in_a_partition_drops_that_parameter_alone(
     before = sorted(p.name for p in data_dir.iterdir())
 
     # Without the flag: refused, naming the file, the damage and the flag; nothing changed.
-    result = run_refused(*flags)
+    result = run_cli(*flags)
     assert result.returncode == 1, result
     assert str(damaged) in result.stderr and "big[partition 1]" in result.stderr, result.stderr
     assert "checksum" in result.stderr and "--ignore-corrupt-snapshot" in result.stderr

@@ -53,15 +53,7 @@ from ..errors import (
 )
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
-from ..routing.partitions import (
-    READ_AGAIN,
-    Replaced,
-    collapse,
-    cut,
-    gather,
-    manifests_of,
-    readable_error,
-)
+from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
 from .pool import ConnectionPool
@@ -256,13 +248,11 @@ class Routes:
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
         if arg == "request" and m.name != "barrier":
-            for again in range(READ_AGAIN, -1, -1):
-                response = await self._send(m, arg, value, timeout, args, moves=0)
-                try:
-                    return await self._gather(value, response, timeout)
-                except Replaced:
-                    if not again:
-                        raise
+
+            def send() -> Any:
+                return self._send(m, arg, value, timeout, args, moves=0)
+
+            return await self._gather(value, await send(), timeout, send)
         topology = self.topology
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
             return await self._cut(m, arg, value, timeout, topology.partition_bytes)
@@ -275,8 +265,9 @@ class Routes:
             return False
         return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
 
-    async def _gather(self, request: Any, response: Any, timeout: Any) -> Any:
-        """``response`` with the partitioned parameters in it read whole (routing.partitions)."""
+    async def _gather(self, request: Any, response: Any, timeout: Any, again: Any) -> Any:
+        """``response`` with the partitioned parameters in it read whole (routing.partitions);
+        ``again()`` reads it again, if one was replaced amid the read."""
         if not any("\x00" in p.name for p in response.params):
             return response
         found = manifests_of(response.params)
@@ -288,7 +279,7 @@ class Routes:
             )
 
         # (no limits: the partitions are put together here, whatever their size)
-        return await gather(request, response, read, encoding=request.encoding)
+        return await gather(request, response, read, again=again, encoding=request.encoding)
 
     async def _cut(
         self, m: Method, arg: str, value: Any, timeout: Any, partition_bytes: int

@@ -77,12 +77,51 @@ async def gather(
     response: Any,
     read: Callable[[Any], Awaitable[Any]],
     *,
+    again: Callable[[], Awaitable[Any]] | None = None,
     encoding: str | None = None,
     max_nbytes: int | None = None,
     limits: bool = False,
     join: bool = True,
 ) -> Any:
     """``response`` with each manifest in it replaced by its parameter, whole (see the module).
+
+    Args:
+        again: makes the read ``response`` answers again, for when a parameter
+            was replaced amid it (its partitions do not fit its manifest: see
+            :class:`Replaced`); up to ``READ_AGAIN`` times. None: not again.
+
+    The other arguments are :func:`_gather_once`'s.
+    """
+    left = READ_AGAIN
+    while True:
+        try:
+            return await _gather_once(
+                request,
+                response,
+                read,
+                encoding=encoding,
+                max_nbytes=max_nbytes,
+                limits=limits,
+                join=join,
+            )
+        except Replaced:
+            if not left or again is None:
+                raise
+            left -= 1
+            response = await again()
+
+
+async def _gather_once(
+    request: Any,
+    response: Any,
+    read: Callable[[Any], Awaitable[Any]],
+    *,
+    encoding: str | None = None,
+    max_nbytes: int | None = None,
+    limits: bool = False,
+    join: bool = True,
+) -> Any:
+    """``response`` with each manifest in it replaced by its parameter, whole: one try.
 
     Args:
         request: the read ``response`` answers.

@@ -38,15 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, RequestError
 from ..placement import is_reserved, manifest_key, parse_key
-from ..routing.partitions import (
-    READ_AGAIN,
-    Replaced,
-    collapse,
-    cut,
-    gather,
-    manifests_of,
-    readable_error,
-)
+from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..store.checks import check_rule_fits
 from ..store.table import Entry
 from ..values.arrays import describe_layout
@@ -179,18 +171,19 @@ class Partitioned:
         asked = set(request.param_names or ())
         if all(p.name in asked for p in response.params if "\x00" in p.name):
             return response
-        for again in range(READ_AGAIN, -1, -1):
-            try:
-                # (an encoding needs the bytes in one buffer; else each partition's are
-                # sent as stored)
-                gathered = await gather(
-                    request, response, self.read_keys, limits=True, join=bool(request.encoding)
-                )
-                break
-            except Replaced:
-                if not again or request.all_names:
-                    raise
-                response = await self.read_keys(request)  # (as _pull read it: the new one)
+
+        def again() -> Any:  # (as _pull read it: the parameter replaced amid it, the new one)
+            return self.read_keys(request)
+
+        # (an encoding needs the bytes in one buffer; else each partition's are sent as stored)
+        gathered = await gather(
+            request,
+            response,
+            self.read_keys,
+            again=None if request.all_names else again,
+            limits=True,
+            join=bool(request.encoding),
+        )
         limit = inline_limit(request)
         params = []
         for p in gathered.params:

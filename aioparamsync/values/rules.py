@@ -65,15 +65,9 @@ def sgd(
     allow_nonfinite: bool = False,
 ) -> Any:
     """The rule of ``torch.optim.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay)``."""
-    rule = thrift.Rule(
-        kind="sgd",
-        lr=lr,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        allow_nonfinite=allow_nonfinite,
+    return _checked(
+        "sgd", lr=lr, momentum=momentum, weight_decay=weight_decay, allow_nonfinite=allow_nonfinite
     )
-    check_rule("sgd", rule)
-    return rule
 
 
 def adam(
@@ -85,16 +79,22 @@ def adam(
     allow_nonfinite: bool = False,
 ) -> Any:
     """The rule of ``torch.optim.Adam(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)``."""
-    rule = thrift.Rule(
-        kind="adam",
+    beta1, beta2 = betas
+    return _checked(
+        "adam",
         lr=lr,
-        beta1=betas[0],
-        beta2=betas[1],
+        beta1=beta1,
+        beta2=beta2,
         eps=eps,
         weight_decay=weight_decay,
         allow_nonfinite=allow_nonfinite,
     )
-    check_rule("adam", rule)
+
+
+def _checked(kind: str, **fields: Any) -> Any:
+    """The ``Rule`` of ``kind`` with ``fields``, checked (:func:`check_rule`)."""
+    rule = thrift.Rule(kind=kind, **fields)
+    check_rule(kind, rule)
     return rule
 
 
