@@ -300,14 +300,11 @@ class ParameterTable:
     def check(self, params: Sequence[Any], *, replicated: bool = False) -> None:
         """Raise :class:`RequestError` if the update ``params`` may not be applied."""
         self._check_names(params, what="parameters")
-        both = [n for p in params if "\x00" in p.name and (n := _manifest_of(p.name))]
-        if both and not replicated and (whole := set(both) & {p.name for p in params}):
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"{sorted(whole)[0]!r} is both whole and as partitions in one update",
-            )
+        partitioned = []  # the names of the manifests among params
         for p in params:
             name = p.name
+            if "\x00" in name and (whole := _manifest_of(name)) is not None:
+                partitioned.append(whole)
             if p.data is None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
             if p.encoding or p.total_bytes is not None:
@@ -339,6 +336,11 @@ class ParameterTable:
                 check_keeps_layout(
                     current, nbytes, p.dtype, p.shape, lossy=getattr(p, "lossy", False)
                 )
+        if partitioned and not replicated and (both := set(partitioned) & {p.name for p in params}):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{sorted(both)[0]!r} is both whole and as partitions in one update",
+            )
 
     def apply(self, params: Sequence[Any], timestamp: int) -> Applied:
         """Apply one update wholly, or raise :class:`RequestError` and change nothing.
@@ -354,10 +356,11 @@ class ParameterTable:
         for p in params:
             current = entries.get(p.name)
             stored = current.version if current is not None else 0
-            partner = self.partner(p.name)
-            if partner is not None and (other := entries.get(partner)) is not None:
-                stored = max(stored, other.version)  # (it replaces the other: see the module)
-                replaced.append(partner)
+            if self._manifests or "\x00" in p.name:  # (else no other key: see partner)
+                partner = self.partner(p.name)
+                if partner is not None and (other := entries.get(partner)) is not None:
+                    stored = max(stored, other.version)  # (it replaces the other: see the module)
+                    replaced.append(partner)
             given = p.version or 0
             dtype = p.dtype
             shape = tuple(p.shape) if p.shape is not None else None
