@@ -206,6 +206,16 @@ async def test_an_update_that_is_no_replacement_keeps_the_layout(lone: Node) -> 
         assert table_state(lone) == before
 
 
+async def test_an_update_of_a_name_whole_and_as_partitions_is_refused(lone: Node) -> None:
+    async with ParameterClient(lone.address, timeout=30) as client:
+        with pytest.raises(RequestError, match="both whole and as partitions") as info:
+            await client.update_parameters(
+                [P("w", SMALL.tobytes()), P(manifest_key("w"), manifest("w"))]
+            )
+        assert info.value.code == ErrorCode.BAD_REQUEST
+    assert lone.table.names() == []
+
+
 async def test_a_reader_sees_the_old_value_or_the_new(lone: Node) -> None:
     values = [SMALL, LARGE, SMALL * 2, LARGE * 2, SMALL * 3]
     known = {v.tobytes() for v in values}
