@@ -1,6 +1,6 @@
 """Sparse embedding tables: rows made on first touch, folded by sgd, adagrad or lazy adam.
 
-An embedding table (:class:`TableSpec`) has a name, a row width ``dim``, a
+An embedding table (:class:`BlockSpec`) has a name, a row width ``dim``, a
 storage dtype, an initializer (:class:`Init`) and a fold rule
 (:class:`RowRule`). Its ids are any int64s, not a dense range; a
 :class:`RowBlock` holds the rows of one bucket of one table: a
@@ -48,15 +48,12 @@ from .rowspec import (
     DTYPES,
     INIT_KINDS,
     RULE_KINDS,
+    BlockSpec,
     Init,
     RowRule,
-    TableSpec,
     _bad,
     _real,
-    adagrad,
-    adam,
     normal,
-    sgd,
     uniform,
     zeros,
 )
@@ -65,15 +62,12 @@ __all__ = [
     "DTYPES",
     "INIT_KINDS",
     "RULE_KINDS",
+    "BlockSpec",
     "Init",
     "RowBlock",
     "RowData",
     "RowRule",
-    "TableSpec",
-    "adagrad",
-    "adam",
     "normal",
-    "sgd",
     "sum_duplicates",
     "uniform",
     "zeros",
@@ -142,10 +136,10 @@ class RowBlock:
 
     Rows ``0 .. len-1`` of every block are live (the index's dense slots); the
     blocks grow by ``max(GROW_ROWS, capacity/4)`` rows and shrink after a
-    large eviction. Rule state is kept in :attr:`TableSpec.work_dtype`.
+    large eviction. Rule state is kept in :attr:`BlockSpec.work_dtype`.
     """
 
-    def __init__(self, spec: TableSpec, capacity: int = 0) -> None:
+    def __init__(self, spec: BlockSpec, capacity: int = 0) -> None:
         """An empty block of table ``spec`` with room for ``capacity`` rows."""
         self._spec = spec
         self._dtype = spec.np_dtype
@@ -162,7 +156,7 @@ class RowBlock:
             self._state[name] = np.empty(shape, np.int64 if name == "step" else self._work)
 
     @property
-    def spec(self) -> TableSpec:
+    def spec(self) -> BlockSpec:
         """The table this block holds rows of."""
         return self._spec
 
@@ -360,7 +354,7 @@ class RowBlock:
         return gone
 
     @classmethod
-    def from_export(cls, spec: TableSpec, arrays: Mapping[str, np.ndarray]) -> RowBlock:
+    def from_export(cls, spec: BlockSpec, arrays: Mapping[str, np.ndarray]) -> RowBlock:
         """A block of table ``spec`` holding the rows :meth:`export` answered.
 
         ``touched`` may be left out (every row is then stamped 0.0).
