@@ -65,3 +65,38 @@ async def spawn() -> AsyncIterator[Spawn]:
     finally:
         for node in started:
             await node.close()
+
+
+# -- randomized cluster runs (tests/test_randomized_cluster.py, tests/chaos/) ----------------
+
+
+def pytest_addoption(parser):
+    from chaos import options
+
+    group = parser.getgroup("chaos", "randomized cluster runs (tests/test_randomized_cluster.py)")
+    group.addoption(
+        "--chaos-seed",
+        metavar="S",
+        help=f"run seed S (with --chaos-seeds: the first of them); env {options.ENV['seed']}",
+    )
+    group.addoption(
+        "--chaos-seeds",
+        metavar="N",
+        help=f"run N seeds (from --chaos-seed, else from one drawn now); env "
+        f"{options.ENV['seeds']}",
+    )
+    group.addoption(
+        "--chaos-duration",
+        metavar="SECONDS",
+        help=f"seconds of workload per run (default {options.DEFAULT_DURATION:g}); env "
+        f"{options.ENV['duration']}",
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+    from chaos import options
+
+    if options.REPORTS:
+        terminalreporter.section("randomized cluster runs")
+        for line in options.REPORTS:
+            terminalreporter.write_line(line)
