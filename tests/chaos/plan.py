@@ -17,6 +17,7 @@ write holds one stamp, unique in the run, in every element.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -166,6 +167,30 @@ class Plan:
     def stamped_keys(self) -> tuple[Key, ...]:
         return tuple(k for k in self.keys if k.rule is None)
 
+    def features(self) -> set[str]:
+        """What the plan exercises, as words (``acks=all``, ``fault=kill``, ``pinned``...):
+        a fixed set of seeds is chosen to cover them."""
+        found = {
+            f"nodes={self.nodes}",
+            f"R={self.replication}",
+            f"acks={self.acks}",
+            f"rows={self.table.rule}",
+            "coordinator" if self.coordinator else "peers",
+            *("routed" if c.pinned is None else "pinned" for c in self.clients),
+            *(f"rule={k.rule}" for k in self.gradient_keys),
+        }
+        faults = {e.kind for e in self.events} or {"none"}
+        found |= {f"fault={k}" for k in faults}
+        found |= {f"acks={self.acks}+{k}" for k in faults}  # (each fault under each --acks)
+        if self.coordinator:
+            found |= {f"coordinator+{k}" for k in faults}
+        if self.barriers:
+            found.add("barriers")
+        pinned = {c.pinned for c in self.clients if c.pinned is not None}
+        if len(pinned) > 1 and self.acks == "all" and self.replication > 1:
+            found.add("writers at several nodes, acks=all")
+        return found
+
     def summary(self) -> str:
         """One line: the cluster, the clients, the faults."""
         clients = ",".join("routed" if c.pinned is None else f"n{c.pinned}" for c in self.clients)
@@ -191,7 +216,11 @@ def make_plan(seed: int, duration: float) -> Plan:
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"a seed is an int >= 0, not {seed!r}")
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
+    if (
+        isinstance(duration, bool)
+        or not isinstance(duration, (int, float))
+        or not 0 < duration < math.inf
+    ):
         raise ValueError(f"a duration is a number of seconds above 0, not {duration!r}")
     rng = random.Random(seed)
     nodes = rng.randint(3, 5)

@@ -220,7 +220,15 @@ async def _rows(
                 differ = sorted(i for i in set(copy) | set(first) if copy.get(i) != first.get(i))
                 problems.append(
                     f"bucket {bucket} of {table.name!r}: {member} differs from "
-                    f"{next(iter(copies))} at rows {differ[:8]}"
+                    f"{next(iter(copies))} at {len(differ)} rows: "
+                    + ", ".join(
+                        f"row {i} {_row(copy.get(i))} vs {_row(first.get(i))}" for i in differ[:4]
+                    )
                 )
         rows.update(first)
     return rows, problems
+
+
+def _row(copy: tuple[int, tuple[float, ...]] | None) -> str:
+    """A row's copy in a few words: its version and first value (or that it is missing)."""
+    return "missing" if copy is None else f"v{copy[0]} {copy[1][0]:g}"

@@ -35,6 +35,7 @@ READ_WAIT = 2.0  # a read's long poll for its min_version (seconds)
 BARRIER_WAIT = 3.0  # a barrier's wait for the other workers (seconds)
 CONNECT_TIMEOUT = 2.0
 CLIENT_SLACK = 5.0  # the client's deadline is the op's plus this
+ERROR_PAUSE = 0.1  # a lane's pause after an op that was not ok (as a worker backs off)
 
 
 class Workload:
@@ -92,8 +93,8 @@ class Workload:
                         for rid in spec.request_ids
                     )
                 )
-            else:
-                await self._op(client, c, target, lane, spec, known)
+            elif not await self._op(client, c, target, lane, spec, known):
+                await asyncio.sleep(ERROR_PAUSE)
 
     def _new_op(self, c: ClientPlan, target: str, lane: int, spec: OpSpec, rid: str) -> Op:
         kind = "push" if spec.kind == "burst" else spec.kind
@@ -126,7 +127,8 @@ class Workload:
         spec: OpSpec,
         known: dict[str, int],
         rid: str = "",
-    ) -> None:
+    ) -> bool:
+        """Run one op (see the module); answer whether it was ok."""
         op = self._new_op(c, target, lane, spec, rid or (spec.request_ids or ("",))[0])
         call = self._call(client, op, known)
         held = READ_WAIT if op.kind == "read" else BARRIER_WAIT if op.kind == "barrier" else 0.0
@@ -156,6 +158,7 @@ class Workload:
         if op.outcome == "ok":
             for name, version in op.versions.items():
                 known[name] = max(known.get(name, 0), version)
+        return op.outcome == "ok"
 
     def _call(
         self, client: ParameterClient, op: Op, known: dict[str, int]
