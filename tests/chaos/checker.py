@@ -212,6 +212,23 @@ class _Tally:
         )
 
 
+def _held(
+    final: Final, name: str, label: str, torn: str, found: list[str]
+) -> tuple[str, int, float] | None:
+    """(``label`` with its version and origin, its version, its one value) of key ``name``
+    after the heal; None, told in ``found``, when it is missing or its elements differ."""
+    if name not in final.params:
+        found.append(f"{label} is missing after the heal")
+        return None
+    version, origin, data = final.params[name]
+    where = f"{label} v{version} from {origin}"
+    value = uniform(np.frombuffer(data, np.float32).tolist())
+    if value is None:
+        found.append(f"{where}: its elements differ ({torn})")
+        return None
+    return where, version, value
+
+
 def _gradients(plan: Plan, ops: Sequence[Op], final: Final, gaps: Gaps) -> list[str]:
     found = []
     tallies = {k.name: _Tally() for k in plan.gradient_keys}
@@ -220,15 +237,10 @@ def _gradients(plan: Plan, ops: Sequence[Op], final: Final, gaps: Gaps) -> list[
             tallies[name].add(op, gaps, rows=False)
     for key in plan.gradient_keys:
         tally = tallies[key.name]
-        if key.name not in final.params:
-            found.append(f"{key.name!r} ({key.rule}) is missing after the heal; {tally.explain()}")
+        held = _held(final, key.name, f"{key.name!r} ({key.rule})", "a fold applied in part", found)
+        if held is None:
             continue
-        version, origin, data = final.params[key.name]
-        value = uniform(np.frombuffer(data, np.float32).tolist())
-        where = f"{key.name!r} ({key.rule}) v{version} from {origin}"
-        if value is None:
-            found.append(f"{where}: its elements differ (a fold applied in part)")
-            continue
+        where, _, value = held
         assert key.rule is not None
         folds, whole = folds_of(key.rule, value)
         if not whole:
@@ -255,15 +267,10 @@ def _stamps(plan: Plan, ops: Sequence[Op], final: Final, gaps: Gaps) -> list[str
         for name in op.keys:
             writes[name].append(op)
     for key in plan.stamped_keys:
-        if key.name not in final.params:
-            found.append(f"{key.name!r} is missing after the heal")
+        held = _held(final, key.name, repr(key.name), "a torn write", found)
+        if held is None:
             continue
-        version, origin, data = final.params[key.name]
-        value = uniform(np.frombuffer(data, np.float32).tolist())
-        where = f"{key.name!r} v{version} from {origin}"
-        if value is None:
-            found.append(f"{where}: its elements differ (a torn write)")
-            continue
+        where, version, value = held
         stamp = int(value)
         last = by_stamp.get(stamp)
         if stamp != value or (stamp != 0 and (last is None or key.name not in last.keys)):
