@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from aioparamsync import ParamSyncError
+
 from .cluster import ChaosCluster, Slot
 from .history import Fault, History
 from .plan import Event
@@ -59,11 +61,15 @@ class Nemesis:
                 async with asyncio.timeout(EVENT_TIMEOUT):
                     await self._make(event)
             except TimeoutError:
-                self.problems.append(f"nemesis: {event.describe()} took over {EVENT_TIMEOUT} s")
-                return
-            except AssertionError as exc:  # (a node that did not start: see NodeExited)
-                self.problems.append(f"nemesis: {event.describe()} failed: {exc}")
-                return
+                problem = f"took over {EVENT_TIMEOUT} s"
+            # (a node that did not start, see NodeExited; a drain the node refused)
+            except (AssertionError, ParamSyncError) as exc:
+                problem = f"failed: {type(exc).__name__}: {exc}"
+            else:
+                continue
+            self.problems.append(f"nemesis: {event.describe()} {problem}")
+            await self._stop_fault()
+            return
 
     async def _make(self, event: Event) -> None:
         cluster = self.cluster
@@ -136,13 +142,19 @@ class Nemesis:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if self._fault is not None:
+            self.problems.append(f"nemesis: {self._fault.describe()} cut short by the heal")
+            await self._stop_fault()
+
+    async def _stop_fault(self) -> None:
+        """Undo the fault in progress, if any, within ``EVENT_TIMEOUT`` (a join or a drain
+        cut short ends as it does)."""
         fault = self._fault
         if fault is None:
             return
-        self.problems.append(f"nemesis: {fault.describe()} cut short by the heal")
         try:
             async with asyncio.timeout(EVENT_TIMEOUT):
-                if self._undo is None:  # (a join or a drain: it ends as it does)
+                if self._undo is None:
                     self._end("(cut short)")
                 else:
                     await self._heal_fault()
