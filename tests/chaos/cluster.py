@@ -1,7 +1,8 @@
 """The run's cluster: node processes in slots, their proxies and data directories, and etcd.
 
-Theory of operation. A :class:`Slot` is one node's place in the run: its port (fixed, so a
-node killed comes back where it was, under the same id), its data directory, its proxy
+Theory of operation. A :class:`Slot` is one node's place in the run: its port (the kernel's
+pick at the first start, then kept, so a node killed comes back where it was, under the
+same id), its data directory, its proxy
 (where the plan cuts or delays links: every node then advertises its proxy, so peers and
 routed clients reach it through it, while pinned clients connect straight to its port), and
 the process now running there, if any. :class:`ChaosCluster` starts, kills, restarts, joins
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster_helpers import LOOPBACK, NodeProcess, ProcessCluster, free_port
+from cluster_helpers import LOOPBACK, NodeProcess, ProcessCluster
 from test_coordinator import Etcd, need_etcd
 from test_sharding import FaultProxy
 
@@ -110,9 +111,9 @@ class ChaosCluster:
     async def _new_slot(self) -> Slot:
         index = len(self.slots)
         data_dir = self.tmp / f"n{index}" if self.plan.data_dir else None
-        slot = Slot(index, free_port(), data_dir)
+        slot = Slot(index, 0, data_dir)  # (its port: the one the kernel gives it first)
         if self.plan.proxies:
-            slot.proxy = LinkProxy(slot.port)
+            slot.proxy = LinkProxy(0)  # (pointed at the node once it listens)
             await slot.proxy.start()
         self.slots.append(slot)
         return slot
@@ -142,8 +143,12 @@ class ChaosCluster:
         return flags
 
     async def spawn(self, slot: Slot) -> NodeProcess:
-        """Start (or restart) the node of ``slot``, on its port, with its data."""
+        """Start the node of ``slot`` on a port the kernel picks, or restart it on the
+        port it had (so under the same id), with its data."""
         slot.proc = await self.procs.spawn(port=slot.port, extra=self._flags(slot))
+        slot.port = slot.proc.port
+        if slot.proxy is not None:
+            slot.proxy.target = slot.address
         assert slot.proc.node_id == slot.node_id, (slot.proc.node_id, slot.node_id)
         return slot.proc
 
