@@ -640,6 +640,26 @@ def test_a_bad_variable_is_refused_naming_it(variable: str, value: str, message:
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("given", ["/job/", "/job//", "/aioparamsync/job/", "/job"])
+def test_a_coordinator_prefix_is_taken_with_or_without_a_trailing_slash(given: str) -> None:
+    # (etcd's users write a prefix "/job/"; its keys are the same as under "/job")
+    from aioparamsync.cli.node import from_environment
+
+    parser = build_parser()
+    expected = given.rstrip("/")
+    assert parser.parse_args(["--coordinator-prefix", given]).coordinator_prefix == expected
+    variable = from_environment(parser, [], {"AIOPARAMSYNC_COORDINATOR_PREFIX": given})
+    assert parser.parse_args(variable).coordinator_prefix == expected
+
+
+@pytest.mark.parametrize("given", ["/", "//", "job/", "/a//b/", ""])
+def test_a_coordinator_prefix_that_is_no_path_is_refused(given: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--coordinator-prefix", given])
+    assert exited.value.code == 2
+    assert "a prefix is a path like /aioparamsync/NAME" in capsys.readouterr().err
+
+
 def test_help_says_flags_can_come_from_the_environment() -> None:
     result = run_cli("--help")
     assert result.returncode == 0

@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="run N node processes on this host, one cluster, each holding its share of "
-        "the keys (so all cores work): ports PORT..PORT+N-1 (or free ones with --port 0), "
+        "the keys (so all cores work; --replication-factor is then 1 unless given): ports "
+        "PORT..PORT+N-1 (or free ones with --port 0), "
         "data in DIR/shard-I; clients may connect to any (see aioparamsync.cli.processes) "
         "(default: %(default)s)",
     )
@@ -184,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--replication-factor",
         type=replication_factor,
-        default=DEFAULT_REPLICATION_FACTOR,
+        default=argparse.SUPPRESS,  # (not given: see replication_default)
         metavar="R",
         help="how many nodes hold each parameter (every node when the cluster has fewer); "
-        "'all': every node holds everything (default: %(default)s)",
+        f"'all': every node holds everything (default: {DEFAULT_REPLICATION_FACTOR}; with "
+        "--processes N, 1: each process holds its 1/N share; give R to keep copies, the same "
+        "R on every node of the cluster)",
     )
     cluster.add_argument(
         "--acks",
@@ -383,10 +386,15 @@ def coordinator_spec(text: str) -> str:
 
 
 def coordinator_prefix(text: str) -> str:
+    """``--coordinator-prefix``: a path like ``/aioparamsync/NAME``; a trailing ``/``
+    (as etcd's users write a prefix: ``/job/``) is dropped."""
+    trimmed = text.rstrip("/") if text.strip("/") else text  # ("/" alone: refused, below)
     try:
-        return check_prefix(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return check_prefix(trimmed)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a prefix is a path like /aioparamsync/NAME (one / between its parts)"
+        ) from None
 
 
 def tls_contexts(
@@ -493,6 +501,15 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def replication_default(args: argparse.Namespace) -> int:
+    """The replication factor when ``--replication-factor`` is not given.
+
+    N processes on one host are there for its cores: each holds its share of
+    the keys (R = 1), not a copy of most of them, as R = 3 would have it.
+    """
+    return 1 if args.processes > 1 else DEFAULT_REPLICATION_FACTOR
+
+
 def process_count(text: str) -> int:
     try:
         n = int(text)
@@ -562,6 +579,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reach"
         )
     args.fsync = args.fsync or "batch"
+    if "replication_factor" not in vars(args):
+        args.replication_factor = replication_default(args)
+        if args.processes > 1:  # (the processes are told it: their own default is 3)
+            argv = [*argv, "--replication-factor", str(args.replication_factor)]
     if args.processes > 1:
         if args.advertise is None and unspecified_host(args.host):
             parser.error(
