@@ -19,6 +19,7 @@ from thriftpy2.thrift import TType
 from ..errors import RemoteProtocolError
 from .codec import _READERS
 from .compact import CompactReader
+from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import Protocol
 from .reader import MAX_DEPTH, NeedData, Reader
 
@@ -58,7 +59,9 @@ class StreamMeasure:
         Raises:
             RemoteProtocolError: it is not a valid message, or is longer than ``limit``.
         """
-        reader = _READERS[self.protocol](buf, stream=True, limit=self.limit)
+        reader = _READERS[self.protocol](
+            buf, stream=True, limit=self.limit, name_limit=MAX_METHOD_NAME_BYTES
+        )
         reader.pos = self.pos
         reader.elements = self.elements
         try:
