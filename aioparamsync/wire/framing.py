@@ -47,7 +47,7 @@ from ..errors import RemoteProtocolError
 from .codec import claimed_name_length
 from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import Protocol
-from .reader import name_too_long
+from .reader import OverLimit, name_too_long
 from .stream import StreamMeasure
 
 __all__ = [
@@ -106,13 +106,19 @@ _set_protocol = vars(Frame)["protocol"].__set__
 _set_framed = vars(Frame)["framed"].__set__
 
 
-def _describe_length(header: bytes, size: int) -> str:
-    what = f"frame length {size}"
+def _describe_length(header: bytes, size: int) -> str | None:
+    """What the bytes of a frame length that cannot be one look like, if anything."""
     if header.isascii() and header.decode("ascii").isprintable():
-        what += f" ({header!r}: this looks like text, e.g. HTTP; the node speaks Thrift)"
-    elif header[:2] in (b"\x16\x03", b"\x16\x02"):
-        what += " (this looks like a TLS handshake; the node is not using TLS)"
-    return what
+        return f"{header!r}: this looks like text, e.g. HTTP; the node speaks Thrift"
+    if header[:2] in (b"\x16\x03", b"\x16\x02"):
+        return "this looks like a TLS handshake; the node is not using TLS"
+    return None
+
+
+def _size(nbytes: int) -> str:
+    """``268435456`` -> ``"268435456 bytes, 256 MiB"``; sizes that are no whole MiB as bytes."""
+    mib, rest = divmod(nbytes, 1 << 20)
+    return f"{nbytes} bytes, {mib} MiB" if mib and not rest else f"{nbytes} bytes"
 
 
 class ReceiveBudget:
@@ -217,6 +223,8 @@ class Receiver:
             the owner calls ``buffer_updated(0)`` to go on. A large frame's
             share is given back when the owner calls :meth:`release_handed`
             (after handing the frame on) or :meth:`close`.
+        limit_name: what sets ``max_frame_bytes``, named in the error that
+            refuses a larger message (a node's flag; a client's own option).
 
     Raises (from :meth:`buffer_updated`):
         RemoteProtocolError: the bytes cannot be a valid message; the
@@ -229,10 +237,12 @@ class Receiver:
         *,
         framed: bool | None = None,
         budget: ReceiveBudget | None = None,
+        limit_name: str = "the node's --max-frame-bytes",
     ) -> None:
         if max_frame_bytes < 16:
             raise ValueError(f"max_frame_bytes must be at least 16, not {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
+        self.limit_name = limit_name
         self.framed = framed
         self.protocol: Protocol | None = None  # of the unframed stream
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -358,10 +368,10 @@ class Receiver:
             start = self._start
             size = _S_LEN.unpack_from(scratch, start)[0]
             if size < 0 or size > self.max_frame_bytes:
-                header = bytes(scratch[start : start + 4])
-                raise RemoteProtocolError(
-                    f"{_describe_length(header, size)} is outside 0..{self.max_frame_bytes}"
-                )
+                guess = _describe_length(bytes(scratch[start : start + 4]), size)
+                what = f"frame length {size}" + (f" ({guess})" if guess else "")
+                hint = f": {self._raise_limit()}" if guess is None and size > 0 else ""
+                raise RemoteProtocolError(f"{what} is outside 0..{self.max_frame_bytes}{hint}")
             if size == 0:
                 self._start = start + 4
                 continue
@@ -429,6 +439,10 @@ class Receiver:
         self._reserved = 0
         return self._frame(payload)
 
+    def _raise_limit(self) -> str:
+        """Which limit a message larger than ``max_frame_bytes`` would need raised."""
+        return f"more than {self.limit_name} ({_size(self.max_frame_bytes)}): raise it"
+
     def _check_begun(self, begun: memoryview) -> None:
         """Refuse a frame from its first bytes, ``begun``, where they are no message's
         start: a first byte of neither protocol, or a method name longer than any
@@ -471,7 +485,10 @@ class Receiver:
                         f"not {self.protocol.value:#04x}"
                     )
                 self._measure = StreamMeasure(self.protocol, self.max_frame_bytes)
-            size = self._measure.feed(stream)
+            try:
+                size = self._measure.feed(stream)
+            except OverLimit as exc:
+                raise RemoteProtocolError(f"{exc}: {self._raise_limit()}") from None
             if size is None:
                 return
             self._measure = None

@@ -25,7 +25,7 @@ from ..errors import RemoteProtocolError
 from .plan import _PLANS, _build, _plan
 from .protocol import _S_I8, MAX_I32
 
-__all__ = ["NeedData", "Reader", "name_too_long"]
+__all__ = ["NeedData", "OverLimit", "Reader", "name_too_long"]
 
 # Deepest nesting of structs and containers a message may have.
 MAX_DEPTH = 64
@@ -41,6 +41,10 @@ _SCALAR_TYPES = frozenset(
 def name_too_long(n: int, limit: int) -> RemoteProtocolError:
     """What a message whose method name claims ``n`` bytes, more than ``limit``, is."""
     return RemoteProtocolError(f"method name of {n} bytes: longer than any method's ({limit})")
+
+
+class OverLimit(RemoteProtocolError):
+    """A message on a stream longer than the reader's ``limit`` (its receiver's frame limit)."""
 
 
 class NeedData(Exception):
@@ -105,7 +109,7 @@ class Reader:
     def _overrun(self, n: int) -> None:
         if self.stream:
             if self.pos + n > self.limit:
-                raise RemoteProtocolError(
+                raise OverLimit(
                     f"message needs {self.pos + n} bytes, more than the limit of {self.limit}"
                 )
             raise NeedData(self.pos + n)

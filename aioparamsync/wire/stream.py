@@ -21,7 +21,7 @@ from .codec import _READERS
 from .compact import CompactReader
 from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import Protocol
-from .reader import MAX_DEPTH, NeedData, Reader
+from .reader import MAX_DEPTH, NeedData, OverLimit, Reader
 
 __all__ = ["StreamMeasure"]
 
@@ -74,7 +74,7 @@ class StreamMeasure:
                 self.pos = reader.pos
                 self.elements = reader.elements
             if self.pos > self.limit:
-                raise RemoteProtocolError(
+                raise OverLimit(
                     f"message of {self.pos} bytes is longer than the limit of {self.limit}"
                 )
             return self.pos
