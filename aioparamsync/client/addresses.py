@@ -10,13 +10,22 @@ Both raise ValueError for what they refuse, before anything is sent.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Address", "UNIX", "check_seconds", "parse_address", "parse_addresses", "unix_path"]
+__all__ = [
+    "Address",
+    "UNIX",
+    "check_seconds",
+    "is_loopback",
+    "parse_address",
+    "parse_addresses",
+    "unix_path",
+]
 
 Address = str | tuple[str, int]
 
@@ -24,6 +33,16 @@ Address = str | tuple[str, int]
 UNIX = "unix:"
 # A URL's scheme ("http://", "tcp://", ...): no part of an address a node listens at.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's own: ``localhost``, 127.0.0.0/8, ``::1``."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def unix_path(host: str) -> str | None:

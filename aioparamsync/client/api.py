@@ -227,7 +227,7 @@ class ParameterClient(TableClient, ConnectionPool):
         if encoding == "auto":
             if names is None:
                 raise ValueError('encoding="auto" needs the names (their sizes are what it weighs)')
-            encoding = self._auto_of().pull_encoding(names)
+            encoding = (await self._auto_of()).pull_encoding(names)
         request = thrift.ParameterRequest(
             param_names=list(names) if names is not None else [],
             min_version=min_version,
@@ -274,11 +274,13 @@ class ParameterClient(TableClient, ConnectionPool):
             self._auto.observe_read(response.params, time.monotonic() - started)
         return response
 
-    def _auto_of(self) -> Any:
+    async def _auto_of(self) -> Any:
         if self._auto is None:
-            from .auto import Auto
+            from .auto import Auto, local_link
 
-            self._auto = Auto()
+            local = await local_link(self)
+            if self._auto is None:  # (another call made it meanwhile)
+                self._auto = Auto(local)
         return self._auto
 
     def _held_timeout(
@@ -438,7 +440,7 @@ class ParameterClient(TableClient, ConnectionPool):
         last = self._last_push
         auto = None
         if encoding == "auto":
-            auto = self._auto_of()
+            auto = await self._auto_of()
             encoding, ratio, max_residual = auto.push_choice(grads, target)
             error_feedback = True
         try:
