@@ -575,6 +575,8 @@ async def test_a_name_that_cannot_be_resolved_exits_1(capsys) -> None:
         (["stats", "127.0.0.1:abc"], "argument ADDRESS: '127.0.0.1:abc': port 'abc' is not"),
         (["stats", "127.0.0.1:70000"], "argument ADDRESS: port 70000 is out of range"),
         (["stats", ":9090"], "argument ADDRESS: ':9090' is not host:port"),
+        (["stats", "http://127.0.0.1:9090"], "without a scheme: drop 'http://'"),
+        (["export", "127.0.0.1:9090"], "the following arguments are required: FILE"),
         (["get", "127.0.0.1:9090"], "the following arguments are required: NAME"),
         (["list"], "the following arguments are required: ADDRESS"),
         (["list", "127.0.0.1:9090", ""], "argument PREFIX: must not be empty (leave it out"),

@@ -161,8 +161,7 @@ async def test_a_file_there_is_replaced(filled, tmp_path: Path, capsys) -> None:
 async def test_a_cluster_s_partitions_are_read_where_they_are_and_put_together(
     tmp_path: Path, capsys
 ) -> None:
-    procs = ProcessCluster(replication_factor="1")
-    try:
+    async with ProcessCluster(replication_factor="1") as procs:
         nodes = await spawn_cluster(procs, 3, extra=["--partition-bytes", str(PARTITION)])
         async with contextlib.AsyncExitStack() as stack:
             await wait_formed(await open_clients(stack, nodes))
@@ -184,9 +183,6 @@ async def test_a_cluster_s_partitions_are_read_where_they_are_and_put_together(
         rc, _, err = await ctl(capsys, "export", nodes[1].address_text, str(path))
         assert (rc, err) == (0, ""), err
         assert_exported(path, versions, [*ARRAYS, "plain"])
-    finally:
-        procs.show_logs()
-        await procs.close()
 
 
 # -- what goes wrong: a clear line, a code, and no file --------------------------------------

@@ -32,12 +32,8 @@ RETRIES_SECONDS = 2.5
 
 @pytest.fixture
 async def procs() -> AsyncIterator[ProcessCluster]:
-    cluster = ProcessCluster(repair_interval=0.5)
-    try:
+    async with ProcessCluster(repair_interval=0.5) as cluster:
         yield cluster
-    finally:
-        cluster.show_logs()
-        await cluster.close()
 
 
 def lines(node: NodeProcess, level: str, naming: str) -> list[str]:

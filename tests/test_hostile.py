@@ -505,6 +505,19 @@ async def test_frame_with_trailing_bytes(
     await assert_intact(node, client, seeded)
 
 
+# Each protocol, framed and not.
+EVERY_FRAMING = pytest.mark.parametrize(
+    ("protocol", "framed"),
+    [
+        (Protocol.BINARY, True),
+        (Protocol.BINARY, False),
+        (Protocol.COMPACT, True),
+        (Protocol.COMPACT, False),
+    ],
+    ids=["binary-framed", "binary-unframed", "compact-framed", "compact-unframed"],
+)
+
+
 def name_claim(protocol: Protocol, framed: bool, n: int) -> bytes:
     """The start of a call whose method name claims ``n`` bytes, of which 2 are sent."""
     if protocol is Protocol.BINARY:
@@ -515,16 +528,7 @@ def name_claim(protocol: Protocol, framed: bool, n: int) -> bytes:
 
 
 @pytest.mark.parametrize("n", [800_000, MAX_METHOD_NAME_BYTES + 1], ids=["800KB", "longest+1"])
-@pytest.mark.parametrize(
-    ("protocol", "framed"),
-    [
-        (Protocol.BINARY, True),
-        (Protocol.BINARY, False),
-        (Protocol.COMPACT, True),
-        (Protocol.COMPACT, False),
-    ],
-    ids=["binary-framed", "binary-unframed", "compact-framed", "compact-unframed"],
-)
+@EVERY_FRAMING
 async def test_a_method_name_longer_than_any_is_refused_without_waiting_for_it(
     node: Node, client: ParameterClient, seeded: Snapshot, protocol: Protocol, framed: bool, n: int
 ) -> None:
@@ -658,16 +662,7 @@ async def test_deep_nesting_and_invalid_types(
 # Valid messages the node does not serve: an error, and the connection stays
 
 
-@pytest.mark.parametrize(
-    ("protocol", "framed"),
-    [
-        (Protocol.BINARY, True),
-        (Protocol.BINARY, False),
-        (Protocol.COMPACT, True),
-        (Protocol.COMPACT, False),
-    ],
-    ids=["binary-framed", "binary-unframed", "compact-framed", "compact-unframed"],
-)
+@EVERY_FRAMING
 async def test_unknown_method_then_a_valid_call_on_the_same_connection(
     node: Node, client: ParameterClient, seeded: Snapshot, protocol: Protocol, framed: bool
 ) -> None:

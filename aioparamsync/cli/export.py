@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..client.partitions import manifests_of
 from ..errors import ParamSyncError
 from ..persistence.safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
 from ..placement import is_reserved, manifest_key, parse_key, partition_key
@@ -254,14 +255,7 @@ async def _layouts(client: Any, names: Sequence[str]) -> dict[str, Layout]:
     found: dict[str, Layout] = {}
     for i in range(0, len(names), PROBE_NAMES):
         keys = [manifest_key(n) for n in names[i : i + PROBE_NAMES]]
-        for p in (await client.get_parameters(keys)).params:
-            parsed = parse_key(p.name)
-            if parsed is None or parsed[1] is not None:
-                continue
-            try:
-                found[parsed[0]] = Layout.from_bytes(p.data)
-            except ValueError as exc:
-                raise ExportError(f"{parsed[0]!r}: its stored manifest: {exc}") from None
+        found.update(manifests_of((await client.get_parameters(keys)).params))
     return found
 
 
