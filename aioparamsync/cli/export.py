@@ -39,10 +39,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..client.partitions import manifests_of
 from ..errors import ParamSyncError
 from ..persistence.safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
 from ..placement import is_reserved, manifest_key, parse_key, partition_key
+from ..routing.partitions import manifests_of
 from ..values.arrays import parse_dtype
 from ..values.partitions import Layout, itemsize
 from ..wire import METHODS, thrift

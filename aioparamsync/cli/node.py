@@ -14,10 +14,10 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .._version import __version__
-from ..client.environment import ENV_PREFIX, switch
+from ..client.environment import ENV_PREFIX
 from ..cluster.coordinator import (
     DEFAULT_PREFIX,
     CoordinatorError,
@@ -38,6 +38,7 @@ from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from ..wire.protocol import MAX_I32
+from .environ import env_name, from_environment
 from .options import (
     TLS_ERRORS,
     address,
@@ -258,8 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ignore-corrupt-snapshot",
         action="store_true",
-        help="with --data-dir: start even if the newest snapshot is damaged, from what the log "
-        "still holds (losing what only that snapshot held)",
+        help="with --data-dir: start even if the newest snapshot is damaged, keeping what "
+        "passes its checksums and replaying the log over it (losing what only its damaged "
+        "parameters held); the damaged files are kept aside",
+    )
+    parser.add_argument(
+        "--ignore-corrupt-log",
+        action="store_true",
+        help="with --data-dir: start even if the write-ahead log is damaged (not a torn "
+        "write), from what comes before the damage (losing the updates after it); the "
+        "damaged segments are kept aside",
     )
     parser.add_argument(
         "--max-frame-bytes",
@@ -338,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "port (logged); needs prometheus-client: pip install '.[metrics]' in the checkout "
         "(default: no metrics)",
     )
-    coordinated = parser.add_argument_group("membership in etcd (see the README's Coordinator)")
+    coordinated = parser.add_argument_group("membership in etcd (see docs/cluster.md)")
     coordinated.add_argument(
         "--coordinator",
         type=coordinator_spec,
@@ -429,6 +438,7 @@ async def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             fsync=args.fsync,
             ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
+            ignore_corrupt_log=args.ignore_corrupt_log,
             max_frame_bytes=args.max_frame_bytes,
             max_upload_bytes=args.max_upload_bytes,
             max_receiving_bytes=args.max_receiving_bytes,
@@ -520,56 +530,16 @@ def process_count(text: str) -> int:
     return n
 
 
-def env_name(flag: str) -> str:
-    """The environment variable of a flag: ``--data-dir`` -> ``AIOPARAMSYNC_DATA_DIR``."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def from_environment(
-    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
-) -> list[str]:
-    """The flags set in ``environ`` and not in ``argv``, as arguments to put before ``argv``.
-
-    Each value is checked as its flag's would be, and a bad one is refused
-    naming its variable (``parser.error``: exit status 2).
-    """
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    extra: list[str] = []
-    for action in parser._actions:
-        flags = [f for f in action.option_strings if f.startswith("--")]
-        if not flags or action.dest in ("help", "version"):
-            continue
-        flag = flags[0]
-        name = env_name(flag)
-        value = environ.get(name)
-        if value is None or any(f in given for f in action.option_strings):
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            try:
-                if switch(name, value):
-                    extra.append(flag)
-            except ValueError as exc:
-                parser.error(str(exc))
-            continue
-        try:
-            converted = action.type(value) if callable(action.type) else value
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
-            parser.error(f"{name}={value!r} (for {flag}): {exc}")
-        if action.choices is not None and converted not in action.choices:
-            choices = ", ".join(map(str, action.choices))
-            parser.error(f"{name}={value!r} (for {flag}): one of {choices}")
-        extra.append(f"{flag}={value}")
-    return extra
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [*from_environment(parser, argv, os.environ), *argv]
     args = parser.parse_args(argv)
-    if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
+    if args.data_dir is None and (
+        args.fsync or args.ignore_corrupt_snapshot or args.ignore_corrupt_log
+    ):
         # (a node in memory that was meant to keep its data)
-        parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
+        parser.error("--fsync, --ignore-corrupt-snapshot and --ignore-corrupt-log need --data-dir")
     if (args.peers or args.peers_dns) and args.advertise is None and unspecified_host(args.host):
         # (peers would be told HOST:PORT, and reach themselves or nothing)
         given = "--peers" if args.peers else "--peers-dns"

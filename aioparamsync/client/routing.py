@@ -46,20 +46,22 @@ from ..errors import (
     ConnectError,
     ConnectionLostError,
     ErrorCode,
+    Moved,
     ParamSyncError,
     RequestError,
     ServerError,
 )
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
+from ..routing.merge import merge_responses, merge_results, read_part
+from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
-from .partitions import collapse, cut, gather, manifests_of, readable_error
 from .pool import ConnectionPool
 
 if TYPE_CHECKING:
     from .api import ParameterClient
 
-__all__ = ["READ_FROM", "Routes", "merge_responses", "merge_results", "read_part"]
+__all__ = ["READ_FROM", "Routes"]
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +248,11 @@ class Routes:
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
         if arg == "request" and m.name != "barrier":
-            response = await self._send(m, arg, value, timeout, args, moves=0)
-            return await self._gather(value, response, timeout)
+
+            def send() -> Any:
+                return self._send(m, arg, value, timeout, args, moves=0)
+
+            return await self._gather(value, await send(), timeout, send)
         topology = self.topology
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
             return await self._cut(m, arg, value, timeout, topology.partition_bytes)
@@ -260,8 +265,9 @@ class Routes:
             return False
         return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
 
-    async def _gather(self, request: Any, response: Any, timeout: Any) -> Any:
-        """``response`` with the partitioned parameters in it read whole (see client.partitions)."""
+    async def _gather(self, request: Any, response: Any, timeout: Any, again: Any) -> Any:
+        """``response`` with the partitioned parameters in it read whole (routing.partitions);
+        ``again()`` reads it again, if one was replaced amid the read."""
         if not any("\x00" in p.name for p in response.params):
             return response
         found = manifests_of(response.params)
@@ -276,7 +282,7 @@ class Routes:
             )
 
         # (no limits: the partitions are put together here, whatever their size)
-        return await gather(request, response, read, encoding=request.encoding)
+        return await gather(request, response, read, again=again, encoding=request.encoding)
 
     async def _cut(
         self, m: Method, arg: str, value: Any, timeout: Any, partition_bytes: int
@@ -292,9 +298,19 @@ class Routes:
             cut_items, manifests, chosen = cut(items, partition_bytes, self.layouts)
         except ValueError as exc:
             raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
+        known = self.layouts
+        if arg == "update" and known:
+            for item in items:
+                if item.name not in chosen:
+                    known.pop(item.name, None)  # (written whole: it may no longer be cut)
         if not chosen:
             return await self._send(m, arg, value, timeout, {arg: value}, moves=0)
-        known = self.layouts
+        if arg == "update" and any(p.replace or p.dtype is None for p in items if p.name in chosen):
+            # A replacement may change a parameter between whole and partitions: the
+            # node writes its partitions, then its manifest, past the stored version.
+            for name in chosen:
+                known.pop(name, None)
+            return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: value})
         try:
             if arg == "update":
                 new = [
@@ -410,9 +426,7 @@ class Routes:
         pool = self._pool(topology.addresses[target])
         try:
             return True, await ConnectionPool.invoke(pool, m, timeout=timeout, **{arg: sub})
-        except RequestError as exc:
-            if exc.code != ErrorCode.MOVED:
-                raise
+        except Moved:
             await self.learn(pool)
         except ConnectError:
             self._down(target)
@@ -431,31 +445,6 @@ class Routes:
             await self.learn()
         except (ParamSyncError, OSError) as exc:
             log.info("could not learn the topology: %s", exc)
-
-
-def read_part(request: Any, names: list[str]) -> Any:
-    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too)."""
-    sub = copy.copy(request)
-    sub.param_names = names
-    if request.known_versions:
-        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
-    if request.known_origins:
-        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
-    return sub
-
-
-def merge_responses(answers: Sequence[Any]) -> Any:
-    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
-    params = [p for a in answers for p in a.params]
-    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
-
-
-def merge_results(answers: Sequence[Any]) -> Any:
-    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
-    versions: dict[str, int] = {}
-    for a in answers:
-        versions.update(a.versions)
-    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
 
 
 def _merge(m: Method, answers: Sequence[Any]) -> Any:

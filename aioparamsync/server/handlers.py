@@ -436,6 +436,9 @@ class ParameterService:
                 router.check_routed(names)
             else:
                 parts = router.write_parts(names)
+        if shrinking := partitioned.shrinking(params):  # (stored as partitions here, now whole)
+            shrunk = partitioned.shrink(update, params, parts, acks, shrinking)
+            return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
             return self.store.submit(
                 self.partitioned.checked(self._incoming(params)),
@@ -473,7 +476,9 @@ class ParameterService:
             # (one routed here by a caller, or passed on by a node, that sees
             # another owner is held here, where it was sent)
             if target is not None and request.epoch is None:
-                passed = asyncio.ensure_future(self.router.barrier(target, request))
+                passed = asyncio.ensure_future(
+                    self.router.barrier(target, request, lambda: self.waiting.barrier(request))
+                )
                 return _then(passed, lambda r: method.result(success=r))
         return _then(self.waiting.barrier(request), lambda r: method.result(success=r))
 
