@@ -39,6 +39,7 @@ from ..store.table import Entry, ParameterTable
 from ..values.partitions import readable
 from ..wire import thrift
 from . import PersistenceError
+from .safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
 
 __all__ = ["DATA_FILE", "META_FILE", "TMP_FILE", "Loaded", "load", "paths", "write"]
 
@@ -52,24 +53,6 @@ META_FILE = re.compile(r"snapshot-(\d{8})\.json")
 DATA_FILE = re.compile(r"snapshot-(\d{8})\.safetensors")
 # What a snapshot is written to before it is renamed into place.
 TMP_FILE = re.compile(r"snapshot-\d{8}\.(?:safetensors|json)\.tmp")
-# numpy dtype strings that safetensors has a name for (little-endian only).
-_SAFETENSORS_DTYPES = {
-    "<f8": "F64",
-    "<f4": "F32",
-    "<f2": "F16",
-    "<i8": "I64",
-    "<u8": "U64",
-    "<i4": "I32",
-    "<u4": "U32",
-    "<i2": "I16",
-    "<u2": "U16",
-    "|i1": "I8",
-    "|u1": "U8",
-    "|b1": "BOOL",
-    "<c8": "C64",
-    "bfloat16": "BF16",  # (its wire bytes are little-endian, as safetensors wants)
-}
-
 _RULE_FIELDS = [field[1] for _, field in sorted(thrift.Rule.thrift_spec.items())]
 
 
@@ -230,21 +213,16 @@ def write(directory: Path, n: int, entries: Sequence[Entry], timestamp: int) -> 
     The directory itself is not synced: the caller does that. Answer the
     snapshot's data file and the bytes of data it holds.
     """
-    header: dict[str, Any] = {}
+    tensors: list[Tensor] = []
     params: dict[str, Any] = {}
     offset = 0
     for e in entries:
-        dtype = _SAFETENSORS_DTYPES.get(e.dtype or "")
+        dtype = SAFETENSORS_DTYPES.get(e.dtype or "")
         shape = list(e.shape) if e.shape is not None else None
         if dtype is None or shape is None:
-            dtype, st_shape = "U8", [e.nbytes]  # other layouts: their bytes
+            tensors.append((e.name, "U8", [e.nbytes], e.nbytes))  # other layouts: their bytes
         else:
-            st_shape = shape
-        header[e.name] = {
-            "dtype": dtype,
-            "shape": st_shape,
-            "data_offsets": [offset, offset + e.nbytes],
-        }
+            tensors.append((e.name, dtype, shape, e.nbytes))
         params[e.name] = {
             "version": e.version,
             "origin": e.origin,
@@ -258,14 +236,11 @@ def write(directory: Path, n: int, entries: Sequence[Entry], timestamp: int) -> 
                 k: getattr(e.rule, k) for k in _RULE_FIELDS if getattr(e.rule, k) is not None
             }
         offset += e.nbytes
-    header["__metadata__"] = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    metadata = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
     data_path, meta_path = paths(directory, n)
     tmp = data_path.with_suffix(".safetensors.tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+        f.write(file_header(tensors, metadata))
         for e in entries:
             f.write(e.data)
         f.flush()
