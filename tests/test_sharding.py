@@ -499,13 +499,26 @@ def _process_holds(pid: int, local_port: int, remote_port: int) -> bool:
     return False
 
 
+@dataclass(eq=False)
+class _Pipe:
+    """One connection through a :class:`FaultProxy`: its two ends, its client's port, and
+    whether bytes flow through it (they wait while it is stalled)."""
+
+    ends: list[asyncio.StreamWriter]
+    client_port: int
+    flowing: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class FaultProxy:
     """A TCP proxy in front of one node (as asyncpg's ``_testbase/fuzzer.py``).
 
     It forwards bytes both ways between each connection it accepts and the node.
     :meth:`cut` closes every connection and refuses new ones; :meth:`cut_from` does so
-    for the connections made by one process (a node's links to this one); :meth:`heal`
-    lets connections through again. It listens on a port the kernel picks.
+    for the connections made by one process (a node's links to this one);
+    :meth:`stall_from` keeps that process's connections, and accepts its new ones, but
+    forwards none of their bytes (a network that drops packets: calls hang, they do not
+    fail); :meth:`heal` lets connections through again (stalled bytes flow on). It
+    listens on a port the kernel picks.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -513,10 +526,10 @@ class FaultProxy:
         self.port = 0
         self.cut_all = False
         self.cut_pids: set[int] = set()
+        self.stall_pids: set[int] = set()
         self.refused = 0
         self._server: asyncio.Server | None = None
-        # each connection: its (client side, node side) transports, and its client's port
-        self._pipes: dict[asyncio.Task[Any], tuple[list[asyncio.StreamWriter], int]] = {}
+        self._pipes: dict[asyncio.Task[Any], _Pipe] = {}
 
     @property
     def address_text(self) -> str:
@@ -526,10 +539,11 @@ class FaultProxy:
         self._server = await asyncio.start_server(self._accept, LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    def _made_by(self, pids: Iterable[int], client_port: int) -> bool:
+        return any(_process_holds(pid, client_port, self.port) for pid in pids)
+
     def _refuses(self, client_port: int) -> bool:
-        return self.cut_all or any(
-            _process_holds(pid, client_port, self.port) for pid in self.cut_pids
-        )
+        return self.cut_all or self._made_by(self.cut_pids, client_port)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_port = writer.get_extra_info("peername")[1]
@@ -539,26 +553,32 @@ class FaultProxy:
             return
         task = asyncio.current_task()
         assert task is not None
-        ends = [writer]
-        self._pipes[task] = (ends, client_port)
+        pipe = self._pipes[task] = _Pipe([writer], client_port)
+        if not self._made_by(self.stall_pids, client_port):
+            pipe.flowing.set()
         try:
             try:
                 node_reader, node_writer = await asyncio.open_connection(*self.target)
             except OSError:
                 return
-            ends.append(node_writer)
+            pipe.ends.append(node_writer)
             if self._refuses(client_port):  # (cut while it connected)
                 return
-            await asyncio.gather(self._pump(reader, node_writer), self._pump(node_reader, writer))
+            await asyncio.gather(
+                self._pump(reader, node_writer, pipe), self._pump(node_reader, writer, pipe)
+            )
         finally:
             del self._pipes[task]
-            for end in ends:
+            for end in pipe.ends:
                 end.transport.abort()
 
     @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: _Pipe
+    ) -> None:
         try:
             while data := await reader.read(64 * KiB):
+                await pipe.flowing.wait()
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -566,9 +586,9 @@ class FaultProxy:
         finally:
             writer.transport.abort()  # (one way ends: both do)
 
-    def _abort(self, chosen: Iterable[tuple[list[asyncio.StreamWriter], int]]) -> None:
-        for ends, _ in list(chosen):
-            for end in ends:
+    def _abort(self, chosen: Iterable[_Pipe]) -> None:
+        for pipe in list(chosen):
+            for end in pipe.ends:
                 end.transport.abort()
 
     def cut(self) -> None:
@@ -577,11 +597,20 @@ class FaultProxy:
 
     def cut_from(self, pid: int) -> None:
         self.cut_pids.add(pid)
-        self._abort(p for p in self._pipes.values() if _process_holds(pid, p[1], self.port))
+        self._abort(p for p in self._pipes.values() if self._made_by([pid], p.client_port))
+
+    def stall_from(self, pid: int) -> None:
+        self.stall_pids.add(pid)
+        for pipe in list(self._pipes.values()):
+            if self._made_by([pid], pipe.client_port):
+                pipe.flowing.clear()
 
     def heal(self) -> None:
         self.cut_all = False
         self.cut_pids.clear()
+        self.stall_pids.clear()
+        for pipe in self._pipes.values():
+            pipe.flowing.set()
 
     async def close(self) -> None:
         if self._server is not None:
