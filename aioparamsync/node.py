@@ -455,6 +455,9 @@ class Node:
             return False, state
         if self.cluster.settling is not None:
             return False, "taking over as the primary of its keys"
+        unjoined = self.cluster.unjoined()
+        if unjoined is not None:
+            return False, f"in no cluster: {unjoined}"
         fenced = self.cluster.fenced()
         if fenced is not None:
             return False, f"takes no writes: {fenced}"

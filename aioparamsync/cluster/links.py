@@ -43,6 +43,14 @@ link between them, and what each means for its outbox and for placement
   meanwhile) for the next connection; repair catches up what was lost. Its
   member is down: its keys' next replicas are their primaries (and past
   the failure timeout it leaves placement).
+- REFUSED: the peer answered, but it and this node cannot be in one
+  cluster (their replication factors differ: placement would differ, and
+  reads through one would miss keys the other placed); whichever side
+  noticed it first refused the other, and ``last_error`` names both values.
+  Logged at ERROR. The link tries again every ``REFUSED_RETRY`` seconds (or
+  when the peer announces itself: it may have been restarted with the
+  cluster's), staying REFUSED until it is accepted. Its member is no member:
+  placed nowhere, sent nothing, in no topology this node answers.
 - DROPPED, final: the peer turned out to be this node itself, or a member
   another link reaches already. The cluster forgets the link; its task ends.
 
@@ -90,6 +98,9 @@ PEER_CALL_TIMEOUT = 10.0
 # How long a gradient push waits for the link to its owner while the link is
 # being made (seconds); a link down (in backoff) is not waited for.
 FORWARD_CONNECT_WAIT = 2.0
+# How long a link that its peer refused (see LinkState.REFUSED) waits before it
+# tries again (seconds).
+REFUSED_RETRY = 30.0
 # How often an idle link checks that its peer is there (seconds).
 HEARTBEAT_SECONDS = 1.0
 # Most bytes, and most parameters, in one replication message or one pull;
@@ -112,6 +123,7 @@ class LinkState(enum.StrEnum):
     CONNECTING = "connecting"  # connecting and announcing; may own parameters
     UP = "up"  # connected and joined: sending its outbox, repairing
     BACKOFF = "backoff"  # a call failed: waiting to retry; owns nothing
+    REFUSED = "refused"  # not of this node's cluster (last_error says why): no member
     DROPPED = "dropped"  # redundant (it reaches this node, or a node linked already): gone
 
 
@@ -119,6 +131,8 @@ class LinkState(enum.StrEnum):
 # as an enum's member looked up on its class is a slow attribute on Python 3.11.
 _CONNECTING = LinkState.CONNECTING
 _UP = LinkState.UP
+# The states whose log line says why (the link's last error).
+_SAYS_WHY = (LinkState.BACKOFF, LinkState.REFUSED)
 
 
 def member_name(node_id: str, host: str, port: int) -> str:
@@ -172,6 +186,10 @@ def _batches(items: Iterable[Any], max_items: int, max_bytes: int) -> Iterable[l
         size += n
     if batch:
         yield batch
+
+
+class _Refused(Exception):
+    """The peer and this node cannot be in one cluster (the message says why)."""
 
 
 class PeerLink:
@@ -381,6 +399,13 @@ class PeerLink:
             )
         return self._proxy
 
+    def refused(self, why: str) -> None:
+        """Its peer announced itself and this node refused it (see ``LinkState.REFUSED``):
+        the link, made for it (not started yet), says so from the start, and tries
+        again as a refused link does."""
+        self.last_error = why
+        self._set_state(LinkState.REFUSED)
+
     def poke(self) -> None:
         """The peer is (back) up: cut short the wait before the next try."""
         self._poked.set()
@@ -439,7 +464,10 @@ class PeerLink:
 
     async def _run(self) -> None:
         backoff = BACKOFF_INITIAL
+        if self.state == LinkState.REFUSED:  # (made refused: see refused())
+            await self._pause(REFUSED_RETRY)
         while True:
+            delay = backoff
             client = ParameterClient(
                 (self.host, self.port),
                 timeout=PEER_CALL_TIMEOUT,
@@ -449,7 +477,8 @@ class PeerLink:
                 route=False,
             )
             try:
-                if self.state != LinkState.BACKOFF:  # retries stay in backoff until one succeeds
+                if self.state not in (LinkState.BACKOFF, LinkState.REFUSED):
+                    # (retries stay in backoff, or refused, until one succeeds)
                     self._set_state(LinkState.CONNECTING)
                 await self._join(client)
                 if self.cluster.redundant(self):
@@ -463,6 +492,11 @@ class PeerLink:
                 self.pulled = True
                 await self._send(client)
                 continue  # the connection was replaced: the peer may be new; join again
+            except _Refused as exc:
+                self.last_error = str(exc)
+                self._set_state(LinkState.REFUSED)
+                self.discard()  # (no member: nothing is sent to it)
+                delay = REFUSED_RETRY
             except (ParamSyncError, OSError) as exc:
                 if isinstance(exc, ClientClosedError):
                     return
@@ -475,18 +509,25 @@ class PeerLink:
                 self._changed.set()
                 self._settle_confirms(False)
                 await client.close()
-            self._poked.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff * random.uniform(0.5, 1.0)):
-                    await self._poked.wait()  # or sooner, when the peer announces itself
+            await self._pause(delay)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait about ``delay`` seconds (jittered) before the next try, or until the
+        peer announces itself."""
+        self._poked.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay * random.uniform(0.5, 1.0)):
+                await self._poked.wait()
 
     def _set_state(self, state: LinkState) -> None:
         if state != self.state:
             if self.state == LinkState.UP:
                 self.down_since = time.monotonic()
             level = logging.INFO if state in (LinkState.UP, LinkState.BACKOFF) else logging.DEBUG
-            suffix = f" ({self.last_error})" if state == LinkState.BACKOFF else ""
+            if state == LinkState.REFUSED:
+                level = logging.ERROR
+            suffix = f" ({self.last_error})" if state in _SAYS_WHY else ""
             log.log(level, "peer %s: %s%s", self.name, state, suffix)
             self.state = state
             self._changed.set()
@@ -501,6 +542,9 @@ class PeerLink:
         members = await client.invoke(METHODS.announce, member=self.cluster.announcement())
         if members:
             self.node_id = members[0].node_id  # a node answers itself first
+            why = self.cluster.refusal(members[0])
+            if why is not None:
+                raise _Refused(why)
         self.cluster.learn(members, self)
 
     async def _repair(self, client: ParameterClient) -> None:

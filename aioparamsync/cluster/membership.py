@@ -85,6 +85,8 @@ JOIN_TIMEOUT = 120.0
 # How long an acks=all write waits for its replicas to confirm (seconds).
 ACK_TIMEOUT = 2 * PEER_CALL_TIMEOUT
 ACKS = ("1", "all")
+# The states of a link whose peer is no member (it is sent nothing).
+_NO_MEMBER = (LinkState.DROPPED, LinkState.REFUSED)
 
 
 class Cluster:
@@ -469,6 +471,15 @@ class Cluster:
         if member.epoch is not None and member.epoch > self.epoch:
             self.epoch = member.epoch
 
+    def unjoined(self) -> str | None:
+        """Why this node is in no cluster (None: it is, or it has no peers): no link is
+        up, and a peer cannot be in one with it (see ``LinkState.REFUSED``)."""
+        links = self.links.values()
+        if any(link.state == LinkState.UP for link in links):
+            return None
+        refused = next((link for link in links if link.state == LinkState.REFUSED), None)
+        return None if refused is None else f"{refused.name}: {refused.last_error}"
+
     def holds_here(self, key: str) -> bool:
         """Whether this node is a replica of ``key``, now or in the pending placement."""
         me = self.me.node_id
@@ -485,11 +496,34 @@ class Cluster:
             return None
         return self.by_id.get(primary)
 
-    def announcement(self) -> Any:
-        """This node as it announces itself: where it is, its state and epoch."""
+    def announcement(self, refused: str | None = None) -> Any:
+        """This node as it announces itself: where it is, its state, epoch and
+        replication factor (``refused``: why it refuses the member it answers)."""
         me = self.me
         return thrift.Member(
-            node_id=me.node_id, host=me.host, port=me.port, state=self.state, epoch=self.epoch
+            node_id=me.node_id,
+            host=me.host,
+            port=me.port,
+            state=self.state,
+            epoch=self.epoch,
+            replication_factor=self.replication_factor or 0,
+            refused=refused,
+        )
+
+    def refusal(self, member: Any) -> str | None:
+        """Why ``member`` and this node cannot be in one cluster (None: they can): it
+        says it refused this node, or it says another replication factor (the
+        placement of one would not be the other's: reads through one would miss
+        keys the other placed)."""
+        if member.refused:
+            return str(member.refused)
+        theirs = member.replication_factor
+        if theirs is None or (theirs or None) == self.replication_factor:
+            return None  # (the same; or a node that does not say)
+        return (
+            f"node {member.node_id} has replication factor {theirs or 'all'}, node "
+            f"{self.me.node_id} {self.replication_factor or 'all'}: the nodes of one cluster "
+            "share one (start them with the same --replication-factor)"
         )
 
     def members(self) -> list[Any]:
@@ -502,7 +536,7 @@ class Cluster:
                 state=link.member_state or UP,
             )
             for link in self.links.values()
-            if link.node_id
+            if link.node_id and link.state != LinkState.REFUSED
         ]
         return [self.announcement(), *known]
 
@@ -518,11 +552,40 @@ class Cluster:
                 f"a member's state is one of {', '.join(sorted(SELF_STATES))}, not "
                 f"{member.state!r}",
             )
+        if member.replication_factor is not None and member.replication_factor < 0:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                "a member's replication factor is at least 1, or 0 (every node holds every "
+                f"key), not {member.replication_factor}",
+            )
+        if member.refused is not None:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, "refused is for an answer to announce, not an announce"
+            )
+        why = self.refusal(member)
+        if why is not None:
+            self._refuse(member, why)
+            return [self.announcement(refused=why)]
         link = self.add(member.host, member.port, member.node_id, itself=True)
         if link is not None:
             self._said(link, member)
         self.refresh()
         return self.members()
+
+    def _refuse(self, member: Any, why: str) -> None:
+        """``member`` announced itself and cannot be in this node's cluster: no member
+        here, but a link to it, refused from the start, says why (``info``, the log).
+
+        A link there already is left as it is (not poked: two refused links poking
+        each other would announce without end); its own task finds out.
+        """
+        address = f"{member.host}:{member.port}"
+        if address in self.links or (member.host, member.port) == (self.me.host, self.me.port):
+            return
+        link = self.links[address] = PeerLink(self, member.host, member.port, member.node_id)
+        link.refused(why)
+        if self._started:
+            link.start()
 
     # -- the topology -------------------------------------------------------------
 
@@ -554,7 +617,7 @@ class Cluster:
             states[me] = record.state if record is not None else FAILED
         by_id = {}
         for link in self.links.values():
-            if link.node_id and link.node_id != me:
+            if link.node_id and link.node_id != me and link.state != LinkState.REFUSED:
                 states[link.node_id] = self.seen_state(link)
                 by_id[link.node_id] = link
         self.by_id = by_id
@@ -762,7 +825,7 @@ class Cluster:
 
         async def tell(link: PeerLink) -> None:
             members = await link.proxy().invoke(METHODS.announce, member=member)
-            if members:
+            if members and self.refusal(members[0]) is None:  # (refused: its link says so)
                 self._said(link, members[0])
 
         links = [link for link in self.links.values() if link.state == LinkState.UP]
@@ -785,7 +848,7 @@ class Cluster:
                 node_id=link.node_id, host=link.host, port=link.port, state=self.seen_state(link)
             )
             for link in self.links.values()
-            if link.node_id
+            if link.node_id and link.state != LinkState.REFUSED
         ]
         return thrift.Topology(
             epoch=self.epoch,
@@ -864,7 +927,7 @@ class Cluster:
         placement = self.placement
         if placement.everywhere and self.pending is None:
             for link in self.links.values():
-                if link.member_state in (None, UP, JOINING) and link.state != LinkState.DROPPED:
+                if link.member_state in (None, UP, JOINING) and link.state not in _NO_MEMBER:
                     link.offer(entries)
             return
         by_id, me, pending = self.by_id, self.me.node_id, self.pending
