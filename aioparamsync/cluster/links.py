@@ -508,15 +508,17 @@ class PeerLink:
         self._announce_due = False
         # Its answer is newer than any report before the call (the member may
         # have restarted, its epoch starting over); one it makes meanwhile, on
-        # its own link, is newer still (see Cluster._said).
+        # its own link, is newer still (see Announces.said).
         self.said_epoch = None
-        members = await client.invoke(METHODS.announce, member=self.cluster.announcement())
+        members = await client.invoke(
+            METHODS.announce, member=self.cluster.announces.announcement()
+        )
         if members:
             self.node_id = members[0].node_id  # a node answers itself first
-            why = self.cluster.refusal(members[0])
+            why = self.cluster.announces.refusal(members[0])
             if why is not None:
                 raise _Refused(why)
-        self.cluster.learn(members, self)
+        self.cluster.announces.learn(members, self)
 
     async def _repair(self, client: ParameterClient) -> None:
         """Pull what the peer holds newer than this node, of what this node holds (anti-entropy).
@@ -528,7 +530,7 @@ class PeerLink:
         placement = cluster.pending or cluster.placement
         if cluster.state == LEAVING:
             return  # it holds nothing any more: it hands off
-        if not cluster.trusted(self.node_id):
+        if not cluster.fencing.trusted(self.node_id):
             return  # (a member whose lease expired: what it holds may lose acknowledged writes)
         request = thrift.DigestRequest(
             for_node=cluster.me.node_id,
