@@ -33,7 +33,7 @@ survive a restart, their TTL counted anew), renewals succeed and writes
 resume. Workers need no etcd: they learn the topology from any node.
 
 The etcd client is ``aetcd`` (the ``[etcd]`` extra), imported only when a
-coordinator is asked for.
+coordinator is asked for (see :mod:`.etcdclient`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..placement import SELF_STATES
+from .etcdclient import client_class, credentials, refresh, watch_from
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -141,40 +142,6 @@ class Record:
         return record
 
 
-def _client_class() -> Any:
-    try:
-        import aetcd
-        import grpc
-    except ImportError as exc:  # (the [etcd] extra)
-        raise CoordinatorError(
-            "--coordinator needs the aetcd package: pip install '.[etcd]' in the checkout"
-        ) from exc
-
-    class Client(aetcd.Client):
-        """aetcd's client, over TLS when given credentials (it speaks plain gRPC only)."""
-
-        def __init__(self, host: str, port: int, credentials: Any = None) -> None:
-            super().__init__(host=host, port=port)
-            self._credentials = credentials
-
-        async def connect(self) -> None:
-            if self._credentials is None:
-                await super().connect()
-                return
-            target = f"{self._host}:{self._port}"
-            real = aetcd.rpc.insecure_channel
-            aetcd.rpc.insecure_channel = lambda t, options: grpc.aio.secure_channel(
-                t, self._credentials, options=options
-            )
-            try:
-                await super().connect()
-            finally:
-                aetcd.rpc.insecure_channel = real
-            log.debug("coordinator: TLS to %s", target)
-
-    return Client
-
-
 class EtcdCoordinator:
     """This node's membership in etcd (see the module).
 
@@ -204,7 +171,12 @@ class EtcdCoordinator:
         if not ttl >= MIN_TTL:
             raise ValueError(f"the coordinator's lease TTL must be at least {MIN_TTL} s, not {ttl}")
         check_prefix(prefix)
-        self._client_class = _client_class()  # (raises at once without aetcd)
+        try:
+            self._client_class = client_class()  # (at once without aetcd)
+        except ImportError as exc:  # (the [etcd] extra)
+            raise CoordinatorError(
+                "--coordinator needs the aetcd package: pip install '.[etcd]' in the checkout"
+            ) from exc
         self.endpoints = list(endpoints)
         self.prefix = prefix
         self.ttl = ttl
@@ -289,21 +261,7 @@ class EtcdCoordinator:
             raise CoordinatorError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
 
     def _connect(self, endpoint: tuple[str, int]) -> Any:
-        credentials = None
-        if self.tls is not None:
-            import grpc
-
-            ca, cert, key = self.tls
-
-            def read(path: str | None) -> bytes | None:
-                if path is None:
-                    return None
-                with open(path, "rb") as f:
-                    return f.read()
-
-            # (a key in the certificate's file, when it has none of its own)
-            credentials = grpc.ssl_channel_credentials(read(ca), read(key or cert), read(cert))
-        return self._client_class(*endpoint, credentials)
+        return self._client_class(*endpoint, credentials(self.tls))
 
     async def _drop_client(self, client: Any = None) -> None:
         """Close ``client`` (None: the current one); where it is the current one, the
@@ -523,7 +481,7 @@ class EtcdCoordinator:
                 continue
             sent = time.monotonic()
             try:
-                reply = await self._call(partial(_refresh, lease=lease), period)
+                reply = await self._call(partial(refresh, lease=lease), period)
             except CoordinatorError as exc:
                 self._complain(exc)
                 continue
@@ -584,9 +542,7 @@ class EtcdCoordinator:
                 if resync:
                     await self._snapshot()
                     resync = False
-                client, watch = await self._call(
-                    lambda c: _watch_from(c, prefix, self.revision + 1)
-                )
+                client, watch = await self._call(lambda c: watch_from(c, prefix, self.revision + 1))
                 self._watching = (client, watch)
                 if client is not self._client:
                     # (dropped while the watch was made on it, which connected it anew,
@@ -627,15 +583,6 @@ class EtcdCoordinator:
         if gone and not self._lost and self._lease is not None:
             self._lease_lost()
         self.on_change()
-
-
-async def _refresh(client: Any, lease: int) -> Any:
-    return await client.refresh_lease(lease)
-
-
-async def _watch_from(client: Any, prefix: bytes, revision: int) -> tuple[Any, Any]:
-    """A watch of ``prefix`` from ``revision`` on, and the client it is on."""
-    return client, await client.watch_prefix(prefix, start_revision=revision)
 
 
 async def _nothing() -> None:

@@ -11,12 +11,7 @@ merges it (last writer wins on ``(version, origin)``, see
 :meth:`ParameterTable.merge`) and does not send it on: the origin has sent
 it to everyone.
 
-Oneway messages can be lost (a connection that breaks mid-send, a node that
-restarts empty), so links also repair: on every (re)connection, and every
-``repair_interval`` seconds, a link asks its peer for a digest (name ->
-version, origin) and pulls whatever the peer has newer than this node.
-Every node does the same towards each of its peers, so every replica ends
-equal.
+Oneway messages can be lost, so links also repair (see :mod:`.repair`).
 
 Theory of operation: a link's states (:class:`LinkState`), what moves a
 link between them, and what each means for its outbox and for placement
@@ -72,12 +67,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..client.api import ParameterClient
-from ..client.fetch import fetch
 from ..errors import ClientClosedError, ConnectError, ParamSyncError
-from ..placement import LEAVING
 from ..store.table import Entry, lww_key
 from ..wire import METHODS, Method, thrift
 from .batches import batches, messages
+from .repair import repair
 from .rowbox import RowOutbox
 
 if TYPE_CHECKING:
@@ -521,43 +515,8 @@ class PeerLink:
         self.cluster.announces.learn(members, self)
 
     async def _repair(self, client: ParameterClient) -> None:
-        """Pull what the peer holds newer than this node, of what this node holds (anti-entropy).
-
-        The peer answers the digest of the keys this node is a replica of, by
-        the placement this node sends (the one it will have, while joining).
-        """
-        cluster = self.cluster
-        placement = cluster.pending or cluster.placement
-        if cluster.state == LEAVING:
-            return  # it holds nothing any more: it hands off
-        if not cluster.fencing.trusted(self.node_id):
-            return  # (a member whose lease expired: what it holds may lose acknowledged writes)
-        request = thrift.DigestRequest(
-            for_node=cluster.me.node_id,
-            members=list(placement.members),
-            replication_factor=placement.r or 0,
-        )
-        digest = await client.invoke(METHODS.digest_for, request=request)
-        table = self.cluster.store.table
-        wanted = []
-        for item in digest:
-            mine = table.entry(item.name)
-            if mine is None or lww_key(mine) < lww_key(item):
-                wanted.append(item)
-        cluster = self.cluster
-        for batch in batches(wanted, cluster.batch_params, cluster.batch_bytes):
-            request = thrift.ParameterRequest(
-                param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
-            )
-            response = await client.invoke(METHODS.pull_parameters, request=request)
-            # A large parameter comes without its data: read it in pieces.
-            params = [
-                p if p.total_bytes is None else await fetch(client, p, cluster.piece_bytes)
-                for p in response.params
-            ]
-            if params:
-                await self.cluster.store.update(params, response.timestamp, replicated=True)
-                self.repaired += len(params)
+        """Pull what the peer holds newer than this node (see :mod:`.repair`)."""
+        self.repaired += await repair(self.cluster, client, self.node_id)
 
     async def _send(self, client: ParameterClient) -> None:
         """Send the outbox as it fills; repair every ``repair_interval`` seconds.
