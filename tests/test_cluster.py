@@ -9,6 +9,7 @@ port 0; every wait is a poll bounded by a deadline, and no timing is asserted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import statistics
 import time
@@ -39,6 +40,8 @@ from hypothesis import strategies as st
 
 from aioparamsync import ConnectError, Node, ParameterClient, ServerError, to_parameter
 from aioparamsync.cluster.links import PeerLink
+from aioparamsync.cluster.view import View
+from aioparamsync.placement import Placement
 from aioparamsync.store.table import Entry
 from aioparamsync.wire import METHODS, thrift
 
@@ -375,6 +378,29 @@ async def test_info_shows_the_peers_and_their_counters(cluster: LocalCluster) ->
         p = await eventually(c_in_backoff)
     assert p.last_error
     assert p.outbox_depth <= 1
+
+
+# -- the view -------------------------------------------------------------------------------
+
+
+def test_a_view_is_one_epochs_members_frozen_and_replaced_whole() -> None:
+    states = {"a": "up", "b": "leaving", "c": "joining", "d": "down", "e": "failed"}
+    view = View.of(7, states, leaving=["b"], replication_factor=2)
+    assert (view.epoch, dict(view.states)) == (7, states)
+    assert view.placement == Placement(["a", "b", "d"], 2)  # (up, leaving, down)
+    assert view.pending == Placement(["a", "c", "d"], 2)  # (b gone, c come)
+    assert view.live == {"a", "b"}
+    states["a"] = "failed"  # (the view keeps its own)
+    assert view.states["a"] == "up" and view.same({**states, "a": "up"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.epoch = 8  # type: ignore[misc]
+    later = view.at(9)
+    assert (later.epoch, later.placement, view.epoch) == (9, view.placement, 7)
+    name = next(f"k{i}" for i in range(100) if "c" in view.pending.replicas(f"k{i}"))
+    assert view.holds("c", name) and not view.placement.holds("c", name)
+    settled = View.of(10, {"a": "up", "d": "up"}, (), 2, before=view)
+    assert settled.pending is None and settled.placement.members == ("a", "d")
+    assert str(settled) == "epoch 10: a up, d up (R=2)"
 
 
 # -- nodes of another replication factor ----------------------------------------------------------
