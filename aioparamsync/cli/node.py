@@ -255,8 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ignore-corrupt-snapshot",
         action="store_true",
-        help="with --data-dir: start even if the newest snapshot is damaged, from what the log "
-        "still holds (losing what only that snapshot held)",
+        help="with --data-dir: start even if the newest snapshot is damaged, keeping what "
+        "passes its checksums and replaying the log over it (losing what only its damaged "
+        "parameters held); the damaged files are kept aside",
+    )
+    parser.add_argument(
+        "--ignore-corrupt-log",
+        action="store_true",
+        help="with --data-dir: start even if the write-ahead log is damaged (not a torn "
+        "write), from what comes before the damage (losing the updates after it); the "
+        "damaged segments are kept aside",
     )
     parser.add_argument(
         "--max-frame-bytes",
@@ -421,6 +429,7 @@ async def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             fsync=args.fsync,
             ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
+            ignore_corrupt_log=args.ignore_corrupt_log,
             max_frame_bytes=args.max_frame_bytes,
             max_upload_bytes=args.max_upload_bytes,
             max_receiving_bytes=args.max_receiving_bytes,
@@ -550,9 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [*from_environment(parser, argv, os.environ), *argv]
     args = parser.parse_args(argv)
-    if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
+    if args.data_dir is None and (
+        args.fsync or args.ignore_corrupt_snapshot or args.ignore_corrupt_log
+    ):
         # (a node in memory that was meant to keep its data)
-        parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
+        parser.error("--fsync, --ignore-corrupt-snapshot and --ignore-corrupt-log need --data-dir")
     if (args.peers or args.peers_dns) and args.advertise is None and unspecified_host(args.host):
         # (peers would be told HOST:PORT, and reach themselves or nothing)
         given = "--peers" if args.peers else "--peers-dns"

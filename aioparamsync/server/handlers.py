@@ -98,8 +98,7 @@ class ParameterService:
 
     Args:
         store: where parameters live; ``ping`` answers its table's node id.
-        cluster: the node's cluster, as the server reads it (see :mod:`.clusterview`);
-            None: a node alone.
+        cluster: the node's cluster as the server reads it (:mod:`.clusterview`), or None.
         counters: the server's counters, reported by ``info``.
         max_decoded_bytes: the largest array an encoded parameter may decode to,
             and the largest piece of a parameter answered.
@@ -134,8 +133,7 @@ class ParameterService:
         self.gradients = GradientPushes(
             store, cluster, self.waiting, max_decoded_bytes, partition_bytes=partition_bytes
         )
-        # (Router reads a subset, routing.Routed, of ClusterView, declared settable there)
-        self.router = Router(cast(Any, cluster))
+        self.router = Router(cast(Any, cluster))  # (routing.Routed: settable, a subset)
         #: the embedding tables (see .rows)
         self.rows = RowService(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)
@@ -440,6 +438,9 @@ class ParameterService:
                 router.check_routed(names)
             else:
                 parts = router.write_parts(names)
+        if shrinking := partitioned.shrinking(params):  # (stored as partitions here, now whole)
+            shrunk = partitioned.shrink(update, params, parts, acks, shrinking)
+            return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
             return self.store.submit(
                 self.partitioned.checked(self.incoming(params)),
@@ -516,8 +517,7 @@ class ParameterService:
             info.keys_moving = cluster.rebalancer.moving
             info.under_replicated = cluster.rebalancer.under_replicated
             counters["requests_passed_on"] = self.router.passed_on
-            coordinator = cluster.coordinator
-            if coordinator is not None:
+            if (coordinator := cluster.coordinator) is not None:
                 info.coordinator = f"{coordinator.address} {coordinator.prefix}"
                 info.fenced = cluster.fenced()
         return method.result(success=info)
