@@ -385,7 +385,9 @@ class Node:
         if self.discovery is not None:
             self.discovery.start()
         if self.cluster.state == JOINING:
-            self._joining = asyncio.create_task(self.cluster.join(), name="aioparamsync-join")
+            self._joining = asyncio.create_task(
+                self.cluster.transitions.join(), name="aioparamsync-join"
+            )
         kept = f"data in {self.data_dir.path}" if self.data_dir is not None else "in memory"
         log.info(
             "node %s listening on %s:%d, %s",
@@ -440,7 +442,7 @@ class Node:
             self._joining.cancel()
             await asyncio.wait({self._joining})
         try:
-            handed = await self.cluster.leave(timeout)
+            handed = await self.cluster.transitions.leave(timeout)
         finally:
             self.left.set()
         log.info("node %s left its cluster: %d keys handed off", self.node_id, handed)
@@ -464,6 +466,9 @@ class Node:
             return False, state
         if self.cluster.settling is not None:
             return False, "taking over as the primary of its keys"
+        unjoined = self.cluster.reports.unjoined()
+        if unjoined is not None:
+            return False, f"in no cluster: {unjoined}"
         fenced = self.cluster.fenced()
         if fenced is not None:
             return False, f"takes no writes: {fenced}"
@@ -546,7 +551,9 @@ class Node:
                 await self.discovery.stop()
             await self.server.close(grace)
             self.service.close()
-            await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
+            await self.cluster.replication.drain(
+                grace
+            )  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
             if self.coordinator is not None:
                 # (a node that left is gone at once; one to come back, past its TTL)

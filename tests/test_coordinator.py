@@ -842,3 +842,91 @@ async def test_a_row_push_a_live_replica_cannot_take_is_refused_before_it_is_fol
         for node_id in ("a", "b"):
             rows = await clients[node_id].pull_rows("emb", ids)
             np.testing.assert_array_equal(rows, np.full((len(ids), 4), -2.0), node_id)
+
+
+async def one_view(clients: Mapping[str, ParameterClient], ids: set[str]) -> int:
+    """Every node answers one topology: the same epoch, the same members in the same
+    states, those up exactly ``ids``; answers the epoch."""
+    tops = await topologies(clients)
+    views = {n: (t.epoch, {m.node_id: m.state for m in t.members}) for n, t in tops.items()}
+    assert len({(e, tuple(sorted(s.items()))) for e, s in views.values()}) == 1, (
+        f"views differ: {views}"
+    )
+    epoch, seen = next(iter(views.values()))
+    assert {m for m, s in seen.items() if s == "up"} == ids, f"up: {seen}"
+    return epoch
+
+
+async def until_one_view(clients: Mapping[str, ParameterClient]) -> int:
+    """Wait until :func:`one_view`, every node up; answer the epoch."""
+    return await eventually(
+        lambda: one_view(clients, set(clients)),
+        timeout=FORM_TIMEOUT,
+        interval=POLL,
+        retry_on=RETRY,
+    )
+
+
+def numbered(names: Sequence[str], base: int) -> dict[str, np.ndarray]:
+    """Name ``i`` of ``names`` -> ``[base + i, base + i]``."""
+    return {n: np.full(2, base + i, np.float32) for i, n in enumerate(names)}
+
+
+async def assert_numbered(client: ParameterClient, names: Sequence[str], base: int) -> None:
+    got = await client.get_arrays(names)
+    assert {n: float(v[0]) for n, v in got.items()} == {n: base + i for i, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("fault", ["stalled", "stopped"])
+async def test_a_node_whose_lease_expired_follows_the_members_again(
+    etcd: Etcd, procs: ProcessCluster, fault: str
+) -> None:
+    """A's calls to etcd hang past its lease's TTL (stalled: the network drops its
+    packets, so they time out rather than fail; stopped: A is SIGSTOPped): the others
+    place it no more; healed, A registers anew. Then a node joins and another drains:
+    every node, A too, answers one epoch and one set of members, and writes and reads
+    routed through A reach every key."""
+    prefix = new_prefix()
+    async with contextlib.AsyncExitStack() as stack:
+        to_etcd = FaultProxy(etcd.port)
+        await to_etcd.start()
+        stack.push_async_callback(to_etcd.close)
+        flags = coordinated(f"etcd://{LOOPBACK}:{to_etcd.port}", prefix)
+        nodes = [await procs.spawn(extra=[*flags, "--node-id", n]) for n in "abc"]
+        a = nodes[0]
+        clients = await open_clients(stack, nodes)
+        await until_agreed(clients)
+        names = [f"f{i}" for i in range(30)]
+        await clients["b"].update_arrays(numbered(names, 0))
+
+        if fault == "stalled":
+            to_etcd.stall_from(a.pid)
+        else:
+            a.signal(signal.SIGSTOP)
+        lost = await until_agreed({"b": clients["b"], "c": clients["c"]}, {"b", "c"})
+        await asyncio.sleep(3 * TTL)  # (A's calls keep timing out meanwhile)
+        if fault == "stalled":
+            to_etcd.heal()
+        else:
+            a.signal(signal.SIGCONT)
+        await a.wait_stderr("lost its lease", timeout=FORM_TIMEOUT)
+        healed = await until_one_view(clients)
+        assert healed > lost
+
+        joined = await procs.spawn(extra=[*flags, "--node-id", "d"])
+        clients["d"] = await stack.enter_async_context(joined.client())
+        assert await until_one_view(clients) > healed
+        await clients.pop("c").close()
+        nodes[2].signal(signal.SIGTERM)  # a planned leave: it hands its keys off first
+        assert await nodes[2].wait_exit(timeout=60.0) == 0
+        await until_one_view(clients)
+
+        # Through A: a routed client (it splits calls by A's topology) and a founding one.
+        async with ParameterClient(a.address, timeout=10) as routed:
+            await routed.update_arrays(numbered(names, 100))
+            await assert_numbered(routed, names, 100)
+        await clients["a"].update_arrays(numbered(names, 200))
+        for client in clients.values():
+            await assert_numbered(client, names, 200)
+        states = await replica_states(clients, names)
+        assert len(states) == R * len(names)
