@@ -4,6 +4,9 @@ async with ParameterClient("127.0.0.1:9090") as client:
     await client.update_arrays({"w": np.zeros((3, 4), np.float32)})
     arrays = await client.get_arrays(["w"])
 
+In synchronous code (a PyTorch training loop), the same methods, blocking:
+``with SyncParameterClient("127.0.0.1:9090") as client: client.get_arrays(["w"])``.
+
 The public API is imported lazily (PEP 562): ``import aioparamsync`` loads
 nothing but this file, the version and the errors, and ``aioparamsync.ParameterClient``
 imports the client when first used. So the sans-IO layers
@@ -29,16 +32,19 @@ from .errors import (
     ConnectTimeout,
     ErrorCode,
     LocalProtocolError,
+    Moved,
     NetworkError,
     ParamSyncError,
     ProtocolError,
     RemoteProtocolError,
     RequestError,
+    RunningLoopError,
     ServerError,
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .client.api import ParameterClient
+    from .client.blocking import SyncParameterClient
     from .node import Node
     from .values.arrays import from_parameter, to_parameter
     from .values.rules import adagrad, adam, sgd, sum_rule
@@ -58,6 +64,7 @@ __all__ = [
     "ConnectionLostError",
     "ErrorCode",
     "LocalProtocolError",
+    "Moved",
     "NetworkError",
     "Launch",
     "Node",
@@ -71,8 +78,10 @@ __all__ = [
     "RemoteProtocolError",
     "RequestError",
     "Rule",
+    "RunningLoopError",
     "ServerError",
     "StaleSync",
+    "SyncParameterClient",
     "__version__",
     "adagrad",
     "adam",
@@ -90,6 +99,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "Node": (".node", "Node"),
     "ParameterClient": (".client.api", "ParameterClient"),
     "StaleSync": (".client.stale", "StaleSync"),
+    "SyncParameterClient": (".client.blocking", "SyncParameterClient"),
     "from_parameter": (".values.arrays", "from_parameter"),
     "to_parameter": (".values.arrays", "to_parameter"),
     "adagrad": (".values.rules", "adagrad"),

@@ -10,12 +10,15 @@ fits, ours derives from it too, so ``except TimeoutError`` or
   something the protocol cannot carry.
 - :class:`RequestError`: the node understood the request and refused it
   (bad names, data that does not match its dtype and shape, limits); it
-  carries the wire's :class:`ErrorCode`.
+  carries the wire's :class:`ErrorCode`. :class:`Moved` is the one whose
+  code is ``MOVED``: the node does not hold what was asked of it at its
+  epoch (ask for the topology again).
 - :class:`ServerError`: the node failed or does not know the method (a
   ``TApplicationException`` on the wire).
 - :class:`NetworkError`: :class:`ConnectError`, :class:`ConnectionLostError`.
 - :class:`CallTimeout`, :class:`ConnectTimeout`: deadlines.
 - :class:`ClientClosedError`: the client was closed by its owner.
+- :class:`RunningLoopError`: a blocking call from a thread that runs an event loop.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ __all__ = [
     "ConnectionLostError",
     "ErrorCode",
     "LocalProtocolError",
+    "Moved",
     "NetworkError",
     "ParamSyncError",
     "ProtocolError",
     "RemoteProtocolError",
     "RequestError",
+    "RunningLoopError",
     "ServerError",
 ]
 
@@ -87,7 +92,25 @@ class RequestError(ParamSyncError, ValueError):
         super().__init__(f"{name}: {message}")
 
     def __reduce__(self):  # keeps pickling (multiprocessing) working
-        return (type(self), (self.code, self.message, self.epoch))
+        return (RequestError.of, (self.code, self.message, self.epoch))
+
+    @staticmethod
+    def of(code: ErrorCode | int, message: str, epoch: int | None = None) -> RequestError:
+        """The error for a code from the wire: a :class:`Moved` for ``MOVED``."""
+        if code == ErrorCode.MOVED:
+            return Moved(message, epoch)
+        return RequestError(code, message, epoch)
+
+
+class Moved(RequestError):
+    """The node does not hold (or is not the primary of) what was asked, at its ``epoch``.
+
+    Nothing was done there. The caller asks for the topology again, or passes
+    the call on to the holder as it sees it (see :mod:`aioparamsync.server.forward`).
+    """
+
+    def __init__(self, message: str, epoch: int | None = None) -> None:
+        super().__init__(ErrorCode.MOVED, message, epoch)
 
 
 class ServerError(ParamSyncError):
@@ -124,3 +147,12 @@ class ConnectTimeout(CallTimeout):
 
 class ClientClosedError(ParamSyncError, RuntimeError):
     """The client was closed; no more calls can be made on it."""
+
+
+class RunningLoopError(ParamSyncError, RuntimeError):
+    """A blocking client's method was called from a thread that runs an event loop.
+
+    It would stall every task of that loop until answered (and, on the
+    client's own loop, never be answered): async code uses
+    :class:`~aioparamsync.ParameterClient` and awaits its methods.
+    """

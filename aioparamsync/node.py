@@ -537,7 +537,6 @@ class Node:
                 await self.discovery.stop()
             await self.server.close(grace)
             self.service.close()
-            await self.service.rows.close()
             await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
             if self.coordinator is not None:

@@ -28,6 +28,12 @@ PyTorchJob: :class:`Launch` (``Launch.from_env()``) reads their rank and world
 size, and the nodes' addresses, from the environment those set (see
 :mod:`aioparamsync.client.launch`; ``examples/torchrun_train.py``).
 
+Each function that takes a client is a coroutine function of a
+:class:`~aioparamsync.ParameterClient` (``await ps_torch.push_grads(client,
+model)``), and takes a :class:`~aioparamsync.SyncParameterClient` too: then it
+blocks and answers the result (``ps_torch.push_grads(client, model)``), run
+on that client's loop.
+
 Embedding tables held by the cluster (``ParameterClient.create_table``):
 :class:`Embedding` and :class:`EmbeddingBag` are modules that pull a batch's
 rows, gather from them in forward and push their gradients (see
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
+from .client.blocking import also_blocking
 from .client.launch import Launch
 from .torch_rows import Embedding, EmbeddingBag
 from .values.arrays import from_parameter, is_bfloat16
@@ -236,6 +243,7 @@ def _rules(
     return {prefix + key: rule for key in keys}
 
 
+@also_blocking
 async def push_state_dict(
     client: ParameterClient,
     module_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -250,7 +258,7 @@ async def push_state_dict(
     tensors in C order without a copy: do not change them until this returns.
 
     Args:
-        client: the client to send with.
+        client: the client to send with (a SyncParameterClient: this blocks).
         module_or_state_dict: a module, or a mapping of key -> tensor.
         prefix: put before each key to make the node's name (``"encoder."``
             stores ``encoder.weight``), so that models with the same keys do
@@ -311,6 +319,7 @@ async def _pull(
     return pulled
 
 
+@also_blocking
 async def pull_state_dict(
     client: ParameterClient,
     names_or_module: torch.nn.Module | Iterable[str],
@@ -324,7 +333,7 @@ async def pull_state_dict(
     the answer, or use :func:`load_into`, when every key must be there.
 
     Args:
-        client: the client to fetch with.
+        client: the client to fetch with (a SyncParameterClient: this blocks).
         names_or_module: state-dict keys, or a module (the keys of its
             ``state_dict()``).
         prefix: put before each key to make the node's name: the one the
@@ -346,6 +355,7 @@ async def pull_state_dict(
     return {key: from_numpy(arr) for key, (arr, _) in pulled.items()}
 
 
+@also_blocking
 async def load_into(
     client: ParameterClient,
     module: torch.nn.Module,
@@ -363,7 +373,7 @@ async def load_into(
     leaves the module as it was.
 
     Args:
-        client: the client to fetch with.
+        client: the client to fetch with (a SyncParameterClient: this blocks).
         module: the module to load (every entry of its ``state_dict()``).
         prefix: put before each key to make the node's name: the one the
             module was pushed with.
@@ -413,6 +423,7 @@ async def load_into(
 # -- gradients ----------------------------------------------------------------------------
 
 
+@also_blocking
 async def push_grads(
     client: ParameterClient,
     module: torch.nn.Module,
@@ -437,7 +448,7 @@ async def push_grads(
     must have been stored with a rule (``push_state_dict(..., rule=...)``).
 
     Args:
-        client: the client to send with.
+        client: the client to send with (a SyncParameterClient: this blocks).
         module: the module whose parameters' gradients to send.
         prefix: put before each key to make the node's name: the one the
             module was pushed with. Error feedback keeps its residuals by

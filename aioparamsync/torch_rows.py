@@ -13,6 +13,10 @@ batch at hand. A training step is::
     loss.backward()              # gradients land on the pulled rows (a leaf tensor)
     await emb.push()             # one push_row_gradients call; the node folds them
 
+Made with a :class:`~aioparamsync.SyncParameterClient`, ``emb.pull(ids)`` and
+``emb.push()`` block and answer the same (no ``await``), run on that
+client's loop.
+
 ``pull`` makes the pulled rows a fresh leaf tensor that requires grad, of shape
 ``(unique ids, dim)``; the module's forward gathers from it, so ``backward``
 sums the gradient of every occurrence of an id into its one row, as
@@ -52,11 +56,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]  # PyTorch (imports are absolute)
 
+from .client.blocking import on_client
 from .values.arrays import is_bfloat16
 from .wire import thrift
 
 if TYPE_CHECKING:
     from .client.api import ParameterClient
+    from .client.blocking import SyncParameterClient
 
 __all__ = ["BAG_MODES", "TABLE_OPTIONS", "Embedding", "EmbeddingBag"]
 
@@ -76,7 +82,7 @@ class _TableRows(torch.nn.Module):
 
     def __init__(
         self,
-        client: ParameterClient,
+        client: ParameterClient | SyncParameterClient,
         table: str,
         dim: int,
         *,
@@ -156,9 +162,7 @@ class _TableRows(torch.nn.Module):
 
     # -- pull and push --------------------------------------------------------------------------
 
-    async def pull(
-        self, ids: Any, *, encoding: str | None = None, timeout: Timeout = ...
-    ) -> torch.Tensor:
+    def pull(self, ids: Any, *, encoding: str | None = None, timeout: Timeout = ...) -> Any:
         """Fetch the rows of a batch's ids, each id once, in one call; forward gathers from them.
 
         Whatever was pulled before is dropped first (gradients not pushed
@@ -174,9 +178,10 @@ class _TableRows(torch.nn.Module):
             timeout: the call's deadline (seconds; default: the client's).
 
         Returns:
-            The pulled rows: a new leaf tensor of the table's dtype on
-            ``device``, ``(unique ids, dim)``, requiring grad (also
-            :attr:`rows`; :attr:`pulled_ids` says which id each row is).
+            The pulled rows (to await, with a ParameterClient): a new leaf
+            tensor of the table's dtype on ``device``, ``(unique ids, dim)``,
+            requiring grad (also :attr:`rows`; :attr:`pulled_ids` says which
+            id each row is).
 
         Raises:
             TypeError: ids that are not integers.
@@ -186,17 +191,20 @@ class _TableRows(torch.nn.Module):
                 or the node refused.
             CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
         """
+        return on_client(self.client, self._pull, ids, encoding=encoding, timeout=timeout)
+
+    async def _pull(
+        self, client: ParameterClient, ids: Any, *, encoding: str | None, timeout: Timeout
+    ) -> torch.Tensor:
         flat = self._as_ids(ids, "pull").reshape(-1).cpu()
         with self._exclusive("pull"):
             self._clear()
             if self._create is not None:
-                await self.client.create_table(
-                    self.table, self.dim, timeout=timeout, **self._create
-                )
+                await client.create_table(self.table, self.dim, timeout=timeout, **self._create)
                 self._create = None
             unique = torch.unique(flat)  # sorted: forward finds ids by binary search
             if len(unique):
-                answer = await self.client.pull_rows(
+                answer = await client.pull_rows(
                     self.table, unique.numpy(), encoding=encoding, timeout=timeout
                 )
                 if answer.ndim != 2 or answer.shape[1] != self.dim:
@@ -213,7 +221,7 @@ class _TableRows(torch.nn.Module):
             self._request_id = uuid.uuid4().hex
         return rows
 
-    async def push(
+    def push(
         self,
         *,
         encoding: str | None = None,
@@ -238,8 +246,9 @@ class _TableRows(torch.nn.Module):
             timeout: the call's deadline (seconds; default: the client's).
 
         Returns:
-            The IDL's ``RowsResult``: ``rows`` folded, ``created`` by this push
-            (both 0 when no row was used: then nothing is sent).
+            The IDL's ``RowsResult`` (to await, with a ParameterClient):
+            ``rows`` folded, ``created`` by this push (both 0 when no row was
+            used: then nothing is sent).
 
         Raises:
             RuntimeError: nothing pulled (call :meth:`pull` first; a push
@@ -250,6 +259,11 @@ class _TableRows(torch.nn.Module):
                 of the part it refused was folded.
             CallTimeout, NetworkError, ServerError: see :mod:`aioparamsync.errors`.
         """
+        return on_client(self.client, self._push, encoding=encoding, acks=acks, timeout=timeout)
+
+    async def _push(
+        self, client: ParameterClient, *, encoding: str | None, acks: str | None, timeout: Timeout
+    ) -> Any:
         rows, ids, used = self._rows, self._ids, self._used
         if rows is None or ids is None or used is None:
             raise RuntimeError(
@@ -264,7 +278,7 @@ class _TableRows(torch.nn.Module):
         with self._exclusive("push"):
             where = used.nonzero().reshape(-1)
             if len(where):
-                result = await self.client.push_row_gradients(
+                result = await client.push_row_gradients(
                     self.table,
                     ids[where].cpu().numpy(),
                     _array_of(rows.grad[where]),
@@ -325,7 +339,8 @@ class Embedding(_TableRows):
 
     Args:
         client: the client to pull and push with (a routed client of the
-            cluster cuts each call by the node each row's bucket lives on).
+            cluster cuts each call by the node each row's bucket lives on); a
+            :class:`~aioparamsync.SyncParameterClient` makes pull and push block.
         table: the table's name.
         dim: its row width (checked at the first pull).
         create: create the table at the first pull (an existing one, made
@@ -374,7 +389,7 @@ class EmbeddingBag(_TableRows):
 
     def __init__(
         self,
-        client: ParameterClient,
+        client: ParameterClient | SyncParameterClient,
         table: str,
         dim: int,
         *,

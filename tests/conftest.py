@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
 import warnings
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import uvloop
@@ -65,3 +69,59 @@ async def spawn() -> AsyncIterator[Spawn]:
     finally:
         for node in started:
             await node.close()
+
+
+# -- which tests start processes -------------------------------------------------------------
+#
+# The suite runs twice (.ci/run): on the compiled fast path, then on the pure-Python one. The
+# second pass need not run again what starts processes (node processes, the CLI, examples):
+# those run the same code as the in-process tests, from another process, and take most of
+# the time. So the first pass notes each test that started a process (every child is made by
+# subprocess.Popen: asyncio's, multiprocessing's spawn and Ray's too), and the second leaves
+# those out:
+#   AIOPARAMSYNC_NOTE_SPAWNING=FILE  the ids of the tests that started a process go to FILE;
+#   AIOPARAMSYNC_SKIP_SPAWNING=FILE  the tests FILE names are deselected.
+
+_spawned = False
+_popen_init = subprocess.Popen.__init__
+
+
+def _noting_popen_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
+    global _spawned
+    _spawned = True
+    _popen_init(self, *args, **kwargs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("AIOPARAMSYNC_NOTE_SPAWNING"):
+        subprocess.Popen.__init__ = _noting_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    global _spawned
+    _spawned = False
+    try:
+        return (yield)
+    finally:
+        note = os.environ.get("AIOPARAMSYNC_NOTE_SPAWNING")
+        if note and _spawned:
+            with open(note, "a", encoding="utf-8") as f:
+                f.write(item.nodeid + "\n")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = os.environ.get("AIOPARAMSYNC_SKIP_SPAWNING")
+    if not skip:
+        return
+    try:
+        spawning = set(Path(skip).read_text(encoding="utf-8").split("\n"))
+    except FileNotFoundError:
+        raise pytest.UsageError(
+            f"AIOPARAMSYNC_SKIP_SPAWNING={skip}: no such file (the first pass writes it, "
+            "with AIOPARAMSYNC_NOTE_SPAWNING)"
+        ) from None
+    kept = [item for item in items if item.nodeid not in spawning]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in spawning])
+        items[:] = kept

@@ -171,8 +171,8 @@ async def test_ping_and_info(client: ParameterClient, node: Node) -> None:
 
 
 def _readme_on_info() -> tuple[set[str], set[str]]:
-    """The README's bullet on ``info()``: (the NodeInfo fields it names, the counters it names)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    """docs/quickstart.md's bullet on ``info()``: (the NodeInfo fields, the counters it names)."""
+    readme = (Path(__file__).parent.parent / "docs" / "quickstart.md").read_text(encoding="utf-8")
     start = readme.index("- `ping()`, `info()`")
     bullet = readme[start : readme.index("\n- ", start + 1)]
     names = set(re.findall(r"`([a-z_]+)`", bullet))

@@ -19,7 +19,6 @@ from cluster_helpers import LocalCluster, eventually
 from test_interop import _generate, apache_client
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sgd, thrift
-from aioparamsync.client.partitions import collapse, cut, readable
 from aioparamsync.placement import (
     Placement,
     manifest_key,
@@ -27,6 +26,7 @@ from aioparamsync.placement import (
     partition_key,
     placed_by,
 )
+from aioparamsync.routing.partitions import collapse, cut, readable
 from aioparamsync.values import compression
 from aioparamsync.values.arrays import from_parameter, to_parameter
 from aioparamsync.values.partitions import (

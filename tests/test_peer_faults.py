@@ -269,3 +269,39 @@ async def test_a_push_sent_again_at_the_owner_of_one_part_folds_the_rest(
         assert set(versions) == {mine, theirs}
 
         await _folded_once(at_b, [mine, theirs])
+
+
+# -- 5. a part with no replica left ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("write", ["push_gradients", "update_arrays"])
+async def test_a_part_none_of_whose_replicas_is_up_fails_unavailable_and_lands_nowhere(
+    cluster: LocalCluster, write: str
+) -> None:
+    """The part is never applied at a node that does not hold its key (it would start the
+    key anew there, and fold a gradient into nothing)."""
+    a = await cluster.start(replication_factor=2)
+    b = await cluster.start(peers=[a], replication_factor=2)
+    c = await cluster.start(peers=[a], replication_factor=2)
+    await cluster.formed([a, b, c])
+    names = [f"w{i}" for i in range(200)]
+    theirs = next(n for n in names if not a.cluster.placement.holds(a.node_id, n))
+    async with node_client(a.address) as client:
+        await client.update_arrays({theirs: np.zeros(4)}, rules=sum_rule())
+        await cluster.converged([b, c])
+        down = [address_text(b.address), address_text(c.address)]
+        await cluster.stop(b)
+        await cluster.stop(c)
+
+        def both_down() -> None:
+            assert all(a.cluster.links[x].state == "backoff" for x in down)
+
+        await eventually(both_down, timeout=WAIT)
+        with pytest.raises(RequestError) as refused:
+            if write == "push_gradients":
+                await client.push_gradients({theirs: np.ones(4)})
+            else:
+                await client.update_arrays({theirs: np.ones(4)})
+        assert refused.value.code == ErrorCode.UNAVAILABLE, refused.value
+        assert "no replica" in refused.value.message
+        assert theirs not in a.table.names()

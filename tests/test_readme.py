@@ -1,18 +1,22 @@
-"""README.md says what is true: each Python snippet runs as written, each command names
-flags, subcommands, files, extras and tox environments that exist.
+"""README.md and the pages of docs/ say what is true: each Python snippet runs as
+written, each command names flags, subcommands, files, extras and tox environments
+that exist.
 
-The Python snippets run in README order, each in a fresh ``python`` process (this
-interpreter) against one real node process on 127.0.0.1 and a port the kernel picks,
-the README's ``127.0.0.1:9090`` rewritten to that node's address; each runs twice,
-as a user who pastes it again does (the second time the node already holds what
-the first run stored). A snippet may opt out with a line ``# not run: <why>``;
-one that imports torch is skipped when torch is not installed.
+The Python snippets run in order (the README's, then each page's, by name), each in
+a fresh ``python`` process (this interpreter) against one real node process on
+127.0.0.1 and a port the kernel picks, the pages' ``127.0.0.1:9090`` rewritten to
+that node's address; each runs twice, as a user who pastes it again does (the
+second time the node already holds what the first run stored). A snippet may opt
+out with a line ``# not run: <why>``; one that imports torch is skipped when torch
+is not installed. Every fenced block says its language, and Python is ``python``:
+a block under another name would escape the run.
 
 The commands are read from the ``bash`` blocks and from inline code that starts
-with a program's name; a bare ``--flag`` in the text is the node's (the README
-speaks of the node's flags so). Each flag is checked against the program's own
-``--help``. Every process is bounded in time, and the node is killed (by PID) at
-the end whatever happens.
+with a program's name; a bare ``--flag`` in the text is the node's (the pages
+speak of the node's flags so), but on the command-line page, which
+tests/test_docs.py checks flag by flag. Each flag is checked against the
+program's own ``--help``. Every process is bounded in time, and the node is killed
+(by PID) at the end whatever happens.
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ from cluster_helpers import LISTENING, NODE_COMMAND, START_TIMEOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# The pages whose snippets run and whose commands are checked, in the order they run.
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+# The page that lists every flag of both programs (checked by tests/test_docs.py).
+CLI_PAGE = DOCS / "cli.md"
 # Files that tell users how to install: none may name the package as if on an index.
-INSTALL_DOCS = [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "examples").iterdir())]
+INSTALL_DOCS = [*PAGES, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "examples").iterdir())]
 # The address the snippets use: a node started with no flags listens there.
 DEFAULT_ADDRESS = "127.0.0.1:9090"
 # A line that keeps a snippet from running, with the reason after the colon.
@@ -54,7 +63,7 @@ NODE, CTL = "aioparamsync-node", "aioparamsync-ctl"
 pytestmark = pytest.mark.timeout(2 * SNIPPET_TIMEOUT + 60)
 
 
-# -- reading the README -------------------------------------------------------------------
+# -- reading the pages --------------------------------------------------------------------
 
 # A fenced block, at any indent (one in a list item is indented): its language and body.
 FENCE = re.compile(
@@ -63,28 +72,33 @@ FENCE = re.compile(
 )
 
 
+# The languages a fenced block may say; Python is "python" alone (the one that runs).
+LANGUAGES = {"python", "bash", "text"}
+
+
 @dataclass(frozen=True)
 class Block:
     lang: str
     code: str
     line: int  # of the opening fence, 1-based
+    page: Path = README
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: Path = README) -> list[Block]:
     found = []
     for match in FENCE.finditer(text):
         indent = len(match["indent"])
         lines = [line[indent:] for line in match["body"].splitlines()]
         line = text.count("\n", 0, match.start()) + 1
-        found.append(Block(match["lang"], "\n".join(lines) + "\n", line))
+        found.append(Block(match["lang"], "\n".join(lines) + "\n", line, page))
     return found
 
 
 def prose(text: str) -> str:
-    """The README without its fenced blocks."""
+    """A page without its fenced blocks."""
     return FENCE.sub("", text)
 
 
@@ -93,17 +107,36 @@ def code_spans(text: str) -> list[str]:
     return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose(text))]
 
 
-TEXT = README.read_text()
-PYTHON = [b for b in blocks(TEXT) if b.lang == "python"]
+TEXTS = {page: page.read_text(encoding="utf-8") for page in PAGES}
+TEXT = TEXTS[README]
+BLOCKS = [block for page, text in TEXTS.items() for block in blocks(text, page)]
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
 # -- the Python snippets -------------------------------------------------------------------
 
 
+def test_every_page_is_read() -> None:
+    # The pages of docs/ are here (a glob that found none would check nothing).
+    names = {page.name for page in PAGES}
+    assert {"README.md", "index.md", "quickstart.md", "training.md", "cli.md"} <= names, names
+
+
 def test_every_python_block_is_found() -> None:
     # A fence the pattern missed (a typo in it, an odd indent) would go untested.
-    assert len(PYTHON) == TEXT.count("```python"), [str(b) for b in PYTHON]
-    assert len(PYTHON) >= 3  # the client, training with gradients, PyTorch
+    for page, text in TEXTS.items():
+        found = [b for b in PYTHON if b.page == page]
+        assert len(found) == text.count("```python"), [str(b) for b in found]
+        fences = len(re.findall(r"^[ ]*(```|~~~)", text, re.MULTILINE))
+        assert fences == 2 * len([b for b in BLOCKS if b.page == page]), f"{page}: a fence missed"
+    assert len([b for b in PYTHON if b.page == README]) >= 1  # the first screen's example
+    assert len(PYTHON) >= 5  # the client, training with gradients, PyTorch, torch workers
+
+
+def test_every_block_says_a_language_that_is_checked() -> None:
+    # ```py or ```python3 would not run; a block with no language could be Python unseen.
+    odd = [f"{b} ({b.lang or 'none'})" for b in BLOCKS if b.lang not in LANGUAGES]
+    assert not odd, f"fenced blocks in another language than {sorted(LANGUAGES)}: {odd}"
 
 
 @pytest.fixture(scope="module")
@@ -223,20 +256,20 @@ def commands_of(line: str, operators: str = "&;|") -> list[list[str]]:
     return [c for c in commands if c]
 
 
-def readme_commands() -> list[list[str]]:
+def page_commands(page: Path) -> list[list[str]]:
     found = []
-    for block in blocks(TEXT):
-        if block.lang in ("bash", "sh", "shell"):
+    for block in blocks(TEXTS[page], page):
+        if block.lang == "bash":
             for line in block.code.replace("\\\n", " ").splitlines():  # (continuations)
                 found += commands_of(line)
-    for span in code_spans(TEXT):
+    for span in code_spans(TEXTS[page]):
         if span.split()[0] in PROGRAMS:
             # In the text, `stats|peers` means "either": not a pipe.
             found += commands_of(span, operators="&;")
     return found
 
 
-COMMANDS = readme_commands()
+COMMANDS = [argv for page in PAGES for argv in page_commands(page)]
 
 
 def node_command(argv: list[str]) -> list[str] | None:
@@ -274,12 +307,25 @@ def flags(text: str) -> set[str]:
     return set(FLAG.findall(text))
 
 
-def test_the_readme_names_commands() -> None:
+def test_the_pages_name_commands() -> None:
     # What the tests below check is there: they would pass on nothing.
     programs = {argv[0] for argv in COMMANDS}
     assert {NODE, CTL, "bash", "pip"} <= programs, programs
     assert any(argv[:2] == ["bash", ".ci/run"] for argv in COMMANDS)
     assert any(a[0].startswith("python") and "examples/train_async_sgd.py" in a for a in COMMANDS)
+
+
+def test_the_readme_opens_with_the_install_the_main_job_and_the_tests() -> None:
+    # The first screen: its first block installs from the checkout and runs the main job, and
+    # runs the tests.
+    first = blocks(TEXT)[0]
+    assert first.lang == "bash", first
+    commands = [argv for line in first.code.splitlines() for argv in commands_of(line)]
+    installs = [a for a in commands if a[:4] == ["python3", "-m", "pip", "install"]]
+    assert installs and all(a[4:] == ["."] for a in installs), commands
+    assert ["python3", "examples/train_async_sgd.py"] in commands, commands
+    assert ["bash", ".ci/run"] in commands, commands
+    assert TEXT.index("```bash") < TEXT.index("\n## "), "the commands come before any section"
 
 
 def test_every_node_flag_exists() -> None:
@@ -290,9 +336,12 @@ def test_every_node_flag_exists() -> None:
         rest = node_command(argv)
         if rest is not None:
             mentioned |= {flag: " ".join(argv) for flag in flags(" ".join(rest))}
-    for span in code_spans(TEXT):
-        if span.startswith("--"):  # a bare flag: the node's
-            mentioned |= {flag: span for flag in flags(span)}
+    for page in PAGES:
+        if page == CLI_PAGE:  # (ctl's flags too: tests/test_docs.py checks them by program)
+            continue
+        for span in code_spans(TEXTS[page]):
+            if span.startswith("--"):  # a bare flag: the node's
+                mentioned |= {flag: f"{page.name}: {span}" for flag in flags(span)}
     assert len(mentioned) > 10, mentioned
     unknown = {flag: where for flag, where in mentioned.items() if flag not in known}
     assert not unknown, f"flags that aioparamsync-node does not have: {unknown}"
@@ -303,7 +352,7 @@ def test_every_ctl_command_and_flag_exists() -> None:
     global_flags = flags(help_of(ctl))
     checked = set()
     for argv in COMMANDS:
-        if argv[0] != CTL:
+        if argv[0] != CTL or argv == [CTL]:  # (`aioparamsync-ctl` alone names the program)
             continue
         words = argv[1:]
         while words and words[0].startswith("-"):
@@ -378,9 +427,9 @@ def test_every_install_is_from_the_checkout_with_extras_that_exist() -> None:
     assert installs >= 3
 
 
-def test_the_extras_the_readme_names_in_prose_exist() -> None:
+def test_the_extras_the_pages_name_in_prose_exist() -> None:
     # `'.[torch]'` alone, as in "and `'.[torch]'` for the last".
-    named = re.findall(r"'\.\[([\w,-]+)\]'", TEXT)
+    named = [group for text in TEXTS.values() for group in re.findall(r"'\.\[([\w,-]+)\]'", text)]
     assert named
     for group in named:
         assert set(group.split(",")) <= extras(), group

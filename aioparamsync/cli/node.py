@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         "port (logged); needs prometheus-client: pip install '.[metrics]' in the checkout "
         "(default: no metrics)",
     )
-    coordinated = parser.add_argument_group("membership in etcd (see the README's Coordinator)")
+    coordinated = parser.add_argument_group("membership in etcd (see docs/cluster.md)")
     coordinated.add_argument(
         "--coordinator",
         type=coordinator_spec,

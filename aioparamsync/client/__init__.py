@@ -2,9 +2,11 @@
 
 ``addresses`` (where to connect, deadlines checked), ``connection`` (one
 pipelined connection), ``pool`` (the connections, retries), ``api`` (the
-public methods), ``updates`` and ``fetch`` (what goes in pieces, both ways).
+public methods), ``updates`` and ``fetch`` (what goes in pieces, both ways),
+``blocking`` (:class:`SyncParameterClient`: the same methods, for synchronous code).
 """
 
 from .api import ParameterClient
+from .blocking import SyncParameterClient
 
-__all__ = ["ParameterClient"]
+__all__ = ["ParameterClient", "SyncParameterClient"]

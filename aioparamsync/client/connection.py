@@ -155,6 +155,12 @@ class _Connection(asyncio.BufferedProtocol):
         return f"the node at {self.address}" if self.address else "the node"
 
     @property
+    def moving_bulk(self) -> bool:
+        """Whether a large message is on its way now, out (sends wait for the buffer
+        to drain) or in: a call pipelined behind it would wait for all of it."""
+        return self._write_paused or self.receiver.receiving_large
+
+    @property
     def usable(self) -> bool:
         return self.lost is None and self.transport is not None and not self.transport.is_closing()
 

@@ -3,9 +3,12 @@
 Theory of operation. A client keeps up to ``max_connections`` connections
 (:class:`~aioparamsync.client.connection._Connection`) to its node and sends
 each call on the one with the fewest calls in flight, opening another while
-every open one is busy. Given several addresses (nodes of one cluster), it
-uses one node at a time and moves to the next when that one cannot be
-reached, or keeps breaking connections.
+every open one is busy. A call never pipelines behind a large message under
+way on a connection (a large read's reply arriving, a large write's upload
+going out): it waits for a new connection instead, so a write does not wait
+for a large read to end, nor a read for a large write. Given several
+addresses (nodes of one cluster), it uses one node at a time and moves to
+the next when that one cannot be reached, or keeps breaking connections.
 
 A connection that breaks fails its calls in flight with
 :class:`~aioparamsync.errors.ConnectionLostError` and leaves the pool; the
@@ -242,12 +245,16 @@ class ConnectionPool:
                 connections.clear()
         else:
             connections = self._connections = [c for c in connections if c.usable]
-            best = min(connections, key=lambda c: len(c.pending), default=None)
+            best = min(connections, key=lambda c: (c.moving_bulk, len(c.pending)), default=None)
         if best is not None and (not best.pending or len(connections) >= self.max_connections):
             return best
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)
+        if best is not None and best.moving_bulk:
+            # (a large read or write is under way on it: a call pipelined behind it
+            # would wait for all of it; the new connection is not long coming)
+            return None
         return best  # a busy one: pipeline on it while another opens
 
     def _move_on(self) -> None:
@@ -346,7 +353,7 @@ class ConnectionPool:
             return None
         if getattr(result, "error", None) is not None:
             error = result.error
-            raise RequestError(error.code, error.message, error.epoch)
+            raise RequestError.of(error.code, error.message, error.epoch)
         if 0 not in result.thrift_spec:
             return None  # a void method (update_parameters): its result has no success
         if result.success is None:

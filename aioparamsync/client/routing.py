@@ -46,20 +46,22 @@ from ..errors import (
     ConnectError,
     ConnectionLostError,
     ErrorCode,
+    Moved,
     ParamSyncError,
     RequestError,
     ServerError,
 )
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
+from ..routing.merge import merge_responses, merge_results, read_part
+from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
-from .partitions import collapse, cut, gather, manifests_of, readable_error
 from .pool import ConnectionPool
 
 if TYPE_CHECKING:
     from .api import ParameterClient
 
-__all__ = ["READ_FROM", "Routes", "merge_responses", "merge_results", "read_part"]
+__all__ = ["READ_FROM", "Routes"]
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,7 @@ class Routes:
         return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
 
     async def _gather(self, request: Any, response: Any, timeout: Any) -> Any:
-        """``response`` with the partitioned parameters in it read whole (see client.partitions)."""
+        """``response`` with the partitioned parameters in it read whole (routing.partitions)."""
         if not any("\x00" in p.name for p in response.params):
             return response
         found = manifests_of(response.params)
@@ -407,9 +409,7 @@ class Routes:
         pool = self._pool(topology.addresses[target])
         try:
             return True, await ConnectionPool.invoke(pool, m, timeout=timeout, **{arg: sub})
-        except RequestError as exc:
-            if exc.code != ErrorCode.MOVED:
-                raise
+        except Moved:
             await self.learn(pool)
         except ConnectError:
             self._down(target)
@@ -428,31 +428,6 @@ class Routes:
             await self.learn()
         except (ParamSyncError, OSError) as exc:
             log.info("could not learn the topology: %s", exc)
-
-
-def read_part(request: Any, names: list[str]) -> Any:
-    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too)."""
-    sub = copy.copy(request)
-    sub.param_names = names
-    if request.known_versions:
-        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
-    if request.known_origins:
-        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
-    return sub
-
-
-def merge_responses(answers: Sequence[Any]) -> Any:
-    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
-    params = [p for a in answers for p in a.params]
-    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
-
-
-def merge_results(answers: Sequence[Any]) -> Any:
-    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
-    versions: dict[str, int] = {}
-    for a in answers:
-        versions.update(a.versions)
-    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
 
 
 def _merge(m: Method, answers: Sequence[Any]) -> Any:

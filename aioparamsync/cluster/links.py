@@ -57,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import logging
 import random
 import time
@@ -69,10 +68,14 @@ from ..client.fetch import fetch
 from ..errors import ClientClosedError, ConnectError, ParamSyncError
 from ..placement import LEAVING
 from ..store.table import Entry, lww_key
-from ..values import pieces
-from ..wire import METHODS, thrift
+from ..wire import METHODS, Method, thrift
+from .batches import batches, messages
+from .rowbox import RowOutbox
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from ..store.rows import RowTable
     from .membership import Cluster
 
 __all__ = ["LinkState", "PeerLink", "member_name"]
@@ -96,10 +99,6 @@ HEARTBEAT_SECONDS = 1.0
 # fewer where the node's limits say so (see Cluster).
 BATCH_BYTES = 64 * 1024 * 1024
 BATCH_PARAMS = 1024
-# What a parameter takes in a message besides its data, name and origin (its
-# dtype, shape, version, rule and upload id, and Thrift's field headers): an
-# estimate on the safe side, counted when cutting batches.
-PARAM_OVERHEAD = 512
 
 
 class LinkState(enum.StrEnum):
@@ -133,47 +132,6 @@ def member_name(node_id: str, host: str, port: int) -> str:
     return f"{node_id} ({address})"
 
 
-def _messages(entries: list[Entry], inline_bytes: int, piece_bytes: int) -> Iterable[list[Any]]:
-    """The replication messages of a batch: one, or the pieces of a large parameter.
-
-    A parameter over ``inline_bytes`` is alone in its batch (see
-    :func:`_batches`) and goes in pieces of ``piece_bytes``.
-    """
-    if len(entries) == 1 and entries[0].nbytes > inline_bytes:
-        e = entries[0]
-        # The same id for every resend of this version, so a receiver that has
-        # some of its pieces already keeps them; hashed, as an upload id is
-        # short (pieces.MAX_UPLOAD_ID_BYTES) and a name need not be.
-        key = hashlib.blake2b(f"{e.origin}\0{e.version}\0{e.name}".encode(), digest_size=16)
-        for piece in pieces.split(e.to_parameter(), f"peer:{key.hexdigest()}", piece_bytes):
-            yield [piece]
-    else:
-        yield [e.to_parameter() for e in entries]
-
-
-def _wire_bytes(item: Any) -> int:
-    """About what an entry (or a digest item) takes in a message, data and fields."""
-    return item.nbytes + len(item.name.encode()) + len(item.origin.encode()) + PARAM_OVERHEAD
-
-
-def _batches(items: Iterable[Any], max_items: int, max_bytes: int) -> Iterable[list[Any]]:
-    """Cut ``items`` into lists of at most ``max_items`` items and ``max_bytes`` bytes.
-
-    An item larger than ``max_bytes`` (by :func:`_wire_bytes`) is alone in its list.
-    """
-    batch: list[Any] = []
-    size = 0
-    for item in items:
-        n = _wire_bytes(item)
-        if batch and (len(batch) >= max_items or size + n > max_bytes):
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += n
-    if batch:
-        yield batch
-
-
 class PeerLink:
     """This node's link to one peer: its outbox and the task that drains it.
 
@@ -196,6 +154,8 @@ class PeerLink:
         self.node_id = node_id
         self.state = LinkState.CONNECTING
         self.outbox: dict[str, Entry] = {}
+        #: the rows of embedding tables waiting for the peer (see :mod:`.rowbox`)
+        self.rows = RowOutbox()
         self._oldest: float | None = None  # when the oldest waiting entry was queued
         self._wakeup = asyncio.Event()
         self._poked = asyncio.Event()
@@ -251,7 +211,7 @@ class PeerLink:
             "node_id": self.node_id,
             "address": self.address,
             "state": self.state,
-            "outbox_depth": len(self.outbox),
+            "outbox_depth": len(self.outbox) + len(self.rows),
             "updates_sent": self.updates_sent,
             "updates_coalesced": self.updates_coalesced,
             "send_failures": self.send_failures,
@@ -295,11 +255,22 @@ class PeerLink:
             if not taken_back:
                 self._wakeup.set()
 
+    def offer_rows(self, table: RowTable, bucket: int, ids: np.ndarray) -> None:
+        """Queue rows ``ids`` of ``bucket`` of ``table`` for the peer (never blocks; see
+        :mod:`.rowbox`): sent as parameters are, confirmed by the same ping."""
+        self._offers += 1
+        self.rows.offer(table, bucket, ids)
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+        self.drained.clear()
+        self._wakeup.set()
+
     def discard(self) -> dict[str, tuple[int, str]]:
-        """Empty the outbox, unsent; answer what it held (name -> ``lww_key``).
+        """Empty the outboxes, unsent; answer what the parameters' held (name -> ``lww_key``).
 
         A write waiting for its confirmation (``acks=all``) is told it failed.
         """
+        self.rows.take()
         taken, self.outbox = self.outbox, {}
         self._oldest = None
         self.drained.set()
@@ -385,24 +356,55 @@ class PeerLink:
         """The peer is (back) up: cut short the wait before the next try."""
         self._poked.set()
 
-    async def forward(self, push: Any) -> Any:
+    async def forward(self, push: Any, timeout: float | None = PEER_CALL_TIMEOUT) -> Any:
         """Send a gradient push on to this peer (its owner); answer its ``UpdateResult``.
+
+        It goes on the forwarding lane (:meth:`proxy`), never on the link's own
+        connection: a forwarded write waits there for its replication, and its
+        reply holds up the replies behind it, so replication (and its
+        confirming pings) sharing that connection could wait for it, and it
+        for them, the other way round (a cycle between two nodes).
 
         Raises:
             NetworkError: the link is down, or broke.
             RequestError: the peer refused the push.
         """
+        await self._connected()
+        return await self.proxy().invoke(METHODS.push_gradients, timeout=timeout, push=push)
+
+    async def replicate(self, m: Method, /, timeout: float = PEER_CALL_TIMEOUT, **args: Any) -> Any:
+        """Call ``m`` on the replication lane: the link's own connection.
+
+        Only for replication (what this node applied, for the peer to apply as
+        it is): a call that waits for nothing but the peer's store, so it never
+        waits behind a forwarded write (see :meth:`forward`).
+
+        Raises:
+            ConnectError: the link is not up.
+        """
+        client = self.client
+        if client is None or self.state != _UP:
+            raise ConnectError(f"peer {self.name} is {self.state}")
+        return await client.invoke(m, timeout=timeout, **args)
+
+    async def _connected(self) -> None:
+        """Wait (a little) while the link is being made; raise unless it is up.
+
+        A link being made (e.g. to a member just learned) is not down: a call
+        waits for it up to ``FORWARD_CONNECT_WAIT``; a link in backoff is not
+        waited for.
+
+        Raises:
+            ConnectError: the link is not up.
+        """
         if self.client is None and self.state == _CONNECTING:
-            # (a link being made, e.g. to a member just learned: not down)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FORWARD_CONNECT_WAIT):
                     while self.client is None and self.state == _CONNECTING:
                         self._changed.clear()
                         await self._changed.wait()
-        client = self.client
-        if client is None or self.state != _UP:
-            raise ConnectError(f"peer {self.node_id or self.address} is {self.state}")
-        return await client.invoke(METHODS.push_gradients, push=push)
+        if self.client is None or self.state != _UP:
+            raise ConnectError(f"peer {self.name} is {self.state}")
 
     # -- the link's task ----------------------------------------------------------
 
@@ -497,7 +499,7 @@ class PeerLink:
             if mine is None or lww_key(mine) < lww_key(item):
                 wanted.append(item)
         cluster = self.cluster
-        for batch in _batches(wanted, cluster.batch_params, cluster.batch_bytes):
+        for batch in batches(wanted, cluster.batch_params, cluster.batch_bytes):
             request = thrift.ParameterRequest(
                 param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
             )
@@ -524,7 +526,7 @@ class PeerLink:
         next_repair = loop.time() + interval
         session = client.connects
         while client.connects == session:
-            if not self.outbox and not self._confirms and not self._repair_due:
+            if not self.outbox and not self.rows and not self._confirms and not self._repair_due:
                 self._wakeup.clear()
                 wait = min(next_repair - loop.time(), HEARTBEAT_SECONDS)
                 try:
@@ -540,11 +542,11 @@ class PeerLink:
                 await self._repair(client)
                 self.pulled = True
                 next_repair = loop.time() + interval
-            if self.outbox:
+            if self.outbox or self.rows:
                 await self._send_outbox(client)
             if self._confirms:
                 upto = self._offers  # (all of it was taken by the sends above)
-                if not self.outbox:
+                if not self.outbox and not self.rows:
                     await client.ping()
                     self._settle_confirms(True, upto)
 
@@ -553,10 +555,10 @@ class PeerLink:
         self._oldest = None
         cluster = self.cluster
         timestamp = cluster.store.timestamp
-        batches = list(_batches(taken.values(), cluster.batch_params, cluster.batch_bytes))
-        for i, batch in enumerate(batches):
+        cut = list(batches(taken.values(), cluster.batch_params, cluster.batch_bytes))
+        for i, batch in enumerate(cut):
             try:
-                for params in _messages(batch, cluster.inline_bytes, cluster.piece_bytes):
+                for params in messages(batch, cluster.inline_bytes, cluster.piece_bytes):
                     update = thrift.ParameterUpdate(
                         params=params, timestamp=timestamp, from_peer=cluster.me.node_id
                     )
@@ -564,9 +566,25 @@ class PeerLink:
             except BaseException:
                 # Not sent (or maybe half): keep it for the next connection,
                 # unless a newer version of a name came meanwhile.
-                for rest in batches[i:]:
+                for rest in cut[i:]:
                     self.offer(rest, taken_back=True)
                 raise
             self.updates_sent += len(batch)
-        if not self.outbox:
+        await self._send_rows(client)
+        if not self.outbox and not self.rows:
             self.drained.set()
+
+    async def _send_rows(self, client: ParameterClient) -> None:
+        """Send the rows waiting, read from their tables now (see :mod:`.rowbox`)."""
+        taken = self.rows.take()
+        if not taken:
+            return
+        me = self.cluster.me.node_id
+        try:
+            for deltas in RowOutbox.messages(taken, me):
+                await client.invoke(METHODS.replicate_rows, deltas=deltas)
+        except BaseException:
+            # Kept for the next connection (what was sent too: a row merges once, by
+            # its version), with what came meanwhile.
+            self.rows.put_back(taken)
+            raise

@@ -136,7 +136,7 @@ class BucketMoves:
         page = self._page_rows(table)
         for offset in range(0, max(len(block), 1), page):
             delta = table.delta(bucket, None, me, slice(offset, offset + page))
-            sent = await asyncio.gather(*(rows._send_deltas(h, [delta]) for h in holders))
+            sent = await asyncio.gather(*(rows.send_deltas(h, [delta]) for h in holders))
             if not all(sent):
                 return False
         return True
@@ -149,6 +149,4 @@ class BucketMoves:
     @staticmethod
     def _page_rows(table: RowTable) -> int:
         """Rows of a page of a bucket moved between nodes (values and state: ~PAGE_BYTES)."""
-        spec = table.spec
-        per_row = spec.dim * (spec.dtype.itemsize + 8 * len(spec.rows.rule.state_names)) + 16
-        return max(1, PAGE_BYTES // per_row)
+        return max(1, PAGE_BYTES // table.spec.row_bytes)

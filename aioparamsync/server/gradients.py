@@ -1,22 +1,24 @@
-"""Gradient pushes: each gradient folded once, at the node that owns its parameter.
+"""Gradient pushes: each gradient folded once, at its parameter's primary.
 
 Theory of operation. A ``push_gradients`` call carries gradients, each folded
 into its parameter by the parameter's rule (see :mod:`aioparamsync.values.rules`).
-In a cluster a parameter's gradients are folded by its owner (see
-:mod:`aioparamsync.cluster`), so a push is cut into parts by owner: this node
-folds its own part, passes each other part on to its owner (marked
+In a cluster a parameter's gradients are folded by its primary (see
+:mod:`aioparamsync.placement`), so a push is cut into parts by primary: this
+node folds its own part, passes each other part on to its primary (marked
 ``forwarded``: a part is folded where it arrives, never passed on again), and
-answers once every part has ended. An owner that cannot be reached has its
-part passed on to each key's next live replica (folded here when this node is
-that replica, or none is up). After a part folded by another node, the reply
-waits a little (``ARRIVAL_WAIT_MS``) for the versions made there to replicate
-here, so that the pusher's next read here sees them.
+answers once every part has ended. How a part is passed on (a primary that
+answers ``MOVED`` or cannot be reached, a call that ends without an answer)
+is the one forward policy, :mod:`.forward`: a part goes only to a node that
+holds its parameters, and fails ``UNAVAILABLE`` when none can take it.
+After a part folded by another node, the reply waits a little
+(``ARRIVAL_WAIT_MS``) for the versions made there to replicate here, so that
+the pusher's next read here sees them.
 
 One primary at a time. A part is passed on with this node's epoch; a node
 that is not the primary of its names in its own view answers ``MOVED``
 (nothing folded), and the part goes again to the names' primaries as this
 node sees them by then (views differ for a moment while a member joins or
-leaves). A part passed on to a next replica because its owner could not be
+leaves). A part passed on to a next replica because its primary could not be
 reached goes without an epoch, and is folded where it arrives. A node that
 joins folds nothing until the others have stopped folding its keys (see
 ``Cluster.settling``).
@@ -49,12 +51,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..client.partitions import collapse, cut, readable_error
-from ..client.routing import merge_results
-from ..errors import ErrorCode, ParamSyncError, RequestError
+from ..errors import ConnectError, ErrorCode, RequestError
 from ..placement import parse_key
+from ..routing.merge import merge_results
+from ..routing.partitions import collapse, cut, readable_error
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
+from . import forward
 from .routing import moved
 
 if TYPE_CHECKING:
@@ -72,9 +75,9 @@ MAX_REQUEST_ID_BYTES = 256
 # After a push folded by another node, how long its reply waits for the
 # results to replicate here, so the pusher's next read here sees them (ms).
 ARRIVAL_WAIT_MS = 2_000
-# Waits before asking an owner again to fold gradients of a parameter it does
-# not hold yet, or a part's primaries again after one answered MOVED (seconds).
-FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
+# Waits before asking a primary again to fold gradients of a parameter it does
+# not hold yet (just made elsewhere) (seconds): as long as after a MOVED.
+UNKNOWN_RETRY_DELAYS = forward.FORWARD_RETRY_DELAYS
 
 
 def update_result(applied: Applied) -> Any:
@@ -112,7 +115,7 @@ def decode_parameter(p: Any, max_nbytes: int) -> Any:
 
 
 def _collapsed(future: asyncio.Future, chosen: Mapping[str, Any]) -> asyncio.Future:
-    """``future``'s reply with partitions' versions as their parameters' (see client.partitions)."""
+    """``future``'s reply with partitions' versions as their parameters' (routing.partitions)."""
 
     async def collapsed() -> Any:
         try:
@@ -302,7 +305,8 @@ class GradientPushes:
         cluster = self.cluster
         if cluster is None:
             return
-        elsewhere = [g.name for g in push.grads or () if cluster.owner(g.name) is not None]
+        me = cluster.me.node_id
+        elsewhere = [g.name for g in push.grads or () if forward.holder(cluster, g.name) != me]
         if elsewhere:
             raise moved(cluster, elsewhere, "is not the primary of", "nothing was folded")
 
@@ -338,21 +342,29 @@ class GradientPushes:
                 )
             )
             return future
-        if any(owner is not None for owner in parts):
+        if any(node is not None for node in parts):
             self._check(parts)
             return asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
         return self._fold_here(method, push, grads, before, timestamp)
 
-    def _parts(self, push: Any, grads: list[Any]) -> dict[Any, list[Any]]:
-        """``grads`` by their owner's link (None: this node); {} when none is elsewhere to ask."""
+    def _parts(self, push: Any, grads: list[Any]) -> dict[str | None, list[Any]]:
+        """``grads`` by the node that folds them (None: this one); {} when none is elsewhere.
+
+        Raises:
+            RequestError: (UNAVAILABLE) no replica of a parameter is up: nothing
+                is folded (a fold here, where it is not held, would start it anew).
+        """
         cluster = self.cluster
-        parts: dict[Any, list[Any]] = {}
-        if cluster is not None and cluster.links and not push.forwarded:
-            for g in grads:
-                parts.setdefault(cluster.owner(g.name), []).append(g)
+        parts: dict[str | None, list[Any]] = {}
+        if cluster is None or not cluster.links or push.forwarded:
+            return parts
+        cut = forward.cut(cluster, dict.fromkeys(g.name for g in grads), what="the push")
+        node_of = {name: node for node, names in cut.items() for name in names}
+        for g in grads:
+            parts.setdefault(node_of[g.name], []).append(g)
         return parts
 
-    def _check(self, parts: dict[Any, list[Any]]) -> None:
+    def _check(self, parts: dict[str | None, list[Any]]) -> None:
         """Refuse a push that cannot be folded, before any of its parts is."""
         # Checked here first (this node holds every parameter too): a push
         # that cannot be folded is refused before any part of it is. This
@@ -406,86 +418,60 @@ class GradientPushes:
         self,
         method: Method,
         push: Any,
-        parts: dict[Any, list[Any]],
+        parts: dict[str | None, list[Any]],
         timestamp: int,
         before: Mapping[str, int],
     ) -> Any:
-        """Fold each part of a push at its owner (None: here); answer the versions made.
+        """Fold each part of a push at its holder (None: here); answer the versions made.
 
-        The parts are applied concurrently, each atomically at its owner. An
-        owner that cannot be reached has its part passed to the next replicas. If a
-        part fails, the push fails once every part has ended, and what the
-        others folded is remembered under the push's id (see
+        The parts are applied concurrently, each atomically where it is
+        folded, passed on by the one forward policy (:func:`.forward.pass_on`).
+        If a part fails, the push fails once every part has ended, and what
+        the others folded is remembered under the push's id (see
         :class:`PushLedger`): sent again, the push folds only the rest.
         ``before``: the versions of the names folded by earlier tries.
         """
-
         cluster = self.cluster
+        by_name = {g.name: g for gs in parts.values() for g in gs}
+        acks = push.acks or cluster.acks
 
-        async def again(grads: list[Any], tried: frozenset[str], moves: int) -> Any:
-            parts: dict[Any, list[Any]] = {}
-            for g in grads:
-                parts.setdefault(cluster.owner(g.name, tried), []).append(g)
-            folded = await asyncio.gather(*(fold(o, gs, tried, moves) for o, gs in parts.items()))
-            return merge_results(folded)
+        async def send(link: Any, names: list[str], fallback: bool) -> Any:
+            passed = thrift.GradientPush(
+                grads=[by_name[n] for n in names],
+                request_id=push.request_id,
+                timestamp=timestamp,
+                forwarded=True,
+                # (to a next replica, its primary out of reach: folded where it arrives)
+                epoch=None if fallback else cluster.epoch,
+                acks=acks,
+            )
+            try:
+                result = await self._forward_to(link, passed)
+            except ConnectError:
+                self.forward_failures += 1
+                raise
+            self.forwarded += 1
+            await self._arrival(result.versions)
+            return result
 
-        async def fold(
-            owner: Any, grads: list[Any], tried: frozenset[str] = frozenset(), moves: int = 0
-        ) -> Any:
-            if owner is not None:
-                forwarded = thrift.GradientPush(
-                    grads=grads,
-                    request_id=push.request_id,
-                    timestamp=timestamp,
-                    forwarded=True,
-                    # (to a next replica, its owner out of reach: folded where it arrives)
-                    epoch=None if tried else cluster.epoch,
-                    acks=push.acks or cluster.acks,
-                )
-                try:
-                    result = await self._forward_to(owner, forwarded)
-                except RequestError as exc:
-                    if exc.code != ErrorCode.MOVED:
-                        raise
-                    # Its primary changed, as the owner sees it: to the primaries
-                    # as this node sees them after a while.
-                    if moves >= len(FORWARD_RETRY_DELAYS):
-                        raise RequestError(
-                            ErrorCode.UNAVAILABLE,
-                            f"gradients of {len(grads)} parameters were not folded: the nodes "
-                            f"disagree on their primary ({exc.message}); push again",
-                        ) from None
-                    await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
-                    return await again(grads, tried, moves + 1)
-                except ParamSyncError as exc:
-                    self.forward_failures += 1
-                    log.warning(
-                        "gradients of %d parameters not passed on to %s (%s): to their next "
-                        "replicas",
-                        len(grads),
-                        owner.node_id or owner.address,
-                        exc,
-                    )
-                    # Each to its next live replica (the owner is down): here only when
-                    # this node is that replica, or none is up.
-                    tried = tried | {owner.node_id}
-                    if any(cluster.owner(g.name, tried) is not None for g in grads):
-                        return await again(grads, tried, moves)
-                else:
-                    self.forwarded += 1
-                    await self._arrival(result.versions)
-                    return result
+        async def here(names: list[str]) -> Any:
             if cluster.settling is not None:
                 await cluster.settling
-            applied = await self.store.submit(
-                decoded_parameters(grads, self.max_decoded_bytes), timestamp, gradients=True
-            )
-            if self._acks_all(push):
+            grads = decoded_parameters([by_name[n] for n in names], self.max_decoded_bytes)
+            applied = await self.store.submit(grads, timestamp, gradients=True)
+            if acks == "all":
                 await cluster.replicated([e.name for e in applied.entries])
             return update_result(applied)
 
+        async def fold(node: str | None, grads: list[Any]) -> Any:
+            names = [g.name for g in grads]
+            if node is None:
+                return await here(names)
+            done = await forward.pass_on(cluster, node, names, send, here, what="gradients")
+            return merge_results(done)
+
         results = await asyncio.gather(
-            *(fold(o, g) for o, g in parts.items()), return_exceptions=True
+            *(fold(node, g) for node, g in parts.items()), return_exceptions=True
         )
         versions: dict[str, int] = dict(before)
         for r in results:
@@ -504,7 +490,7 @@ class GradientPushes:
         A parameter just created here may not have reached its owner yet.
         """
         table = self.store.table
-        for delay in FORWARD_RETRY_DELAYS:
+        for delay in UNKNOWN_RETRY_DELAYS:
             try:
                 return await owner.forward(push)
             except RequestError as exc:

@@ -473,7 +473,9 @@ class ParameterService:
             # (one routed here by a caller, or passed on by a node, that sees
             # another owner is held here, where it was sent)
             if target is not None and request.epoch is None:
-                passed = asyncio.ensure_future(self.router.barrier(target, request))
+                passed = asyncio.ensure_future(
+                    self.router.barrier(target, request, lambda: self.waiting.barrier(request))
+                )
                 return _then(passed, lambda r: method.result(success=r))
         return _then(self.waiting.barrier(request), lambda r: method.result(success=r))
 

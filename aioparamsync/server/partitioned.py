@@ -22,9 +22,9 @@ import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..client.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..errors import ErrorCode, RequestError
 from ..placement import is_reserved, manifest_key, parse_key
+from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..store.table import Entry
 from ..values.partitions import Layout, elements_of, per_partition
 from ..wire import METHODS, thrift

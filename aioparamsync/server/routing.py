@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..client.routing import merge_responses, merge_results, read_part
-from ..errors import ConnectError, ConnectionLostError, ErrorCode, RequestError
+from ..errors import Moved, RequestError
 from ..placement import LIVE, Placement, barrier_key
+from ..routing.merge import merge_responses, merge_results, read_part
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
+from . import forward
 
 __all__ = ["Routed", "Router", "moved"]
 
@@ -78,11 +79,10 @@ def moved(
     names: Sequence[str],
     what: str = "does not hold",
     then: str = "ask a node for the topology",
-) -> RequestError:
+) -> Moved:
     """The ``MOVED`` error for ``names`` (what this node does not do for them), with its epoch."""
     shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    return RequestError(
-        ErrorCode.MOVED,
+    return Moved(
         f"node {cluster.me.node_id} {what} {shown} at epoch {cluster.epoch}: {then}",
         epoch=cluster.epoch,
     )
@@ -140,28 +140,10 @@ class Router:
         cluster = self.cluster
         if cluster is None or not cluster.links:
             return None
-        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
-        serving = cluster.state in LIVE
-        if serving and placement.everywhere and me in placement.members:
+        me, placement = cluster.me.node_id, cluster.placement
+        if cluster.state in LIVE and placement.everywhere and me in placement.members:
             return None
-        parts: dict[str | None, list[str]] = {}
-        for name in names:
-            target = None
-            if not (serving and placement.holds(me, name)):
-                target = placement.primary(name, live)
-                if target is None and write:
-                    # Every replica is down (not failed yet): a copy made here
-                    # would start the key anew, and could lose to the old one
-                    # by last-writer-wins when its holders come back.
-                    down = ", ".join(placement.replicas(name))
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"no replica of {name!r} is up ({down}); nothing of the update was "
-                        "applied: try again when one is, or after the failure timeout",
-                    )
-                if target == me:
-                    target = None
-            parts.setdefault(target, []).append(name)
+        parts = forward.cut(cluster, names, what="the update", held_here=True, refuse=write)
         return None if not parts or list(parts) == [None] else parts
 
     def owner(self, key: str) -> str | None:
@@ -169,7 +151,7 @@ class Router:
         cluster = self.cluster
         if cluster is None or not cluster.links:
             return None
-        target = cluster.placement.primary(key, cluster.live)
+        target = forward.holder(cluster, key)
         return None if target == cluster.me.node_id else target
 
     # -- passing on ---------------------------------------------------------------
@@ -180,66 +162,26 @@ class Router:
         names: list[str],
         m: Method,
         make: Callable[[list[str]], dict[str, Any]],
-        tried: frozenset[str] = frozenset(),
+        here: Callable[[list[str]], Awaitable[Any]],
     ) -> list[Any]:
         """Call ``m`` (its arguments ``make(names)``) at ``target``; answer the results.
 
-        The names a node does not take (it answers MOVED, or cannot be
-        reached) go on to their next live replicas, each group of names to
-        one node (names with one primary need not share their other replicas).
-
-        Raises:
-            RequestError: the node refused the call; UNAVAILABLE when no
-                replica of a name could take it.
-                It is UNAVAILABLE too when the connection to the node broke with
-                the call in flight (it may have been applied there).
+        By the one forward policy (:func:`.forward.pass_on`): names a node
+        does not take go on to their holders as this node sees them
+        (``here(names)``, those this node holds by then).
         """
         cluster = self.cluster
         assert cluster is not None
-        link = cluster.by_id.get(target)
-        last: Exception | None = None
-        if link is not None:
-            args = make(names)
-            try:
-                result = await link.proxy().invoke(m, timeout=_deadline(m, args), **args)
-            except RequestError as exc:
-                if exc.code != ErrorCode.MOVED:
-                    raise
-                last = exc
-            except ConnectError as exc:
-                last = exc
-            except ConnectionLostError as exc:
-                # (it may have been applied there: not sent again, answered typed)
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"the call passed on to {link.name} broke in flight ({exc}): it may or may "
-                    "not have been applied there; try again",
-                    cluster.epoch,
-                ) from exc
-            else:
-                self.passed_on += 1
-                return [result]
-        tried = tried | {target, cluster.me.node_id}
-        groups: dict[str, list[str]] = {}
-        for name in names:
-            nxt = next(
-                (
-                    r
-                    for r in cluster.placement.replicas(name)
-                    if r in cluster.live and r not in tried
-                ),
-                None,
-            )
-            if nxt is None:
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"no replica of {name!r} took the call ({last}); try again",
-                ) from last
-            groups.setdefault(nxt, []).append(name)
-        answers = await asyncio.gather(
-            *(self.pass_on(t, ns, m, make, tried) for t, ns in groups.items())
+
+        async def send(link: Any, chosen: list[str], fallback: bool) -> Any:
+            args = make(chosen)
+            result = await link.proxy().invoke(m, timeout=_deadline(m, args), **args)
+            self.passed_on += 1
+            return result
+
+        return await forward.pass_on(
+            cluster, target, names, send, here, what=m.name, idempotent=not m.writes
         )
-        return [a for answer in answers for a in answer]
 
     # -- requests cut by node, answers merged --------------------------------------
 
@@ -254,17 +196,20 @@ class Router:
         cluster = self.cluster
         assert cluster is not None
 
+        async def here(names: list[str]) -> Any:
+            outcome = local(read_part(request, names))
+            return await outcome if isinstance(outcome, asyncio.Future) else outcome
+
         async def part(target: str | None, names: list[str]) -> Any:
-            sub = read_part(request, names)
             if target is None:
-                outcome = local(sub)
-                return await outcome if isinstance(outcome, asyncio.Future) else outcome
+                return await here(names)
+            sub = read_part(request, names)
             sub.epoch = cluster.epoch
 
             def make(chosen: list[str]) -> dict[str, Any]:
                 return {"request": sub if chosen == names else read_part(sub, chosen)}
 
-            return merge_responses(await self.pass_on(target, names, m, make))
+            return merge_responses(await self.pass_on(target, names, m, make, here))
 
         answers = await asyncio.gather(*(part(t, ns) for t, ns in parts.items()))
         return merge_responses(answers)
@@ -328,7 +273,12 @@ class Router:
                 )
                 return {"update": sub}
 
-            return merge_results(await self.pass_on(target, names, METHODS.push_parameters, make))
+            return merge_results(
+                await self.pass_on(target, names, METHODS.push_parameters, make, mine_here)
+            )
+
+        async def mine_here(names: list[str]) -> Any:
+            return await part(None, names)
 
         answers = await asyncio.gather(
             *(part(t, ns) for t, ns in parts.items()), return_exceptions=True
@@ -338,7 +288,7 @@ class Router:
             done = sum(1 for a in answers if not isinstance(a, BaseException))
             first = errors[0]
             if done and isinstance(first, RequestError):
-                raise RequestError(
+                raise RequestError.of(
                     first.code,
                     f"{first.message} (the update spans {len(answers)} replica sets: "
                     f"{done} of them applied their part)",
@@ -347,12 +297,19 @@ class Router:
             raise first
         return merge_results(answers)
 
-    async def barrier(self, target: str, request: Any) -> Any:
-        """A barrier held by another node (the primary of its group's key)."""
+    async def barrier(self, target: str, request: Any, here: Callable[[], Awaitable[Any]]) -> Any:
+        """A barrier held by another node (the primary of its group's key); ``here()``
+        holds it on this node, if this node becomes its holder."""
         cluster = self.cluster
         assert cluster is not None
         sub = copy.copy(request)
         sub.epoch = cluster.epoch
         key = barrier_key(request.group)
-        [result] = await self.pass_on(target, [key], METHODS.barrier, lambda _: {"request": sub})
+
+        async def held_here(_: list[str]) -> Any:
+            return await here()
+
+        [result] = await self.pass_on(
+            target, [key], METHODS.barrier, lambda _: {"request": sub}, held_here
+        )
         return result

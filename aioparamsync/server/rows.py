@@ -13,14 +13,15 @@ parameter's name: its replicas hold its rows, its primary folds them.
   the buckets' holders for their rows and puts the answer together.
 - A push is checked whole first (the table, the ids, every gradient finite),
   then cut by bucket primary: this node's part is folded here, each other
-  part is passed on to its primary (``forwarded``, with this node's epoch: a
-  node that is not the primary at that epoch answers MOVED and the part is
-  cut again, after a pause, as the primaries are then seen; one that cannot
-  be reached has its part folded by the next replica). A push folds each
+  part is passed on to its primary (``forwarded``, with this node's epoch),
+  by the one forward policy of every key (:mod:`.forward`). A push folds each
   bucket once per request id (see :class:`~aioparamsync.store.rows.RowLedger`).
-- The rows a fold changed go to the bucket's other live replicas
-  (``replicate_rows``), which keep a row unless they hold it at the same or
-  a newer version; with ``acks=all`` the push is answered once they have.
+- The rows a fold changed go to the bucket's other replicas as a parameter's
+  update does: offered to the links' outboxes (a link's
+  :mod:`~aioparamsync.cluster.rowbox`), sent on the replication lane
+  (``replicate_rows``), kept for the next connection when a send fails, and
+  confirmed by the links' pings with ``acks=all``. A replica keeps a row
+  unless it holds it at the same or a newer version.
 - After a change of topology (:class:`~.bucketmoves.BucketMoves`) a node
   pulls the whole of each bucket it has become a replica of from the other
   replicas (``bucket_rows``), and hands each bucket it is no replica of any
@@ -41,15 +42,23 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import bucket_key
+from ..placement import LIVE, bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
+from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
-from .gradients import FORWARD_RETRY_DELAYS  # (pauses before a part MOVED is cut again)
 from .routing import moved
 
 __all__ = ["RowService"]
+
+
+def _bucket_shown(key: str) -> str:
+    """A bucket's key (see :func:`~aioparamsync.placement.bucket_key`) as errors show it:
+    ``bucket 3 of table 'emb'``."""
+    _, _, table, bucket = key.split("\x00", 3)
+    return f"bucket {bucket} of table {table!r}"
+
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +76,6 @@ class RowService:
         self.tables = tables if tables is not None else RowTables()
         self.passed_on = 0  # parts of row calls passed on to other nodes
         self.replication_failures = 0
-        self._background: set[asyncio.Future[Any]] = set()
         #: the buckets pulled and handed off after a change of topology
         self.moves = BucketMoves(self)
         #: called with the deltas a fold or merge made, before it is answered
@@ -173,59 +181,39 @@ class RowService:
             self._check_held(table, ids, "does not hold")
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
-        me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in ("up", "leaving")
-        parts: dict[tuple[str, ...] | None, list[np.ndarray]] = {}
+        positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            if serving and placement.holds(me, key):
-                holders = None
-            else:
-                # its live replicas, the primary first: each asked in turn
-                holders = tuple(r for r in placement.replicas(key) if r in live and r != me)
-                if not holders:
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"no replica of bucket {bucket} of table {table.spec.name!r} is up",
-                    )
-            parts.setdefault(holders, []).append(positions)
+            positions_of[bucket_key(table.spec.name, bucket)] = positions
+        parts = forward.cut(
+            cluster, positions_of, what="the pull", held_here=True, shown=_bucket_shown
+        )
         out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
 
-        async def part(holders: tuple[str, ...] | None, positions: np.ndarray) -> None:
-            if holders is None:
-                out[positions] = table.pull(ids[positions])
-                return
+        def where(keys: list[str]) -> np.ndarray:
+            return np.concatenate([positions_of[k] for k in keys])
+
+        async def here(keys: list[str]) -> None:
+            positions = where(keys)
+            out[positions] = table.pull(ids[positions])
+
+        async def send(link: Any, keys: list[str], fallback: bool) -> None:
+            positions = where(keys)
             # (raw, and with this node's epoch: the holder answers what it holds, or MOVED)
             sub = thrift.RowsRequest(
                 table=table.spec.name, ids=encode_ids(ids[positions]), epoch=cluster.epoch
             )
-            last: Exception | None = None
-            for holder in holders:
-                link = cluster.by_id.get(holder)
-                if link is None:
-                    continue
-                try:
-                    answer = await link.proxy().invoke(
-                        METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub
-                    )
-                except RequestError as exc:
-                    if exc.code != ErrorCode.MOVED:
-                        raise
-                    last = exc
-                    continue
-                except ParamSyncError as exc:
-                    last = exc
-                    continue
-                self.passed_on += 1
-                out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
-                return
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"no holder of those rows of table {table.spec.name!r} answered ({last}); "
-                "try again",
-            )
+            answer = await link.proxy().invoke(METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub)
+            self.passed_on += 1
+            out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
 
-        await asyncio.gather(*(part(h, np.concatenate(ps)) for h, ps in parts.items()))
+        async def part(node: str | None, keys: list[str]) -> None:
+            if node is None:
+                await here(keys)
+            else:
+                what = f"a pull of rows of table {table.spec.name!r}"
+                await forward.pass_on(cluster, node, keys, send, here, what=what, idempotent=True)
+
+        await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
         return method.result(success=encode_rows(out, request.encoding))
 
     def _check_held(
@@ -237,7 +225,7 @@ class RowService:
         if cluster is None or not cluster.links:
             return
         me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in ("up", "leaving")
+        serving = cluster.state in LIVE
         missing = []
         for bucket, _ in table.by_bucket(ids):
             key = bucket_key(table.spec.name, bucket)
@@ -299,132 +287,91 @@ class RowService:
         changed, created = table.fold(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
-        if self.log is not None or self._peers():  # (the changed rows copied only to go out)
-            deltas = {b: table.delta(b, c, self._me) for b, c in changed.items()}
-            if self.log is not None:
-                await self.log(list(deltas.values()))
-            await self._replicate(table, deltas, push.acks)
+        if self.log is not None:  # (the changed rows copied only to go out)
+            await self.log([table.delta(b, c, self._me) for b, c in changed.items()])
+        await self._replicate(table, changed, push.acks)
         return sum(folded.values()), created
 
     async def _fold_by_primary(
-        self,
-        table: RowTable,
-        ids: np.ndarray,
-        grads: np.ndarray,
-        push: Any,
-        moves: int = 0,
-        tried: frozenset[str] = frozenset(),
+        self, table: RowTable, ids: np.ndarray, grads: np.ndarray, push: Any
     ) -> tuple[int, int]:
+        """Fold each bucket's rows at its primary, by the one forward policy (:mod:`.forward`)."""
         cluster = self.cluster
-        me = self._me
-        parts: dict[str | None, list[np.ndarray]] = {}
+        positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            target = next(
-                (
-                    r
-                    for r in cluster.placement.replicas(key)
-                    if r in cluster.live and r not in tried
-                ),
-                None,
-            )
-            if target is None:
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"no replica of bucket {bucket} of table {table.spec.name!r} is up; "
-                    "nothing of that part was folded: push again",
-                )
-            parts.setdefault(None if target == me else target, []).append(positions)
+            positions_of[bucket_key(table.spec.name, bucket)] = positions
+        parts = forward.cut(cluster, positions_of, what="the push", shown=_bucket_shown)
 
-        async def part(target: str | None, positions: np.ndarray) -> tuple[int, int]:
-            sub_ids, sub_grads = ids[positions], grads[positions]
-            if target is None:
-                return await self._fold_here(table, sub_ids, sub_grads, push)
+        def where(keys: list[str]) -> np.ndarray:
+            return np.concatenate([positions_of[k] for k in keys])
+
+        async def here(keys: list[str]) -> tuple[int, int]:
+            positions = where(keys)
+            return await self._fold_here(table, ids[positions], grads[positions], push)
+
+        async def send(link: Any, keys: list[str], fallback: bool) -> tuple[int, int]:
+            positions = where(keys)
             sub = thrift.RowPush(
                 table=table.spec.name,
-                ids=encode_ids(sub_ids),
-                grads=encode_rows(sub_grads),
+                ids=encode_ids(ids[positions]),
+                grads=encode_rows(grads[positions]),
                 request_id=push.request_id,
                 # (to a next replica, its primary out of reach: folded where it arrives)
-                epoch=None if tried else cluster.epoch,
+                epoch=None if fallback else cluster.epoch,
                 acks=push.acks or cluster.acks,
                 forwarded=True,
             )
-            try:
-                link = cluster.by_id[target]
-                result = await link.proxy().invoke(
-                    METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
-                )
-            except RequestError as exc:
-                if exc.code != ErrorCode.MOVED:
-                    raise
-                if moves >= len(FORWARD_RETRY_DELAYS):
-                    raise RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        f"rows of table {table.spec.name!r} were not folded: the nodes disagree "
-                        f"on their primary ({exc.message}); push again",
-                    ) from None
-                await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
-                return await self._fold_by_primary(
-                    table, sub_ids, sub_grads, push, moves + 1, tried
-                )
-            except (ParamSyncError, KeyError) as exc:
-                log.warning(
-                    "rows of table %r not passed on to %s (%s): to the next replica",
-                    table.spec.name,
-                    target,
-                    exc,
-                )
-                return await self._fold_by_primary(
-                    table, sub_ids, sub_grads, push, moves, tried | {target}
-                )
+            result = await link.proxy().invoke(
+                METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
+            )
             self.passed_on += 1
             return result.rows, result.created
 
-        results = await asyncio.gather(*(part(t, np.concatenate(ps)) for t, ps in parts.items()))
-        return sum(r for r, _ in results), sum(c for _, c in results)
+        async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:
+            if node is None:
+                return [await here(keys)]
+            what = f"rows of table {table.spec.name!r}"
+            return await forward.pass_on(cluster, node, keys, send, here, what=what)
+
+        results = await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
+        done = [r for rs in results for r in rs]
+        return sum(r for r, _ in done), sum(c for _, c in done)
 
     # -- replication ------------------------------------------------------------------
 
-    async def _replicate(self, table: RowTable, deltas: dict[int, Any], acks: str | None) -> None:
-        """Send each bucket's delta to its other live replicas; with acks=all, wait for them."""
+    async def _replicate(
+        self, table: RowTable, changed: dict[int, np.ndarray], acks: str | None
+    ) -> None:
+        """Offer each bucket's changed rows to the links of its other replicas (and of those
+        to come, while members join or leave), as a parameter's update is offered; with
+        acks=all, wait until they confirm them (:meth:`Cluster.replicated`)."""
         cluster = self.cluster
-        if cluster is None or not cluster.links or not deltas:
+        if cluster is None or not cluster.links or not changed:
             return
         me, pending = self._me, cluster.pending
-        by_replica: dict[str, list[Any]] = {}
-        for bucket, delta in deltas.items():
+        keys = []
+        for bucket, ids in changed.items():
             key = bucket_key(table.spec.name, bucket)
+            keys.append(key)
             targets = set(cluster.placement.replicas(key))
-            if pending is not None:  # (members joining or leaving: the holders to come too)
+            if pending is not None:
                 targets.update(pending.replicas(key))
             for replica in targets:
-                if replica != me and replica in cluster.by_id:
-                    by_replica.setdefault(replica, []).append(delta)
-        if not by_replica:
-            return
-        # (one message a replica, whatever the buckets)
-        calls = [(r, self._send_deltas(r, ds)) for r, ds in by_replica.items()]
+                if replica != me and (link := cluster.by_id.get(replica)) is not None:
+                    link.offer_rows(table, bucket, ids)
         if (acks or cluster.acks) == "all":
-            sent = await asyncio.gather(*(call for _, call in calls))
-            late = {
-                r for (r, _), ok in zip(calls, sent, strict=True) if not ok and r in cluster.live
-            }
-            if late:
+            try:
+                await cluster.replicated(keys)
+            except RequestError as exc:
                 raise RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    f"rows of table {table.spec.name!r} folded by {me}, but replicas "
-                    f"{', '.join(sorted(late))} did not take them (acks=all)",
-                )
-            return
-        task = asyncio.gather(*(call for _, call in calls))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                    exc.code, f"rows of table {table.spec.name!r}: {exc.message}", exc.epoch
+                ) from None
 
-    async def _send_deltas(self, replica: str, deltas: list[Any]) -> bool:
+    async def send_deltas(self, replica: str, deltas: list[Any]) -> bool:
+        """Send ``deltas`` to ``replica`` now, on the replication lane; whether it took them."""
         try:
             link = self.cluster.by_id[replica]
-            await link.proxy().invoke(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
+            await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
         except (ParamSyncError, KeyError) as exc:
             self.replication_failures += 1
@@ -478,9 +425,3 @@ class RowService:
         block = table.blocks.get(bucket)
         delta.total = len(block) if block is not None else 0
         return method.result(success=delta)
-
-    async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        if self._background:
-            await asyncio.wait(self._background)

@@ -70,6 +70,11 @@ class TableSpec:
     row_ttl: float  # seconds; 0: never
     wire: Any  # the IDL's Table, every default filled in
 
+    @property
+    def row_bytes(self) -> int:
+        """What one row takes in a message: its values, its rule's state, its id and version."""
+        return self.dim * (self.dtype.itemsize + 8 * len(self.rows.rule.state_names)) + 16
+
     def same(self, other: TableSpec) -> bool:
         """Whether ``other`` describes the same table (creating it again is no change)."""
         return self.rows == other.rows and (self.buckets, self.row_ttl) == (

@@ -251,6 +251,11 @@ class Receiver:
         return f"<Receiver {mode}, {pending} bytes of an incomplete message>"
 
     @property
+    def receiving_large(self) -> bool:
+        """Whether a large frame (over ``LARGE_FRAME_BYTES``) is arriving now."""
+        return self._large is not None
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes received that are not yet part of a complete message."""
         return self._end - self._start + self._large_filled + len(self._stream)

@@ -50,7 +50,7 @@ def readable_error(exc: RequestError) -> RequestError:
     message = readable(exc.message)
     if message == exc.message:
         return exc
-    return RequestError(exc.code, message, exc.epoch)
+    return RequestError.of(exc.code, message, exc.epoch)
 
 
 def manifests_of(params: Sequence[Any]) -> dict[str, Layout]:

@@ -1,0 +1,188 @@
+"""Gradients from the client: :meth:`GradientClient.push_gradients`, raw or compressed.
+
+A part of :class:`~aioparamsync.client.api.ParameterClient` (it is one of its
+bases, as :class:`~.rows.TableClient` is): gradients are encoded here (an
+encoding, with error feedback for the lossy ones, or chosen by measurement
+with ``encoding="auto"``: see :mod:`.auto`), pushed with a request id, and
+folded on the node by each parameter's rule.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any
+
+from ..errors import RequestError
+from ..values.arrays import to_parameter
+from ..wire import METHODS, Method, thrift
+
+__all__ = ["GradientClient"]
+
+
+class GradientClient:
+    """Pushing gradients (see the module); what the client provides is declared below."""
+
+    if TYPE_CHECKING:
+        _auto: Any
+        _feedback: Any
+        _last_push: tuple[str, list[Any]] | None
+        _rules: dict[str, Any]
+
+        async def invoke(
+            self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
+        ) -> Any: ...
+
+    def _auto_of(self) -> Any:
+        if self._auto is None:
+            from .auto import Auto
+
+            self._auto = Auto()
+        return self._auto
+
+    async def push_gradients(
+        self,
+        grads: Mapping[str, Any],
+        *,
+        encoding: str | None = None,
+        ratio: float = 0.01,
+        error_feedback: bool = True,
+        max_residual: float | None = None,
+        warmup: int = 0,
+        target: float = 0.2,
+        request_id: str | None = None,
+        timestamp: int | None = None,
+        acks: str | None = None,
+        timeout: float | EllipsisType | None = ...,
+    ) -> dict[str, int]:
+        """Fold gradients into their parameters on the node, by each parameter's rule.
+
+        The parameters must exist with a rule (see :meth:`update_parameters`).
+        All gradients of one push are applied together, or none. The push
+        carries a request id (a new one by default): sent again with the same
+        id, it is applied once, and a broken connection is retried so. (In a
+        cluster a push is folded in parts, one at each parameter's owner; if
+        one part is refused after others were folded, sending the push again
+        under its id folds the rest, each part once: see the README.)
+
+        Args:
+            grads: name -> gradient array (the parameter's shape).
+            encoding: compress them: ``"fp16"``, ``"bf16"``, ``"int8"``,
+                ``"topk"`` (the largest by magnitude) or ``"zlib"``.
+            ratio: the least share of elements ``"topk"`` sends. With error
+                feedback it sends more when that would hold back more than
+                the rule's bound (see ``max_residual``), and raw when top-k
+                would be larger than the array.
+            error_feedback: with a lossy encoding, keep what compression left
+                out of each gradient and add it to the next one (so nothing
+                is lost over time; see :class:`~aioparamsync.values.feedback.ErrorFeedback`).
+            max_residual: top-k with error feedback: the share of what there
+                was to send (by norm) that a push may hold back. Default: by
+                the parameter's rule, as this client last read or set it
+                (0.5 for ``sum`` and ``sgd`` without momentum, ``0.5 * (1 -
+                momentum)`` with it, ``0.5 * (1 - beta1)`` for ``adam``; that
+                of momentum 0.9 for a rule not seen), lowered while what there
+                is to send grows. 1.0: exactly ``ratio`` (unbounded: at a
+                step size that converges uncompressed, training may diverge).
+            warmup: top-k: for each parameter's first ``warmup`` pushes, the
+                least share falls from 25% to ``ratio`` (sparsity warm-up).
+            target: ``encoding="auto"``: the share of a step communication
+                may take. Each push then picks, from what this client has
+                measured (the link's round trip and throughput over its
+                pushes and reads, the time it takes to encode, the worker's
+                compute time between pushes), the least lossy of none, bf16,
+                int8, top-k 10% and 1% that keeps under it, or the fastest
+                when none does; ``stats()["auto"]`` shows the figures and the
+                choice. Error feedback is always on with "auto".
+            request_id: the push's id (default: a new UUID). With error
+                feedback, the last push sent under your id is sent again as
+                it was when you push under that id again (a retry after a
+                timeout), so that its gradients count once.
+            timestamp: the push's timestamp (default: now, in milliseconds).
+            acks: as in :meth:`update_parameters`.
+            timeout: this call's deadline (seconds; default: the client's).
+
+        Returns:
+            The version each parameter now has.
+
+        Raises:
+            RequestError: the node refused the push (nothing was applied):
+                e.g. UNKNOWN_PARAMETER, or a parameter without a rule, or a
+                gradient of another shape (SHAPE_MISMATCH).
+        """
+        if not isinstance(grads, Mapping):
+            raise TypeError("grads must be a mapping of name -> array")
+        if acks is not None and acks not in ("1", "all"):
+            raise ValueError(f'acks is "1" or "all", not {acks!r}')
+        feedback, kept = None, {}
+        last = self._last_push
+        auto = None
+        if encoding == "auto":
+            auto = self._auto_of()
+            encoding, ratio, max_residual = auto.push_choice(grads, target)
+            error_feedback = True
+        try:
+            if request_id is not None and last is not None and last[0] == request_id:
+                # Sent again (a retry): what went the first time. Error feedback
+                # counted it once; encoding it anew would count it twice.
+                params = last[1]
+            elif encoding is None:
+                params = [to_parameter(name, g) for name, g in grads.items()]
+            else:
+                from ..values import compression
+
+                if encoding in compression.LOSSY and error_feedback:
+                    if self._feedback is None:
+                        from ..values.feedback import ErrorFeedback
+
+                        self._feedback = ErrorFeedback()
+                    feedback = self._feedback
+                    kept = feedback.kept(grads)
+                    rules = self._rules
+                    params = []
+                    for name, g in grads.items():
+                        began = time.perf_counter()
+                        params.append(
+                            feedback.encode(
+                                name,
+                                g,
+                                encoding,
+                                ratio=ratio,
+                                rule=rules.get(name),
+                                max_residual=max_residual,
+                                warmup=warmup,
+                            )
+                        )
+                        if auto is not None:
+                            auto.observe_encode(name, g, params[-1], time.perf_counter() - began)
+                else:
+                    params = [
+                        compression.encode(name, g, encoding, ratio=ratio)
+                        for name, g in grads.items()
+                    ]
+                if feedback is not None and request_id is not None:
+                    self._last_push = (request_id, params)
+            push = thrift.GradientPush(
+                grads=params,
+                request_id=request_id or uuid.uuid4().hex,
+                timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
+                acks=acks,
+            )
+            began = time.monotonic()
+            result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
+            if self._auto is not None and self._auto.push is not None:
+                self._auto.observe_push(params, time.monotonic() - began)
+        except (RequestError, TypeError, ValueError):
+            # Not applied (refused by the node, or never sent): error feedback
+            # keeps the residuals it had, so what this push would have sent is
+            # neither lost nor sent twice by the next. (After a timeout or a
+            # broken connection the push may have been applied: then the
+            # residuals stay as sent; a retry under the same request_id is
+            # applied once.)
+            if feedback is not None:
+                feedback.restore(kept)
+                self._last_push = None  # (to be encoded again, from the old residuals)
+            raise
+        return dict(result.versions)

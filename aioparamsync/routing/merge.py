@@ -1,0 +1,36 @@
+"""A read cut into parts, and the parts' answers merged into one."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from ..wire import thrift
+
+__all__ = ["merge_responses", "merge_results", "read_part"]
+
+
+def read_part(request: Any, names: list[str]) -> Any:
+    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too)."""
+    sub = copy.copy(request)
+    sub.param_names = names
+    if request.known_versions:
+        sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
+    if request.known_origins:
+        sub.known_origins = {n: o for n, o in request.known_origins.items() if n in names}
+    return sub
+
+
+def merge_responses(answers: Sequence[Any]) -> Any:
+    """One ``ParameterResponse`` of the parts' (their parameters, the largest timestamp)."""
+    params = [p for a in answers for p in a.params]
+    return thrift.ParameterResponse(params=params, timestamp=max(a.timestamp for a in answers))
+
+
+def merge_results(answers: Sequence[Any]) -> Any:
+    """One ``UpdateResult`` of the parts' (every version, the largest timestamp)."""
+    versions: dict[str, int] = {}
+    for a in answers:
+        versions.update(a.versions)
+    return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))

@@ -1,0 +1,222 @@
+"""Passing part of a call on to the node that holds its keys: the one forward policy.
+
+Theory of operation. A node serves what it holds and passes the rest of a
+call on: an update's or a read's names, a gradient push's parts, an
+embedding table's row buckets, a barrier's group. Each kind of key goes by
+the same rules, written here once (:func:`pass_on`); the caller says only how
+to send a part to a node (``send``) and how to serve it here (``here``).
+
+* The holder of a key is its first live replica in this node's view that
+  was not tried yet (:func:`holder`): the primary, unless it could not be
+  reached. Keys are grouped by holder (:func:`by_holder`), one part a node.
+* ``Moved`` (the node does not hold the keys, or is not their primary, at
+  its epoch; nothing was done there): views differ for a moment while a
+  member joins or leaves, so the part goes again, after a short wait
+  (``FORWARD_RETRY_DELAYS``), to the holders as this node sees them by then;
+  after the last wait it fails ``UNAVAILABLE`` (nothing applied).
+* The node cannot be reached (``ConnectError``: nothing was sent): the part
+  goes to each key's next live replica; this node serves it when it is that
+  replica. A key none of whose replicas is left fails ``UNAVAILABLE``
+  (nothing applied): a part is never sent to, nor applied at, a node that
+  does not hold its key, where it would start the key anew.
+* The call broke in flight or timed out (``ConnectionLostError``,
+  ``CallTimeout``): the outcome there is unknown, so a write is not sent
+  elsewhere (it could apply twice); it fails ``UNAVAILABLE``, saying it may
+  have been applied (a push sent again with its request id folds once). A
+  read (``idempotent``) goes on to the next replica, as if not reached.
+* Any other refusal is the caller's answer, as it is.
+
+A part sent to a node that is not the keys' primary in this node's view
+(their primary could not be reached) is sent as a fallback (``send``'s third
+argument): the caller sends it without an epoch, to be applied where it
+arrives, which holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+from ..errors import (
+    CallTimeout,
+    ConnectError,
+    ConnectionLostError,
+    ErrorCode,
+    Moved,
+    RequestError,
+)
+from ..placement import LIVE, Placement
+
+__all__ = ["FORWARD_RETRY_DELAYS", "Holders", "by_holder", "cut", "holder", "pass_on"]
+
+# Waits before a part answered Moved goes again to its holders as this node
+# sees them then (seconds): views differ for a moment while members change.
+FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
+
+T = TypeVar("T")
+
+
+class Holders(Protocol):
+    """What the forward policy reads of the cluster."""
+
+    me: Any
+    epoch: int
+    state: str
+    placement: Placement
+    live: frozenset[str]
+    by_id: Mapping[str, Any]
+
+
+def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> str | None:
+    """The node ``key``'s part goes to: its first live replica not in ``tried`` (None: none)."""
+    live = cluster.live - tried if tried else cluster.live
+    return cluster.placement.primary(key, live)
+
+
+def by_holder(
+    cluster: Holders, keys: Iterable[str], tried: frozenset[str] = frozenset()
+) -> dict[str | None, list[str]]:
+    """``keys`` grouped by :func:`holder` (None: keys none of whose replicas is left)."""
+    groups: dict[str | None, list[str]] = {}
+    for key in keys:
+        groups.setdefault(holder(cluster, key, tried), []).append(key)
+    return groups
+
+
+def cut(
+    cluster: Holders,
+    keys: Iterable[str],
+    *,
+    what: str,
+    held_here: bool = False,
+    refuse: bool = True,
+    shown: Callable[[str], str] = repr,
+) -> dict[str | None, list[str]]:
+    """``keys`` by the node each is served at (None: this node): the one cut.
+
+    Each key goes to its :func:`holder`; with ``held_here``, a key this node
+    holds (a replica, serving) is served here (a read, or a write that any
+    replica applies).
+
+    Args:
+        what: the call, as the error names it ("the push", "the update").
+        refuse: a key none of whose replicas is up is refused (else served
+            here: a read answers what this node has of it).
+        shown: how the error names a key.
+
+    Raises:
+        RequestError: (UNAVAILABLE) with ``refuse``, a key none of whose replicas
+            is up (not failed yet): nothing is applied, for a copy made here
+            would start the key anew, and could lose to the old one by
+            last-writer-wins when its replicas come back.
+    """
+    me, placement = cluster.me.node_id, cluster.placement
+    serving = held_here and cluster.state in LIVE
+    groups: dict[str | None, list[str]] = {}
+    for key in keys:
+        node = None if serving and placement.holds(me, key) else holder(cluster, key)
+        if node is None and refuse and not (serving and placement.holds(me, key)):
+            down = ", ".join(placement.replicas(key))
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"no replica of {shown(key)} is up ({down}); nothing of {what} was applied: "
+                "try again when one is, or after the failure timeout",
+                cluster.epoch,
+            )
+        groups.setdefault(None if node == me else node, []).append(key)
+    return groups
+
+
+def _shown(keys: Sequence[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+async def pass_on(
+    cluster: Holders,
+    target: str,
+    keys: list[str],
+    send: Callable[[Any, list[str], bool], Awaitable[T]],
+    here: Callable[[list[str]], Awaitable[T]],
+    *,
+    what: str,
+    idempotent: bool = False,
+    tried: frozenset[str] = frozenset(),
+    moves: int = 0,
+) -> list[T]:
+    """Send ``keys``' part to ``target`` by the policy (see the module); answer every result.
+
+    Args:
+        send: ``send(link, keys, fallback)`` calls the node of ``link`` for
+            ``keys`` (``fallback``: it is not their primary in this view).
+        here: serves ``keys`` on this node (it holds them: it is their holder).
+        what: the call, as errors name it ("gradients", "an update", ...).
+        idempotent: the call may be sent again elsewhere when its outcome is
+            unknown (a read).
+
+    Raises:
+        RequestError: UNAVAILABLE when a key's part could be applied nowhere
+            (or may have been, see the module); a node's refusal as it is.
+    """
+    link = cluster.by_id.get(target)
+    try:
+        if link is None:
+            raise ConnectError(f"node {target} is not linked")
+        return [await send(link, keys, bool(tried))]
+    except Moved as exc:
+        if moves >= len(FORWARD_RETRY_DELAYS):
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"{what} of {_shown(keys)} not applied: the nodes disagree on where they are "
+                f"held ({exc.message}); try again",
+                cluster.epoch,
+            ) from None
+        await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
+        moves += 1
+        last: Exception = exc
+    except ConnectError as exc:
+        tried = tried | {target}
+        last = exc
+    except (ConnectionLostError, CallTimeout) as exc:
+        if not idempotent:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"{what} passed on to {link.name if link else target} ended without an answer "
+                f"({exc}): it may or may not have been applied there; try again",
+                cluster.epoch,
+            ) from exc
+        tried = tried | {target}
+        last = exc
+    groups = by_holder(cluster, keys, tried)
+    lost = groups.pop(None, None)
+    if lost:
+        raise RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"{what} of {_shown(lost)} not applied: no replica of them could take it "
+            f"({last}); try again",
+            cluster.epoch,
+        ) from last
+    me = cluster.me.node_id
+    answers = await asyncio.gather(
+        *(
+            _here(here, ks)
+            if node == me
+            else pass_on(
+                cluster,
+                node,  # type: ignore[arg-type]
+                ks,
+                send,
+                here,
+                what=what,
+                idempotent=idempotent,
+                tried=tried,
+                moves=moves,
+            )
+            for node, ks in groups.items()
+        )
+    )
+    return [a for answer in answers for a in answer]
+
+
+async def _here(here: Callable[[list[str]], Awaitable[T]], keys: list[str]) -> list[T]:
+    return [await here(keys)]
