@@ -4,9 +4,10 @@ What is compiled (with Cython, into C extensions):
 
 * ``aioparamsync/wire/_cbinary.pyx``: the binary protocol's struct reader and
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
-* the modules of the per-call path in ``COMPILED_MODULES``, compiled from
-  their Python source as they are: the same code, without the interpreter's
-  dispatch. An extension module is imported in place of the ``.py`` beside it.
+* the modules in ``COMPILED_MODULES``, compiled from their Python source as
+  they are: the same code, without the interpreter's dispatch (an extension
+  module is imported in place of the ``.py`` beside it). None today: measured,
+  none gained enough to pay for its compile (the figures are beside the list).
 
 Out of tree: nothing is ever written beside the sources. Each module is
 compiled in a temporary directory, several at a time, and the extension is kept
@@ -50,26 +51,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-# Compiled from their Python source, as they are (Cython's "pure Python" mode): the
-# modules of the per-call path. (A compiled coroutine function is one to
-# inspect.iscoroutinefunction, and its signature and docstring are kept.)
-COMPILED_MODULES = [
-    "aioparamsync/wire/binary.py",
-    "aioparamsync/wire/codec.py",
-    "aioparamsync/wire/framing.py",
-    "aioparamsync/wire/reader.py",
-    "aioparamsync/wire/writer.py",
-    "aioparamsync/values/arrays.py",
-    "aioparamsync/store/table.py",
-    "aioparamsync/store/writer.py",
-    "aioparamsync/server/dispatch.py",
-    "aioparamsync/server/ordering.py",
-    "aioparamsync/server/transport.py",
-    "aioparamsync/client/connection.py",
-    "aioparamsync/client/pool.py",
-    "aioparamsync/client/updates.py",
-    "aioparamsync/client/api.py",
-]
+# Modules compiled from their Python source, as they are (Cython's "pure Python" mode;
+# a compiled coroutine function is one to inspect.iscoroutinefunction, its signature and
+# docstring kept). None, as measured: benchmarks/bench_percall.py (best of 40 x 100 rounds,
+# 8 connections, 4 KiB and 64 B parameters) ran as fast with the 15 modules of the per-call
+# path (wire, values.arrays, store, server, client) left as Python as with all compiled
+# (0.95-1.02x on each side of each call; one at a time, each within the noise, < 5%), while
+# the codec below alone makes the compiled path 1.11-1.22x faster than the pure one. A
+# module goes here when such a figure shows it gains 10% or more.
+COMPILED_MODULES: list[str] = []
 # Written for Cython.
 CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx"]
 
@@ -87,8 +77,9 @@ COMPILER_DIRECTIVES = {
     "embedsignature": True,
 }
 # Added to the interpreter's flags (-g -O3 here) unless CFLAGS is set: no debug
-# information, and -O2, which runs the benchmarks as fast; 40% less time to compile.
-EXTRA_COMPILE_ARGS = ["-O2", "-g0"]
+# information, the same code; a quarter less time to compile (-O2 would halve it, but ran
+# the codec up to 4% slower).
+EXTRA_COMPILE_ARGS = ["-g0"]
 # The environment's variables that change what the compiler makes.
 COMPILER_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS")
 
@@ -208,8 +199,10 @@ def build_extensions(work: Path) -> dict[str, tuple[Path, str]]:
         for source, made in compile_modules(missing, work).items():
             cached = wanted[source][0]
             for old in cache.glob(f"{module_name(source)}-*{EXT_SUFFIX}"):
-                old.unlink()  # (an older key of the same module: never used again)
-            shutil.copy2(made, cached)
+                old.unlink(missing_ok=True)  # (an older key of the same module)
+            partial = cached.with_name(f".{cached.name}.{os.getpid()}")
+            shutil.copy2(made, partial)
+            partial.replace(cached)  # (whole or not at all, for a build running beside)
     return wanted
 
 

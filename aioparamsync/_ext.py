@@ -2,8 +2,8 @@
 
 A wheel built where there is a compiler holds C extensions (see
 ``hatch_build.py``): the binary protocol's struct codec
-(``aioparamsync.wire._cbinary``) and the modules of the per-call path compiled
-from their own source. Both paths answer the same, byte for byte; the test
+(``aioparamsync.wire._cbinary``), and any module it lists to compile from its
+own source. Both paths answer the same, byte for byte; the test
 suite runs on each.
 
 ``AIOPARAMSYNC_NO_EXT=1`` in the environment, when the package is first
