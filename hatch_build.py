@@ -53,12 +53,13 @@ HERE = Path(__file__).resolve().parent
 
 # Modules compiled from their Python source, as they are (Cython's "pure Python" mode;
 # a compiled coroutine function is one to inspect.iscoroutinefunction, its signature and
-# docstring kept). None, as measured: benchmarks/bench_percall.py (best of 40 x 100 rounds,
-# 8 connections, 4 KiB and 64 B parameters) ran as fast with the 15 modules of the per-call
-# path (wire, values.arrays, store, server, client) left as Python as with all compiled
-# (0.95-1.02x on each side of each call; one at a time, each within the noise, < 5%), while
-# the codec below alone makes the compiled path 1.11-1.22x faster than the pure one. A
-# module goes here when such a figure shows it gains 10% or more.
+# docstring kept). None, as measured: benchmarks/bench_percall.py (CPU per call, best of
+# 40 x 100 rounds, 8 connections, 4 KiB and 64 B parameters) ran as fast with the 15
+# modules of the per-call path (wire, values.arrays, store, server, client) all left as
+# Python as with all of them compiled: 0.95-1.02x on each side of each call. One at a time,
+# most moved a figure by less than 7%, as much as modules of the server moved the client's
+# (noise). The codec below alone makes the compiled path 1.11-1.22x faster than the pure
+# one. A module goes here when such a figure shows it gains 10% or more.
 COMPILED_MODULES: list[str] = []
 # Written for Cython.
 CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx"]

@@ -94,10 +94,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def report(python: str | Path, cwd: Path, **env: str) -> tuple[dict[str, Any], str]:
-    """What REPORT prints when run by ``python`` in ``cwd``, and the warnings it printed."""
+def report(
+    python: str | Path, cwd: Path, modules: tuple[str, ...] = (EDITED_NAME,), **env: str
+) -> tuple[dict[str, Any], str]:
+    """What REPORT prints when run by ``python`` in ``cwd`` (importing ``modules`` by name,
+    and the node), and the warnings it printed."""
     done = subprocess.run(
-        [str(python), "-W", "always", "-c", REPORT, EDITED_NAME],
+        [str(python), "-W", "always", "-c", REPORT, *modules],
         cwd=cwd,
         env=clean_env(**env),
         capture_output=True,
@@ -225,7 +228,7 @@ def test_the_installed_wheel_runs_its_compiled_modules(built: Built, tmp_path: P
     assert all(Path(f).is_relative_to(site) for f in got["compiled"].values())
     assert not warned
     # and the same install runs its pure path when asked
-    got, _ = report(sys.executable, tmp_path, PYTHONPATH=str(site), AIOPARAMSYNC_NO_EXT="1")
+    got, _ = report(sys.executable, tmp_path, (), PYTHONPATH=str(site), AIOPARAMSYNC_NO_EXT="1")
     assert not got["extension"] and not got["compiled"]
 
 
