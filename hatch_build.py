@@ -94,6 +94,10 @@ def say(message: str) -> None:
     print(f"aioparamsync: {message}", file=sys.stderr, flush=True)
 
 
+def modules(count: int) -> str:
+    return f"{count} module" if count == 1 else f"{count} modules"
+
+
 def workers() -> int:
     """How many modules to compile at once: the cores this process may use."""
     try:
@@ -149,7 +153,7 @@ def compile_modules(sources: list[str], work: Path) -> dict[str, Path]:
                 say(f"[{len(done)}/{len(extensions)}] {ext.name} ({took:.0f} s)")
 
     with contextlib.chdir(HERE):  # (relative paths: what tracebacks of compiled code name)
-        modules = cythonize(
+        cythonized = cythonize(
             extensions,
             build_dir=str(work / "c"),
             language_level=3,
@@ -157,13 +161,13 @@ def compile_modules(sources: list[str], work: Path) -> dict[str, Path]:
             nthreads=workers(),
             compiler_directives=COMPILER_DIRECTIVES,
         )
-        command = Build(Distribution({"name": "aioparamsync", "ext_modules": modules}))
+        command = Build(Distribution({"name": "aioparamsync", "ext_modules": cythonized}))
         command.build_lib = str(work / "lib")
         command.build_temp = str(work / "temp")
         command.parallel = workers()
         command.ensure_finalized()
         command.run()
-    say(f"compiled {len(sources)} modules in {time.monotonic() - started:.0f} s")
+    say(f"compiled {modules(len(sources))} in {time.monotonic() - started:.0f} s")
     return {s: work / "lib" / extension_path(s) for s in sources}
 
 
@@ -191,11 +195,11 @@ def build_extensions(work: Path) -> dict[str, tuple[Path, str]]:
         wanted[source] = (cached, hashlib.sha256(data).hexdigest())
     missing = [s for s, (cached, _) in wanted.items() if not cached.is_file()]
     if len(missing) < len(wanted):
-        say(f"{len(wanted) - len(missing)} modules compiled already ({cache})")
+        say(f"{modules(len(wanted) - len(missing))} compiled already ({cache})")
     if missing:
         say(
-            f"compiling {len(missing)} modules with Cython, {workers()} at a time "
-            "(AIOPARAMSYNC_NO_EXT=1 installs without them)"
+            f"compiling {modules(len(missing))} with Cython, "
+            f"{min(workers(), len(missing))} at a time (AIOPARAMSYNC_NO_EXT=1 installs without)"
         )
         for source, made in compile_modules(missing, work).items():
             cached = wanted[source][0]
@@ -251,7 +255,7 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[misc,valid-type]
             )
             if _flag("AIOPARAMSYNC_REQUIRE_EXT"):
                 raise RuntimeError(f"{message} (AIOPARAMSYNC_REQUIRE_EXT is set)") from exc
-            say(message)
+            print(message, file=sys.stderr, flush=True)
             warnings.warn(message, stacklevel=1)
             return
         build_data["pure_python"] = False
