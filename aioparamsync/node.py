@@ -83,7 +83,10 @@ class Node:
             seconds, then once a minute while none answers (None: never).
         data_dir: where to keep the write-ahead log and snapshots (None: in memory).
         fsync: ``always``, ``batch`` or ``never`` (see :mod:`aioparamsync.persistence`).
-        ignore_corrupt_snapshot: start even if the newest snapshot is damaged.
+        ignore_corrupt_snapshot: start even if the newest snapshot is damaged,
+            keeping what passes its checks.
+        ignore_corrupt_log: start even if the log is damaged (not a torn write),
+            from what comes before the damage.
         ssl: an ``ssl.SSLContext`` to serve TLS with (see :mod:`aioparamsync.tls`).
         peer_ssl: the ``ssl.SSLContext`` peer links connect with.
         max_connections: client connections open at once; more are refused.
@@ -147,6 +150,7 @@ class Node:
         data_dir: str | os.PathLike[str] | None = None,
         fsync: str = "batch",
         ignore_corrupt_snapshot: bool = False,
+        ignore_corrupt_log: bool = False,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_upload_bytes: int = MAX_UPLOAD_BYTES,
         max_receiving_bytes: int | None = DEFAULT_MAX_RECEIVING_BYTES,
@@ -198,7 +202,12 @@ class Node:
             )
         self.table = ParameterTable(node_id or "", limits)
         self.data_dir = (
-            DataDir(data_dir, fsync=fsync, ignore_corrupt_snapshot=ignore_corrupt_snapshot)
+            DataDir(
+                data_dir,
+                fsync=fsync,
+                ignore_corrupt_snapshot=ignore_corrupt_snapshot,
+                ignore_corrupt_log=ignore_corrupt_log,
+            )
             if data_dir is not None
             else None
         )

@@ -34,6 +34,11 @@ struct Rule {
     6: optional double beta2 = 0.999,
     7: optional double eps = 1e-8,
     8: optional double initial_accumulator = 0.0,
+    // A gradient holding NaN or inf is refused (BAD_REQUEST, naming the
+    // parameter and how many values are not finite; nothing of its push is
+    // folded) unless this is set: one worker's diverged step would otherwise
+    // poison the value every worker reads.
+    9: optional bool allow_nonfinite = false,
 }
 
 struct Parameter {

@@ -445,6 +445,14 @@ class ProcessCluster:
         await node.wait_listening()
         return node
 
+    async def __aenter__(self) -> ProcessCluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """The logs' ends shown (pytest prints them if the test failed), every process killed."""
+        self.show_logs()
+        await self.close()
+
     def show_logs(self, tail: int = 80) -> None:
         """Print the end of every node's log (pytest shows it when the test failed)."""
         for node in self.started:

@@ -125,3 +125,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid in spawning])
         items[:] = kept
+
+
+# -- randomized cluster runs (tests/test_randomized_cluster.py, tests/chaos/) ----------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from chaos import options
+
+    group = parser.getgroup("chaos", "randomized cluster runs (tests/test_randomized_cluster.py)")
+    group.addoption(
+        "--chaos-seed",
+        metavar="S",
+        help=f"run seed S (with --chaos-seeds: the first of them); env {options.ENV['seed']}",
+    )
+    group.addoption(
+        "--chaos-seeds",
+        metavar="N",
+        help=f"run N seeds (from --chaos-seed, else from one drawn now); env "
+        f"{options.ENV['seeds']}",
+    )
+    group.addoption(
+        "--chaos-duration",
+        metavar="SECONDS",
+        help=f"seconds of workload per run (default {options.DEFAULT_DURATION:g}); env "
+        f"{options.ENV['duration']}",
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from chaos import options
+
+    if options.REPORTS:
+        terminalreporter.section("randomized cluster runs")
+        for line in options.REPORTS:
+            terminalreporter.write_line(line)

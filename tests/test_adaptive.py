@@ -223,6 +223,44 @@ async def test_auto_compresses_on_a_slow_link_and_stops_when_it_is_fast(node: No
         assert lossiness(fast) < lossiness(chosen), (chosen, fast)
 
 
+@pytest.mark.parametrize("over", ["loopback", "unix-socket"])
+async def test_auto_sends_raw_within_the_machine(tmp_path: Path, over: str) -> None:
+    # 4 x 1 MiB of float32 and 10 ms of compute: raw does not fit the target, and the
+    # controller used to take the lossy encodings it had not tried yet as free.
+    from aioparamsync.values.rules import sgd
+
+    sock = str(tmp_path / "node.sock")
+    async with Node("127.0.0.1", 0, unix_socket=sock if over == "unix-socket" else None) as node:
+        address = f"unix:{sock}" if over == "unix-socket" else node.address
+        async with ParameterClient(address, timeout=60) as client:
+            names = [f"w{i}" for i in range(4)]
+            await client.update_arrays(
+                {n: np.zeros(1 << 18, np.float32) for n in names}, rules=sgd()
+            )
+            rng = np.random.default_rng(0)
+            for _ in range(25):
+                await asyncio.sleep(0.01)  # (the worker's compute)
+                grads = {n: rng.random(1 << 18, np.float32) for n in names}
+                await client.push_gradients(grads, encoding="auto")
+                read = await client.get_parameters(names, encoding="auto")
+                assert not any(p.encoding for p in read.params)
+            stats = client.stats()
+    assert stats["auto"]["counts"] == {"none": 25} and stats["auto"]["local"], stats["auto"]
+    assert set(stats["auto_pull"]["counts"]) == {"none"}  # (the first read: sizes not known)
+
+
+async def test_a_proxy_on_loopback_is_no_local_link(node: Node) -> None:
+    from aioparamsync.client.auto import local_link
+
+    async with ParameterClient(node.address) as client:
+        assert await local_link(client)
+    async with (
+        throttle.Throttle(node.address, mbit=0, rtt_ms=0) as link,
+        ParameterClient(link.address) as client,
+    ):
+        assert not await local_link(client)  # (its address is no member's)
+
+
 async def test_auto_refuses_what_it_cannot_weigh(client: ParameterClient) -> None:
     await client.update_arrays({"w": np.zeros(4, np.float32)})
     with pytest.raises(ValueError, match="target is a share"):

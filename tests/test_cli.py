@@ -8,6 +8,7 @@ PID) whatever node a test leaves running, and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import socket
@@ -31,6 +32,7 @@ from aioparamsync import (
     ConnectError,
     ConnectionLostError,
     ParameterClient,
+    RemoteProtocolError,
     ServerError,
     __version__,
     from_parameter,
@@ -313,6 +315,51 @@ async def test_max_frame_bytes_refuses_a_larger_update_and_keeps_serving(spawn) 
     assert_clean(node.stderr)
 
 
+async def test_a_message_over_max_frame_bytes_is_refused_naming_the_limit_to_raise(
+    spawn,
+) -> None:
+    node = await spawn("--max-frame-bytes", "1MiB")
+    hint = "more than the node's --max-frame-bytes (1048576 bytes, 1 MiB): raise it"
+    async with client_of(node) as client:
+        with pytest.raises(ConnectionLostError, match=re.escape(hint)):
+            await client.update_arrays({"big": filler(2 * MIB)})
+    # unframed (a buffered client's), the same
+    message = encode_message(
+        "update_parameters",
+        MessageType.CALL,
+        1,
+        method("update_parameters").args(
+            update=thrift.ParameterUpdate(
+                params=[thrift.Parameter("big", bytes(2 * MIB))], timestamp=0
+            )
+        ),
+        framed=False,
+    )[0]
+    with socket.create_connection(node.address, timeout=CALL_TIMEOUT) as sock:
+        with contextlib.suppress(OSError):  # (the node may close before it has all)
+            sock.sendall(b"".join(bytes(p) for p in message))
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert hint in reply.decode(errors="replace"), reply
+
+
+async def test_a_reply_over_the_clients_max_frame_bytes_names_the_clients_limit(spawn) -> None:
+    node = await spawn()
+    async with client_of(node) as client:
+        await client.update_arrays({"half": filler(MIB // 2)})
+    hint = r"more than ParameterClient\(max_frame_bytes=...\), this client's limit \(65536 bytes"
+    async with client_of(node, max_frame_bytes=65536, piece_bytes=32768) as client:
+        with pytest.raises(RemoteProtocolError, match=hint):  # (its first reply)
+            await client.get_arrays(["half"])
+    limited = {"max_frame_bytes": 65536, "piece_bytes": 32768, "max_connections": 1}
+    async with client_of(node, **limited) as client:
+        await client.ping()  # (a reply seen on the connection: a node's)
+        # (the connection breaks; the read, idempotent, may be sent again on a fresh one)
+        with pytest.raises((ConnectionLostError, RemoteProtocolError), match=hint):
+            await client.get_arrays(["half"])
+
+
 @pytest.mark.parametrize(
     ("spec", "limit"),
     [
@@ -402,6 +449,7 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--data-dir", " "], ["--data-dir", "an empty path"]),
         (["--fsync", "always"], ["--fsync", "need --data-dir"]),
         (["--ignore-corrupt-snapshot"], ["--ignore-corrupt-snapshot", "need --data-dir"]),
+        (["--ignore-corrupt-log"], ["--ignore-corrupt-log", "need --data-dir"]),
         (["--max-connections", "0"], ["--max-connections", "'0'"]),
         (["--max-name-bytes", "many"], ["--max-name-bytes", "'many'"]),
         (["--port"], ["--port", "expected one argument"]),
@@ -450,7 +498,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise",
         "--replication-factor", "--acks", "--failure-timeout", "--drain-timeout",
         "--partition-bytes", "--repair-interval", "--unreachable-warning", "--data-dir", "--fsync",
-        "--ignore-corrupt-snapshot",
+        "--ignore-corrupt-snapshot", "--ignore-corrupt-log",
         "--max-frame-bytes", "--max-upload-bytes", "--max-receiving-bytes", "--idle-timeout",
         "--log-level", "--version",
         "--request-timeout", "--max-connections", "--max-names-per-request",
@@ -638,6 +686,26 @@ def test_a_bad_variable_is_refused_naming_it(variable: str, value: str, message:
         check=False,
     )
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("given", ["/job/", "/job//", "/aioparamsync/job/", "/job"])
+def test_a_coordinator_prefix_is_taken_with_or_without_a_trailing_slash(given: str) -> None:
+    # (etcd's users write a prefix "/job/"; its keys are the same as under "/job")
+    from aioparamsync.cli.node import from_environment
+
+    parser = build_parser()
+    expected = given.rstrip("/")
+    assert parser.parse_args(["--coordinator-prefix", given]).coordinator_prefix == expected
+    variable = from_environment(parser, [], {"AIOPARAMSYNC_COORDINATOR_PREFIX": given})
+    assert parser.parse_args(variable).coordinator_prefix == expected
+
+
+@pytest.mark.parametrize("given", ["/", "//", "job/", "/a//b/", ""])
+def test_a_coordinator_prefix_that_is_no_path_is_refused(given: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--coordinator-prefix", given])
+    assert exited.value.code == 2
+    assert "a prefix is a path like /aioparamsync/NAME" in capsys.readouterr().err
 
 
 def test_help_says_flags_can_come_from_the_environment() -> None:

@@ -449,6 +449,15 @@ def test_bad_addresses_are_refused(bad) -> None:
         parse_address(bad)
 
 
+@pytest.mark.parametrize("scheme", ["http", "https", "tcp", "thrift"])
+def test_an_address_with_a_scheme_is_refused_saying_to_drop_it(scheme: str) -> None:
+    # (else "http://host:9090" reads as the host "http://host", and connecting fails later)
+    with pytest.raises(ValueError, match=f"without a scheme: drop '{scheme}://' and give 'h:9090'"):
+        ParameterClient(f"{scheme}://h:9090")
+    with pytest.raises(ValueError, match="give 'h:9090'"):
+        parse_address(f"{scheme}://h:9090/")
+
+
 def test_max_connections_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ParameterClient("127.0.0.1:1", max_connections=0)

@@ -590,7 +590,7 @@ async def test_a_node_that_cannot_reach_etcd_exits_with_a_clear_error() -> None:
         (["--coordinator", "http://127.0.0.1:2379"], "etcd://HOST:PORT"),
         (["--coordinator", "etcd://127.0.0.1"], "HOST:PORT"),
         (["--coordinator", "etcd://127.0.0.1:1", "--coordinator-prefix", "nope"], "prefix"),
-        (["--coordinator", "etcd://127.0.0.1:1", "--coordinator-prefix", "/a/"], "prefix"),
+        (["--coordinator", "etcd://127.0.0.1:1", "--coordinator-prefix", "/a//b/"], "prefix"),
     ],
 )
 async def test_bad_coordinator_flags_are_refused(flags: list[str], message: str) -> None:

@@ -133,8 +133,8 @@ async def test_stats_as_json(node: Node, client, capsys) -> None:
     assert (rc, err) == (0, "")
     info = json.loads(out)
     assert set(info) == {
-        "node_id", "version", "parameter_count", "parameter_bytes", "timestamp",
-        "uptime_seconds", "counters", "peers", "fast_path",
+        "node_id", "version", "parameter_count", "partition_count", "key_count",
+        "parameter_bytes", "timestamp", "uptime_seconds", "counters", "peers", "fast_path",
     }  # fmt: skip
     assert (info["node_id"], info["version"]) == (node.node_id, __version__)
     assert info["fast_path"] == ("compiled" if has_extension() else "pure")
@@ -143,6 +143,25 @@ async def test_stats_as_json(node: Node, client, capsys) -> None:
     assert info["uptime_seconds"] >= 0
     assert info["counters"]["updates_applied"] == 1
     assert info["peers"] == []
+
+
+async def test_stats_counts_parameters_as_list_does_and_partitions_apart(capsys) -> None:
+    # (12 small parameters, 2 cut into 8 and 5 partitions of 256 elements: 1 KiB of float32)
+    arrays = {f"small{i}": np.zeros(4, np.float32) for i in range(12)}
+    arrays |= {"big": np.zeros(8 * 256, np.float32), "bytes": np.zeros(5 * 256, np.uint8)}
+    async with Node("127.0.0.1", 0, partition_bytes=1024) as node:
+        async with ParameterClient(node.address) as client:
+            await client.update_arrays(arrays)
+        rc, out, _ = await ctl(capsys, "list", text(node.address))
+        assert rc == 0 and out.splitlines()[-1].startswith("14 parameters, ")
+        rc, out, _ = await ctl(capsys, "stats", text(node.address))
+        fields = dict(line.split(None, 1) for line in out.split("\ncounters\n")[0].splitlines())
+        assert rc == 0 and fields["parameters"].startswith("14 ("), out
+        assert fields["partitions"] == "13 (of the large ones)", out
+        rc, out, _ = await ctl(capsys, "--json", "stats", text(node.address))
+        info = json.loads(out)
+        assert (info["parameter_count"], info["partition_count"]) == (14, 13)
+        assert info["key_count"] == 12 + 13 + 2  # (and the 2 manifests)
 
 
 async def test_stats_of_a_node_without_updates(node: Node, capsys) -> None:
@@ -556,6 +575,8 @@ async def test_a_name_that_cannot_be_resolved_exits_1(capsys) -> None:
         (["stats", "127.0.0.1:abc"], "argument ADDRESS: '127.0.0.1:abc': port 'abc' is not"),
         (["stats", "127.0.0.1:70000"], "argument ADDRESS: port 70000 is out of range"),
         (["stats", ":9090"], "argument ADDRESS: ':9090' is not host:port"),
+        (["stats", "http://127.0.0.1:9090"], "without a scheme: drop 'http://'"),
+        (["export", "127.0.0.1:9090"], "the following arguments are required: FILE"),
         (["get", "127.0.0.1:9090"], "the following arguments are required: NAME"),
         (["list"], "the following arguments are required: ADDRESS"),
         (["list", "127.0.0.1:9090", ""], "argument PREFIX: must not be empty (leave it out"),

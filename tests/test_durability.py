@@ -693,22 +693,44 @@ SNAPSHOT_DAMAGE = [
 ]
 
 
+# With --ignore-corrupt-snapshot, what each damage leaves of the snapshot of a, b, c (in that
+# order in its file): a damaged parameter is dropped alone; damage to what describes the
+# file leaves nothing of it. The log holds a newer a, and d.
+SALVAGED = {
+    "flipped_data_byte": {"b", "c"},  # (a byte of a's data: the log has a newer a)
+    "truncated_data": {"a", "b"},  # (c ran past the end)
+    "truncated_header": set(),
+    "garbage_json": set(),
+    "json_of_another_shape": set(),
+}
+
+
 @pytest.mark.parametrize("how", SNAPSHOT_DAMAGE)
 async def test_a_corrupt_snapshot_is_refused_unless_ignored(tmp_path: Path, how: str) -> None:
-    image, n, _state, log_only = await snapshot_then_log_image(tmp_path)
+    image, n, state, log_only = await snapshot_then_log_image(tmp_path)
     corrupt_snapshot(image, n, how)
     message = str(await refused(image))
     assert f"snapshot-{n:08d}" in message and "--ignore-corrupt-snapshot" in message, message
-    # With the flag: what the log holds (what only the snapshot held is lost, as documented).
+    # With the flag: what passes its checks, and the log over it (what only the damaged
+    # parameters held in the snapshot is lost, as documented); the damaged files kept aside.
+    kept = {k: v for k, v in state.items() if k in SALVAGED[how] or k in log_only}
     async with running(image, ignore_corrupt_snapshot=True) as node:
-        assert table_state(node.table) == log_only
+        assert table_state(node.table) == kept
+    aside = sorted(p.name for p in image.iterdir() if ".corrupt-" in p.name)
+    assert [re.sub(r"\.corrupt-.*", "", name) for name in aside] == [
+        f"snapshot-{n:08d}.json",
+        f"snapshot-{n:08d}.safetensors",
+    ], aside
+    # What was recovered is a snapshot of its own: the next start needs no flag.
+    async with running(image) as node:
+        assert table_state(node.table) == kept
 
 
 @pytest.mark.slow
 async def test_the_cli_refuses_a_corrupt_snapshot_unless_told_to_ignore_it(
     spawn: Spawn, tmp_path: Path
 ) -> None:
-    image, n, _state, log_only = await snapshot_then_log_image(tmp_path)
+    image, n, state, _log_only = await snapshot_then_log_image(tmp_path)
     corrupt_snapshot(image, n, "flipped_data_byte")
     result = run_cli("--data-dir", str(image))
     assert result.returncode == 1, result
@@ -721,7 +743,8 @@ async def test_the_cli_refuses_a_corrupt_snapshot_unless_told_to_ignore_it(
     node = await spawn("--data-dir", str(image), "--ignore-corrupt-snapshot")
     async with client_of(node.address) as client:
         got = await read_state(client, ["a", "b", "c", "d"])
-    assert got == log_only
+    # (a's data was damaged: dropped, and the log's newer a replayed; b and c kept)
+    assert got == state
     assert await terminate(node) == 0
     assert_no_traceback(node.stderr)
 

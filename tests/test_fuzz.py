@@ -42,6 +42,8 @@ from aioparamsync.wire import (
     method,
     thrift,
 )
+from aioparamsync.wire.idl import MAX_METHOD_NAME_BYTES
+from aioparamsync.wire.protocol import MAX_I32
 
 FUZZ = settings(
     max_examples=200,
@@ -179,6 +181,8 @@ def check_invariant(
 # Strategies
 
 names = st.text(max_size=12)
+# A message's method name: none is longer than the longest method's (see decode_header).
+method_names = names.filter(lambda n: len(n.encode()) <= MAX_METHOD_NAME_BYTES)
 dtypes = st.one_of(
     st.none(),
     st.sampled_from(["<f4", "<f8", "|u1", "<i8", "|b1", ">c16", "<f2"]),
@@ -269,7 +273,7 @@ def messages(draw: st.DrawFn) -> tuple[str, int, int, Any]:
     if kind == "info_reply":
         return "info", reply, seqid, method("info").result(success=draw(node_infos))
     error = TApplicationException(type=draw(st.integers(0, 10)), message=draw(names))
-    return draw(names), MessageType.EXCEPTION, seqid, error
+    return draw(method_names), MessageType.EXCEPTION, seqid, error
 
 
 def encode(msg: tuple[str, int, int, Any], protocol: Protocol, framed: bool) -> bytes:
@@ -484,6 +488,24 @@ def test_negative_seqid_round_trip(msg: tuple[str, int, int, Any]) -> None:
         name, mtype, seqid, reader = decode_header(data, protocol)
         assert (name, mtype, seqid) == msg[:3]
         assert plain(reader.read_body(type(msg[3]))) == plain(msg[3])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS, ids=["binary", "compact"])
+def test_a_method_name_longer_than_any_is_refused_once_its_length_is_read(
+    protocol: Protocol,
+) -> None:
+    long = "x" * (MAX_METHOD_NAME_BYTES + 1)
+    data = encode((long, MessageType.CALL, 1, method("ping").args()), protocol, framed=False)
+    with pytest.raises(RemoteProtocolError, match=f"method name of {len(long)} bytes"):
+        decode_header(data, protocol)
+    # (a caller that wants any name says so)
+    assert decode_header(data, protocol, name_limit=MAX_I32)[0] == long
+    # On a stream, and in a frame not whole yet: refused from the name's length alone.
+    start = data[: data.index(b"xx")]
+    with pytest.raises(RemoteProtocolError, match="longer than any method's"):
+        Receiver().feed(start)
+    with pytest.raises(RemoteProtocolError, match="longer than any method's"):
+        Receiver().feed(struct.pack("!i", len(data)) + start)
 
 
 # ---------------------------------------------------------------------------

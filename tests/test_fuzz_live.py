@@ -20,18 +20,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from test_fuzz import PROTOCOLS, encode, hostile_bytes, messages, mutate, mutations
+from test_fuzz import PROTOCOLS, _varint, encode, hostile_bytes, messages, mutate, mutations
 
 from aioparamsync import Node, ParameterClient
 from aioparamsync.wire import MessageType, Protocol, Receiver, decode_header, method
+from aioparamsync.wire.idl import MAX_METHOD_NAME_BYTES
 
 # How long one hostile connection may take to be answered or closed (seconds).
 ANSWER_WITHIN = 5.0
 # How much the node's process may grow over the whole fuzz run (bytes).
 MEMORY_BOUND = 128 * 1024 * 1024
 SENTINEL = "sentinel/never-in-a-fuzzed-message"
+# The node's --max-frame-bytes.
+LIMIT = 1 << 20
 LIVE = settings(
     max_examples=60,
     deadline=None,
@@ -42,13 +45,13 @@ LIVE = settings(
 class LiveNode:
     """A node on its own event loop in a thread, and a client of it on that loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_timeout: float | None = ANSWER_WITHIN) -> None:
         self.loop = asyncio.new_event_loop()
         self.reported: list[dict[str, Any]] = []
         self.loop.set_exception_handler(lambda _loop, context: self.reported.append(context))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.node = Node("127.0.0.1", 0, max_frame_bytes=1 << 20, idle_timeout=ANSWER_WITHIN)
+        self.node = Node("127.0.0.1", 0, max_frame_bytes=LIMIT, idle_timeout=idle_timeout)
         self.run(self.node.start())
         self.client = ParameterClient(self.node.address, timeout=ANSWER_WITHIN)
         self.baseline_rss = _rss()
@@ -64,14 +67,24 @@ class LiveNode:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[LiveNode]:
-    node = LiveNode()
+def _live(idle_timeout: float | None) -> Iterator[LiveNode]:
+    node = LiveNode(idle_timeout)
     node.run(node.client.update_arrays({SENTINEL: np.arange(8)}))
     try:
         yield node
     finally:
         node.close()
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveNode]:
+    yield from _live(ANSWER_WITHIN)
+
+
+@pytest.fixture(scope="module")
+def patient() -> Iterator[LiveNode]:
+    """A node that closes no silent connection: what it ends, it ends of itself."""
+    yield from _live(None)
 
 
 def _rss() -> int:
@@ -82,12 +95,14 @@ def _rss() -> int:
     raise AssertionError("no VmRSS")
 
 
-def send_and_drain(address: tuple[str, int], data: bytes) -> bytes:
-    """Send ``data``, close our side, and read until the node closes: answer what came."""
+def send_and_drain(address: tuple[str, int], data: bytes, *, close_ours: bool = True) -> bytes:
+    """Send ``data``, close our side (unless told not to: the node must end it itself),
+    and read until the node closes: answer what came."""
     with socket.create_connection(address, timeout=ANSWER_WITHIN) as sock:
         try:
             sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
+            if close_ours:
+                sock.shutdown(socket.SHUT_WR)
         except OSError:
             return b""  # the node closed already (e.g. refused a frame header at once)
         received = bytearray()
@@ -115,7 +130,7 @@ def valid_updates(data: bytes) -> bool:
     """
     frames = []
     try:
-        for frame in Receiver(1 << 20).feed(data):
+        for frame in Receiver(LIMIT).feed(data):
             frames.append(frame)
     except Exception:  # noqa: BLE001 - bytes that are no frame: nothing after them is read
         pass
@@ -168,3 +183,36 @@ def test_mutated_messages_on_a_live_connection(
 ) -> None:
     data = b"".join(encode(m, protocol, framed) for m in msgs)
     check(live, mutate(data, ops))
+
+
+# Zero bytes after a compact message's start: each is a STOP (or a 0 varint, or a NUL of
+# its name), so a message that can end, ends within them, and the next "message" starts
+# 0x00, which no message does: the node must answer and close, whatever came first.
+ZEROS = bytes(64)
+
+
+@st.composite
+def compact_starts(draw: st.DrawFn) -> bytes:
+    """0x82, then a version-and-type byte, a seqid and a method name's length as drawn
+    (any length, up to 2**32), then some bytes of the name."""
+    vt = draw(st.sampled_from([0x21, 0x41, 0x61, 0x81]) | st.integers(0, 255))
+    seqid = draw(st.integers(0, 2**32 - 1))
+    n = draw(
+        st.integers(0, 2 * MAX_METHOD_NAME_BYTES)
+        | st.integers(len(ZEROS), LIMIT)  # (more than ZEROS complete, less than the frame limit)
+        | st.integers(0, 2**32 - 1)
+    )
+    name = draw(st.binary(max_size=min(n, 24)) | st.just(b"ping"[: min(n, 4)]))
+    return bytes([0x82, vt]) + _varint(seqid) + _varint(n) + name
+
+
+@settings(LIVE, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # (a hang: no shrinking)
+@given(start=compact_starts())
+@example(start=bytes([0x82, 0x21, 5]) + _varint(800_000) + b"pu")  # a name of 800 KB
+def test_compact_garbage_is_answered_or_closed_without_our_eof(
+    patient: LiveNode, start: bytes
+) -> None:
+    send_and_drain(patient.node.address, start + ZEROS, close_ours=False)
+    sentinel = patient.run(patient.client.get_arrays([SENTINEL]))[SENTINEL]
+    assert sentinel.tolist() == list(range(8))
+    assert not patient.reported, f"the node's event loop reported errors: {patient.reported}"

@@ -32,6 +32,7 @@ from thriftpy2.thrift import TApplicationException
 
 from aioparamsync import ErrorCode, Node, ParameterClient
 from aioparamsync.wire import (
+    METHODS,
     MessageType,
     Protocol,
     Receiver,
@@ -39,6 +40,7 @@ from aioparamsync.wire import (
     method,
     thrift,
 )
+from aioparamsync.wire.idl import MAX_METHOD_NAME_BYTES
 
 # What "at once" means for a refusal that needs no more bytes (seconds): far
 # below any idle timeout, with room for a loaded machine. (That a reply comes
@@ -483,8 +485,9 @@ async def test_message_runs_past_the_end_of_its_frame(
 ) -> None:
     message = encoded("push_parameters", evil_push(), seqid=41, framed=False)
     for cut in (1, 5, len(message) - 30):  # the header (27 bytes) stays whole
+        # (the frame's bytes alone: what follows a frame is the next frame's start)
         text = await assert_refused(
-            node.address, frame(message, len(message) - cut), name="push_parameters", seqid=41
+            node.address, frame(message[: len(message) - cut]), name="push_parameters", seqid=41
         )
         assert "past the end" in text
     await assert_intact(node, client, seeded)
@@ -500,6 +503,56 @@ async def test_frame_with_trailing_bytes(
         )
         assert f"{len(trailer)} bytes follow" in text
     await assert_intact(node, client, seeded)
+
+
+# Each protocol, framed and not.
+EVERY_FRAMING = pytest.mark.parametrize(
+    ("protocol", "framed"),
+    [
+        (Protocol.BINARY, True),
+        (Protocol.BINARY, False),
+        (Protocol.COMPACT, True),
+        (Protocol.COMPACT, False),
+    ],
+    ids=["binary-framed", "binary-unframed", "compact-framed", "compact-unframed"],
+)
+
+
+def name_claim(protocol: Protocol, framed: bool, n: int) -> bytes:
+    """The start of a call whose method name claims ``n`` bytes, of which 2 are sent."""
+    if protocol is Protocol.BINARY:
+        start = struct.pack("!Ii", 0x80010000 | MessageType.CALL, n) + b"pu"
+    else:
+        start = bytes([0x82, (MessageType.CALL << 5) | 1]) + varint(5) + varint(n) + b"pu"
+    return frame(start, n + 64) if framed else start  # (a frame that would hold it all)
+
+
+@pytest.mark.parametrize("n", [800_000, MAX_METHOD_NAME_BYTES + 1], ids=["800KB", "longest+1"])
+@EVERY_FRAMING
+async def test_a_method_name_longer_than_any_is_refused_without_waiting_for_it(
+    node: Node, client: ParameterClient, seeded: Snapshot, protocol: Protocol, framed: bool, n: int
+) -> None:
+    # (it names no method: the node does not wait for its bytes, up to the frame limit)
+    replies, elapsed = await exchange(node.address, name_claim(protocol, framed, n))
+    [reply] = replies
+    text = assert_error(reply).message
+    assert f"method name of {n} bytes: longer than any method's" in text, text
+    assert elapsed < AT_ONCE
+    await assert_intact(node, client, seeded)
+
+
+@pytest.mark.parametrize("framed", [True, False], ids=["framed", "unframed"])
+@pytest.mark.parametrize("protocol", [Protocol.BINARY, Protocol.COMPACT], ids=["binary", "compact"])
+async def test_the_longest_method_name_is_served(
+    node: Node, protocol: Protocol, framed: bool
+) -> None:
+    longest = max((m.name for m in METHODS), key=len)
+    assert len(longest) == MAX_METHOD_NAME_BYTES
+    request = method(longest).args()  # (push_row_gradients without its push: BAD_REQUEST)
+    async with raw(node.address) as (reader, writer):
+        writer.write(encoded(longest, request, seqid=3, protocol=protocol, framed=framed))
+        [reply] = await read_replies(reader, 1)
+    assert (reply.name, reply.seqid, reply.mtype) == (longest, 3, MessageType.REPLY)
 
 
 # ---------------------------------------------------------------------------
@@ -609,27 +662,18 @@ async def test_deep_nesting_and_invalid_types(
 # Valid messages the node does not serve: an error, and the connection stays
 
 
-@pytest.mark.parametrize(
-    ("protocol", "framed"),
-    [
-        (Protocol.BINARY, True),
-        (Protocol.BINARY, False),
-        (Protocol.COMPACT, True),
-        (Protocol.COMPACT, False),
-    ],
-    ids=["binary-framed", "binary-unframed", "compact-framed", "compact-unframed"],
-)
+@EVERY_FRAMING
 async def test_unknown_method_then_a_valid_call_on_the_same_connection(
     node: Node, client: ParameterClient, seeded: Snapshot, protocol: Protocol, framed: bool
 ) -> None:
     unknown = encoded(
-        "drop_all_parameters", method("ping").args(), seqid=11, protocol=protocol, framed=framed
+        "drop_parameters", method("ping").args(), seqid=11, protocol=protocol, framed=framed
     )
     async with raw(node.address) as (reader, writer):
         writer.write(unknown)
         [reply] = await read_replies(reader, 1)
         assert_error(reply, UNKNOWN_METHOD)
-        assert (reply.name, reply.seqid) == ("drop_all_parameters", 11)
+        assert (reply.name, reply.seqid) == ("drop_parameters", 11)
         assert (reply.protocol, reply.framed) == (protocol, framed)
         # the same connection goes on serving
         writer.write(ping_call(seqid=12, protocol=protocol, framed=framed))

@@ -132,6 +132,30 @@ async def test_n_processes_form_one_cluster_and_share_the_keys() -> None:
         assert await launcher.stop() == 0
 
 
+@pytest.mark.parametrize(("flags", "r"), [((), 1), (("--replication-factor", "2"), 2)])
+async def test_processes_hold_their_share_unless_a_replication_factor_is_given(
+    flags: tuple[str, ...], r: int
+) -> None:
+    # (R = 3, every node's default, would put every key on each of 2 or 3 processes)
+    async with launched("--processes", "2", *flags) as launcher:
+        addresses = await launcher.listening(2)
+        await members_up(addresses[0], 2)
+        arrays = {f"k{i}": np.full(4, i, np.float32) for i in range(40)}
+        async with ParameterClient(addresses[0], timeout=CALL_TIMEOUT) as client:
+            assert (await client.topology()).replication_factor == r
+            await client.update_arrays(arrays, acks="all")
+        held = []
+        for address in addresses:
+            async with ParameterClient(address, timeout=CALL_TIMEOUT) as client:
+                assert (await client.topology()).replication_factor == r
+                held.append((await client.info()).parameter_count)
+        if r == 1:
+            assert sum(held) == 40 and all(held), held
+        else:
+            assert held == [40, 40]
+        assert await launcher.stop() == 0
+
+
 async def test_a_process_that_dies_is_started_again_and_rejoins() -> None:
     async with launched("--processes", "2") as launcher:
         addresses = await launcher.listening(2)

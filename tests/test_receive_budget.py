@@ -30,8 +30,10 @@ def charge(size: int) -> int:
 
 
 def framed(nbytes: int, fill: int = 7) -> bytes:
-    """A frame whose payload is ``nbytes`` long (starting as a binary message does)."""
-    return struct.pack("!i", nbytes) + b"\x80" + bytes([fill]) * (nbytes - 1)
+    """A frame whose payload is ``nbytes`` long (starting as a binary call does: its
+    version word, and a method name of no bytes)."""
+    head = struct.pack("!Ii", 0x80010001, 0)
+    return struct.pack("!i", nbytes) + head + bytes([fill]) * (nbytes - len(head))
 
 
 # -- the accounting ----------------------------------------------------------------------------

@@ -9,22 +9,36 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aioparamsync import adagrad as adagrad_rule
+from aioparamsync import adam as adam_rule
+from aioparamsync import sgd as sgd_rule
 from aioparamsync.errors import ErrorCode, RequestError
 from aioparamsync.values import rowindex
 from aioparamsync.values.rowindex import RowIndex
 from aioparamsync.values.rows import (
+    BlockSpec,
     Init,
     RowBlock,
     RowRule,
-    TableSpec,
-    adagrad,
-    adam,
     normal,
-    sgd,
     sum_duplicates,
     uniform,
     zeros,
 )
+
+
+# Row rules as tables take them: the one set of constructors (aioparamsync.sgd, ...), as rows.
+def sgd(*args, **kwargs) -> RowRule:
+    return RowRule.of(sgd_rule(*args, **kwargs))
+
+
+def adagrad(*args, **kwargs) -> RowRule:
+    return RowRule.of(adagrad_rule(*args, **kwargs))
+
+
+def adam(*args, **kwargs) -> RowRule:
+    return RowRule.of(adam_rule(*args, **kwargs))
+
 
 I64 = np.iinfo(np.int64)
 # Ids a hash table is most likely to get wrong: the extremes, and the index's own sentinels.
@@ -182,7 +196,7 @@ def test_initial_rows_depend_on_table_id_and_seed_only() -> None:
     assert rows.dtype == np.float32 and rows.shape == (6, 17)
     order = np.random.default_rng(0).permutation(6)
     assert np.array_equal(init.values("emb", ids[order], 17), rows[order])
-    one = RowBlock(TableSpec("emb", 17, init=init))
+    one = RowBlock(BlockSpec("emb", 17, init=init))
     one.pull(arr([1, 2, 3]))  # other rows, made first, change nothing
     assert np.array_equal(one.pull(ids[::-1]), rows[::-1])
     assert not np.array_equal(init.values("other", ids, 17), rows)
@@ -208,7 +222,7 @@ def test_initial_rows_have_their_distribution(init, std) -> None:
 
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
 def test_other_dtypes_store_rows(dtype) -> None:
-    spec = TableSpec("emb", 8, dtype, init=uniform(0.1), rule=adam(0.01))
+    spec = BlockSpec("emb", 8, dtype, init=uniform(0.1), rule=adam(0.01))
     block = RowBlock(spec)
     ids = arr([3, 4, 3])
     before = block.pull(ids)
@@ -243,8 +257,8 @@ def test_bad_rules_say_which_field(fields, named) -> None:
 
 
 def test_specs_round_trip_and_refuse_garbage() -> None:
-    spec = TableSpec("emb", 16, "bfloat16", uniform(0.1, seed=3), adagrad(0.5, eps=1e-6))
-    assert TableSpec.from_dict(spec.to_dict()) == spec
+    spec = BlockSpec("emb", 16, "bfloat16", uniform(0.1, seed=3), adagrad(0.5, eps=1e-6))
+    assert BlockSpec.from_dict(spec.to_dict()) == spec
     assert RowRule.from_dict(adam(0.1, betas=(0.5, 0.6)).to_dict()) == adam(0.1, betas=(0.5, 0.6))
     for bad in (
         {**spec.to_dict(), "dim": 0},
@@ -254,14 +268,14 @@ def test_specs_round_trip_and_refuse_garbage() -> None:
         {**spec.to_dict(), "init": {"kind": "normal", "seed": -1}},
     ):
         with pytest.raises(RequestError):
-            TableSpec.from_dict(bad)
+            BlockSpec.from_dict(bad)
 
 
 def test_duplicates_are_summed_before_one_fold() -> None:
     rng = np.random.default_rng(4)
     g1, g2 = rng.standard_normal((2, 6)).astype(np.float32)
     for rule in (sgd(0.1), adagrad(0.1), adam(0.1)):
-        twice, once = (RowBlock(TableSpec("emb", 6, init=normal(1.0), rule=rule)) for _ in "ab")
+        twice, once = (RowBlock(BlockSpec("emb", 6, init=normal(1.0), rule=rule)) for _ in "ab")
         changed = twice.fold(arr([5, 9, 5]), np.stack([g1, g2, g2]), now=1.0)
         once.fold(arr([5, 9]), np.stack([g1 + g2, g2]), now=1.0)
         assert sorted(changed.tolist()) == [5, 9]
@@ -329,7 +343,7 @@ RULES = [sgd(0.1), adagrad(0.1, initial_accumulator=0.1), adam(0.01, betas=(0.8,
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_rules_follow_a_numpy_reference(rule, dtype) -> None:
     ids = arr([I64.min, -7, 0, 3, 10**12, I64.max])
-    block = RowBlock(TableSpec("emb", 4, dtype, init=normal(1.0), rule=rule))
+    block = RowBlock(BlockSpec("emb", 4, dtype, init=normal(1.0), rule=rule))
     w0 = dict(zip(ids.tolist(), block.pull(ids), strict=True))
     batches = batches_of(ids, 4, 8, seed=6)
     for step, (batch, grads) in enumerate(batches):
@@ -371,7 +385,7 @@ def test_rules_follow_torch_sparse_embeddings(rule) -> None:
     torch = pytest.importorskip("torch")
     ids = arr([I64.max, -12, 5, 0, 99, 10**17, -(10**17), 42])
     index_of = {i: k for k, i in enumerate(ids.tolist())}
-    block = RowBlock(TableSpec("emb", 16, init=uniform(0.3), rule=rule))
+    block = RowBlock(BlockSpec("emb", 16, init=uniform(0.3), rule=rule))
     w0 = block.pull(ids)
     # SparseAdam's one global step equals the per-row steps when every step touches every row.
     batches = batches_of(ids, 16, 10, seed=7, same_rows=rule.kind == "adam")
@@ -387,7 +401,7 @@ def test_lazy_adam_counts_steps_per_row_unlike_sparse_adam() -> None:
     torch = pytest.importorskip("torch")
     ids = arr([1, 2])
     rule = adam(0.1)
-    block = RowBlock(TableSpec("emb", 3, init=normal(1.0), rule=rule))
+    block = RowBlock(BlockSpec("emb", 3, init=normal(1.0), rule=rule))
     w0 = block.pull(ids)
     g = np.ones((1, 3), np.float32)
     batches = [(arr([1]), g), (arr([1]), g), (arr([2]), g)]  # row 2's first fold: global step 3
@@ -407,7 +421,7 @@ def test_lazy_adam_counts_steps_per_row_unlike_sparse_adam() -> None:
 
 
 def adam_block() -> RowBlock:
-    block = RowBlock(TableSpec("emb", 4, init=normal(0.1), rule=adam(0.01)))
+    block = RowBlock(BlockSpec("emb", 4, init=normal(0.1), rule=adam(0.01)))
     block.fold(arr([1, 2, 3]), np.ones((3, 4), np.float32), now=1.0)
     return block
 
@@ -466,7 +480,7 @@ def test_bad_times_and_merges_change_nothing() -> None:
 
 
 def test_pull_peek_and_times() -> None:
-    block = RowBlock(TableSpec("emb", 3, init=uniform(1.0)))
+    block = RowBlock(BlockSpec("emb", 3, init=uniform(1.0)))
     rows, found = block.peek(arr([4, 5]))
     assert not found.any() and len(block) == 0
     assert np.array_equal(block.pull(arr([5, 4, 5]), now=3.0), rows[[1, 0, 1]])
@@ -481,7 +495,7 @@ def test_pull_peek_and_times() -> None:
 
 
 def test_evict_drops_old_rows_keeps_the_rest() -> None:
-    block = RowBlock(TableSpec("emb", 4, init=normal(0.1), rule=adagrad(0.1)))
+    block = RowBlock(BlockSpec("emb", 4, init=normal(0.1), rule=adagrad(0.1)))
     old, new = np.arange(0, 5000, dtype=np.int64), np.arange(5000, 6000, dtype=np.int64)
     block.fold(old, np.ones((5000, 4), np.float32), now=1.0)
     block.fold(new, np.ones((1000, 4), np.float32), now=2.0)
@@ -501,7 +515,7 @@ def test_evict_drops_old_rows_keeps_the_rest() -> None:
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.kind)
 def test_export_rebuild_and_merge_replicate_exactly(rule) -> None:
-    spec = TableSpec("emb", 5, init=normal(0.1), rule=rule)
+    spec = BlockSpec("emb", 5, init=normal(0.1), rule=rule)
     block, replica = RowBlock(spec), RowBlock(spec)
     for step, (batch, grads) in enumerate(batches_of(arr([-4, 8, 15, 16, 23, 42]), 5, 4, 8)):
         changed = block.fold(batch, grads, now=float(step))
@@ -520,7 +534,7 @@ def test_export_rebuild_and_merge_replicate_exactly(rule) -> None:
 
 def test_memory_per_row() -> None:
     dim, n = 64, 100_000
-    block = RowBlock(TableSpec("emb", dim, rule=sgd(0.1)))
+    block = RowBlock(BlockSpec("emb", dim, rule=sgd(0.1)))
     ids = distinct_ids(9, n)
     for start in range(0, n, 1000):  # batch by batch: the blocks grow in chunks
         block.pull(ids[start : start + 1000], now=1.0)

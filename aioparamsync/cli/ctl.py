@@ -8,17 +8,19 @@
     aioparamsync-ctl get 127.0.0.1:9090 w b      # version, origin, dtype, shape, a preview
     aioparamsync-ctl list 127.0.0.1:9090 layer1. # names (from a prefix), dtype, shape, size
     aioparamsync-ctl ping 127.0.0.1:9090         # the node's id and a round trip
+    aioparamsync-ctl export 127.0.0.1:9090 model.safetensors  # the parameters, whole
     aioparamsync-ctl --json stats 127.0.0.1:9090 # any of them, as JSON
 
 Exit codes: 0 done; 1 the node could not be reached, did not answer in time,
-refused, or is no node (one line on stderr); 2 bad arguments; 3 ``get`` found
-some name not on the node (what it found is still shown).
+refused, or is no node, or ``export`` could not write its file (one line on
+stderr); 2 bad arguments; 3 ``get`` found some name not on the node (what it
+found is still shown), or a NAME of ``export`` is no parameter.
 
-It only reads: no command changes the node.
+Only ``drain`` and ``shutdown`` change the node; the others read.
 
-Here are its parser (the flags' values read by :mod:`.options`), its
-commands (each asks the node, then prints with :mod:`.output`), and the
-running of one, with what goes wrong said in one line.
+Here are its commands (each asks the node, then prints with :mod:`.output`;
+``export`` is :mod:`.export`), and the running of one, with what goes wrong
+said in one line; its parser is :mod:`.ctl_parser`.
 """
 
 from __future__ import annotations
@@ -30,18 +32,20 @@ import os
 import ssl as ssl_module
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
-from .._version import __version__
 from ..client.api import ParameterClient
 from ..cluster.links import LinkState
 from ..errors import ParamSyncError, ProtocolError, RequestError, ServerError
+from ..placement import is_reserved, parse_key
 from ..tls import client_context
 from ..values.arrays import from_parameter
-from ..wire import METHODS, thrift
+from ..wire import thrift
 from ..wire.protocol import MAX_I32
-from .options import TLS_ERRORS, address, positive_seconds
+from . import export
+from .ctl_parser import PROG, build_parser
+from .options import TLS_ERRORS
 from .output import (
     dtype_name,
     format_duration,
@@ -56,149 +60,8 @@ from .output import (
 
 __all__ = ["build_parser", "main"]
 
-PROG = "aioparamsync-ctl"
-# Default deadline of connecting, and of each call (seconds).
-DEFAULT_TIMEOUT = 5.0
 # Exit codes.
 OK, FAILED, NOT_FOUND = 0, 1, 3  # (2: bad arguments, as argparse exits)
-
-
-# -- arguments ------------------------------------------------------------------------------
-
-
-def _address(text: str) -> str:
-    host, port = address(text)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _prefix(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("must not be empty (leave it out to list every name)")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # (bytes the shell passed that are not UTF-8)
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not valid UTF-8, so no parameter's name starts with it"
-        ) from None
-    return text
-
-
-# The options every command takes, before or after its name, and their defaults.
-DEFAULTS: dict[str, Any] = {
-    "json": False,
-    "timeout": DEFAULT_TIMEOUT,
-    "tls": False,
-    "tls_ca": None,
-    "tls_cert": None,
-    "tls_key": None,
-}
-
-
-def _add_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
-    """Add the options every command takes; without ``defaults``, an option left
-    out leaves the value alone (so ``--json`` may come before the command or after it)."""
-
-    def default(name: str) -> Any:
-        return DEFAULTS[name] if defaults else argparse.SUPPRESS
-
-    parser.add_argument(
-        "--json", action="store_true", default=default("json"), help="print one JSON document"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=default("timeout"),
-        metavar="SECONDS",
-        help=f"deadline of connecting and of each call (default: {DEFAULT_TIMEOUT:g})",
-    )
-    tls = parser.add_argument_group("TLS (for a node started with --tls-cert)")
-    tls.add_argument("--tls", action="store_true", default=default("tls"), help="connect with TLS")
-    tls.add_argument(
-        "--tls-ca",
-        metavar="PEM",
-        default=default("tls_ca"),
-        help="CA certificates to verify the node with (implies --tls; default: the system's)",
-    )
-    tls.add_argument(
-        "--tls-cert",
-        metavar="PEM",
-        default=default("tls_cert"),
-        help="a client certificate, for a node that requires one (implies --tls)",
-    )
-    tls.add_argument(
-        "--tls-key",
-        metavar="PEM",
-        default=default("tls_key"),
-        help="its private key (if not in --tls-cert)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Inspect a running aioparamsync node and its cluster. No command "
-        "changes it, but drain, which makes it leave its cluster, and shutdown, which stops "
-        "the cluster.",
-        epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
-        "refused, or is no node; 2 bad arguments; 3 (get) some name is not on the node.",
-    )
-    _add_options(parser, defaults=True)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, summary: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=summary, description=summary, prog=f"{PROG} {name}")
-        _add_options(sub, defaults=False)
-        sub.add_argument("address", type=_address, metavar="ADDRESS", help="the node's host:port")
-        return sub
-
-    command("stats", "the node's id, version, parameters, timestamp, uptime and counters")
-    command("peers", "the node's peer links: state, outbox, updates sent, failures, lag")
-    command("waiting", "the long polls and barriers the node holds, and whom each waits for")
-    get = command("get", "parameters: version, origin, dtype, shape and a preview of the value")
-    get.add_argument("names", nargs="+", metavar="NAME", help="a parameter's name")
-    listing = command("list", "the parameters' names, dtypes, shapes, versions and sizes")
-    listing.add_argument(
-        "prefix",
-        nargs="?",
-        type=_prefix,
-        metavar="PREFIX",
-        help="only the names that start with it (plain text, not a pattern)",
-    )
-    command("ping", "the node's id and the round trip of one call")
-    command(
-        "topology",
-        "the cluster as the node sees it: epoch, replication factor, each member's state, "
-        "and what each member up holds, is moving and has under-replicated",
-    )
-    drain = command(
-        "drain",
-        "make the node leave its cluster: it hands every key to its next holders, then exits",
-    )
-    drain.add_argument(
-        "--wait",
-        type=positive_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="the longest the node hands keys off before it leaves anyway (default: its "
-        "--drain-timeout); the command's --timeout should be longer",
-    )
-    shutdown = command(
-        "shutdown",
-        "stop every node of the node's cluster (none hands anything off), so a job ends",
-    )
-    shutdown.add_argument(
-        "--snapshot",
-        action="store_true",
-        help="each node with a data directory takes no more writes and writes its final "
-        "snapshot before it answers (else it writes it as it stops)",
-    )
-    shutdown.add_argument(
-        "--only-this-node",
-        action="store_true",
-        help="stop this node alone (its peers see it down, as a node to come back)",
-    )
-    return parser
 
 
 # -- the commands ---------------------------------------------------------------------------
@@ -220,8 +83,21 @@ def _peer(p: Any) -> dict[str, Any]:
     }
 
 
+def _parameters_of(keys: Iterable[str]) -> tuple[int, int]:
+    """``(parameters, partitions)`` of a node's keys: the partitions and manifest of a
+    partitioned parameter count as that parameter (as ``list`` shows it), and apart."""
+    names: set[str] = set()
+    partitions = 0
+    for key in keys:
+        parsed = parse_key(key) if is_reserved(key) else None
+        names.add(key if parsed is None else parsed[0])
+        partitions += parsed is not None and parsed[1] is not None
+    return len(names), partitions
+
+
 async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
     info = await client.info()
+    count, partitions = _parameters_of(d.name for d in await client.call("digest"))
     peers = info.peers or []
     if args.json:
         print_json(
@@ -229,7 +105,9 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
                 "node_id": info.node_id,
                 "version": info.version,
                 "fast_path": info.fast_path,
-                "parameter_count": info.parameter_count,
+                "parameter_count": count,
+                "partition_count": partitions,
+                "key_count": info.parameter_count,  # (partitions and manifests included)
                 "parameter_bytes": info.parameter_bytes,
                 "timestamp": info.timestamp,
                 "uptime_seconds": info.uptime_seconds,
@@ -250,7 +128,8 @@ async def stats(client: ParameterClient, args: argparse.Namespace) -> int:
                 ("node", info.node_id),
                 ("version", info.version),
                 ("fast path", info.fast_path or "-"),
-                ("parameters", f"{info.parameter_count} ({format_size(info.parameter_bytes)})"),
+                ("parameters", f"{count} ({format_size(info.parameter_bytes)})"),
+                *([("partitions", f"{partitions} (of the large ones)")] if partitions else []),
                 ("timestamp", format_timestamp(info.timestamp, info.parameter_count)),
                 ("uptime", format_duration(info.uptime_seconds)),
                 ("peers", f"{len(peers)} ({up} up)"),
@@ -358,14 +237,9 @@ async def get(client: ParameterClient, args: argparse.Namespace) -> int:
 
 
 async def list_parameters(client: ParameterClient, args: argparse.Namespace) -> int:
-    # max_inline_bytes=0: the node answers every parameter that holds any
-    # bytes without them, as a header (dtype, shape, version, total_bytes), so
-    # listing a node costs a few bytes a parameter, not its data.
-    request = thrift.ParameterRequest(param_names=[], all_names=True, max_inline_bytes=0)
-    response = await client.invoke(METHODS.pull_parameters, request=request)
+    # (headers: a few bytes a parameter, not its data)
     prefix = args.prefix or ""
-    params = sorted((p for p in response.params if p.name.startswith(prefix)), key=lambda p: p.name)
-    items = [_listed(p) for p in params]
+    items = [_listed(p) for p in await export.headers(client) if p.name.startswith(prefix)]
     total = sum(item["nbytes"] for item in items)
     if args.json:
         print_json({"parameters": items, "count": len(items), "nbytes": total})
@@ -403,7 +277,7 @@ def _listed(p: Any) -> dict[str, Any]:
         "origin": p.origin,
         "dtype": p.dtype,  # None: plain bytes
         "shape": list(p.shape) if p.shape is not None and p.dtype is not None else None,
-        "nbytes": p.total_bytes if p.total_bytes is not None else memoryview(p.data).nbytes,
+        "nbytes": export.nbytes_of(p),
     }
 
 
@@ -531,6 +405,7 @@ COMMANDS: dict[str, Command] = {
     "topology": topology,
     "drain": drain,
     "shutdown": shutdown,
+    "export": export.run_export,
 }
 
 
@@ -545,7 +420,8 @@ async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None
         connect_timeout=args.timeout,
         max_connections=1,
         ssl=ssl,
-        route=False,  # (its node answers, passing on what it does not hold)
+        # (its node answers, passing on what it does not hold; export routes its reads)
+        route=args.route,
     )
     try:
         return await COMMANDS[args.command](client, args)

@@ -14,10 +14,10 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .._version import __version__
-from ..client.environment import ENV_PREFIX, switch
+from ..client.environment import ENV_PREFIX
 from ..cluster.coordinator import (
     DEFAULT_PREFIX,
     CoordinatorError,
@@ -38,6 +38,7 @@ from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from ..wire.protocol import MAX_I32
+from .environ import env_name, from_environment
 from .options import (
     TLS_ERRORS,
     address,
@@ -176,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="run N node processes on this host, one cluster, each holding its share of "
-        "the keys (so all cores work): ports PORT..PORT+N-1 (or free ones with --port 0), "
+        "the keys (so all cores work; --replication-factor is then 1 unless given): ports "
+        "PORT..PORT+N-1 (or free ones with --port 0), "
         "data in DIR/shard-I; clients may connect to any (see aioparamsync.cli.processes) "
         "(default: %(default)s)",
     )
@@ -184,10 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--replication-factor",
         type=replication_factor,
-        default=DEFAULT_REPLICATION_FACTOR,
+        default=argparse.SUPPRESS,  # (not given: see replication_default)
         metavar="R",
         help="how many nodes hold each parameter (every node when the cluster has fewer); "
-        "'all': every node holds everything (default: %(default)s)",
+        f"'all': every node holds everything (default: {DEFAULT_REPLICATION_FACTOR}; with "
+        "--processes N, 1: each process holds its 1/N share; give R to keep copies, the same "
+        "R on every node of the cluster)",
     )
     cluster.add_argument(
         "--acks",
@@ -255,8 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ignore-corrupt-snapshot",
         action="store_true",
-        help="with --data-dir: start even if the newest snapshot is damaged, from what the log "
-        "still holds (losing what only that snapshot held)",
+        help="with --data-dir: start even if the newest snapshot is damaged, keeping what "
+        "passes its checksums and replaying the log over it (losing what only its damaged "
+        "parameters held); the damaged files are kept aside",
+    )
+    parser.add_argument(
+        "--ignore-corrupt-log",
+        action="store_true",
+        help="with --data-dir: start even if the write-ahead log is damaged (not a torn "
+        "write), from what comes before the damage (losing the updates after it); the "
+        "damaged segments are kept aside",
     )
     parser.add_argument(
         "--max-frame-bytes",
@@ -383,10 +395,15 @@ def coordinator_spec(text: str) -> str:
 
 
 def coordinator_prefix(text: str) -> str:
+    """``--coordinator-prefix``: a path like ``/aioparamsync/NAME``; a trailing ``/``
+    (as etcd's users write a prefix: ``/job/``) is dropped."""
+    trimmed = text.rstrip("/") if text.strip("/") else text  # ("/" alone: refused, below)
     try:
-        return check_prefix(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return check_prefix(trimmed)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a prefix is a path like /aioparamsync/NAME (one / between its parts)"
+        ) from None
 
 
 def tls_contexts(
@@ -421,6 +438,7 @@ async def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             fsync=args.fsync,
             ignore_corrupt_snapshot=args.ignore_corrupt_snapshot,
+            ignore_corrupt_log=args.ignore_corrupt_log,
             max_frame_bytes=args.max_frame_bytes,
             max_upload_bytes=args.max_upload_bytes,
             max_receiving_bytes=args.max_receiving_bytes,
@@ -493,6 +511,15 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def replication_default(args: argparse.Namespace) -> int:
+    """The replication factor when ``--replication-factor`` is not given.
+
+    N processes on one host are there for its cores: each holds its share of
+    the keys (R = 1), not a copy of most of them, as R = 3 would have it.
+    """
+    return 1 if args.processes > 1 else DEFAULT_REPLICATION_FACTOR
+
+
 def process_count(text: str) -> int:
     try:
         n = int(text)
@@ -503,56 +530,16 @@ def process_count(text: str) -> int:
     return n
 
 
-def env_name(flag: str) -> str:
-    """The environment variable of a flag: ``--data-dir`` -> ``AIOPARAMSYNC_DATA_DIR``."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def from_environment(
-    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
-) -> list[str]:
-    """The flags set in ``environ`` and not in ``argv``, as arguments to put before ``argv``.
-
-    Each value is checked as its flag's would be, and a bad one is refused
-    naming its variable (``parser.error``: exit status 2).
-    """
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    extra: list[str] = []
-    for action in parser._actions:
-        flags = [f for f in action.option_strings if f.startswith("--")]
-        if not flags or action.dest in ("help", "version"):
-            continue
-        flag = flags[0]
-        name = env_name(flag)
-        value = environ.get(name)
-        if value is None or any(f in given for f in action.option_strings):
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            try:
-                if switch(name, value):
-                    extra.append(flag)
-            except ValueError as exc:
-                parser.error(str(exc))
-            continue
-        try:
-            converted = action.type(value) if callable(action.type) else value
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
-            parser.error(f"{name}={value!r} (for {flag}): {exc}")
-        if action.choices is not None and converted not in action.choices:
-            choices = ", ".join(map(str, action.choices))
-            parser.error(f"{name}={value!r} (for {flag}): one of {choices}")
-        extra.append(f"{flag}={value}")
-    return extra
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [*from_environment(parser, argv, os.environ), *argv]
     args = parser.parse_args(argv)
-    if args.data_dir is None and (args.fsync or args.ignore_corrupt_snapshot):
+    if args.data_dir is None and (
+        args.fsync or args.ignore_corrupt_snapshot or args.ignore_corrupt_log
+    ):
         # (a node in memory that was meant to keep its data)
-        parser.error("--fsync and --ignore-corrupt-snapshot need --data-dir")
+        parser.error("--fsync, --ignore-corrupt-snapshot and --ignore-corrupt-log need --data-dir")
     if (args.peers or args.peers_dns) and args.advertise is None and unspecified_host(args.host):
         # (peers would be told HOST:PORT, and reach themselves or nothing)
         given = "--peers" if args.peers else "--peers-dns"
@@ -562,6 +549,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reach"
         )
     args.fsync = args.fsync or "batch"
+    if "replication_factor" not in vars(args):
+        args.replication_factor = replication_default(args)
+        if args.processes > 1:  # (the processes are told it: their own default is 3)
+            argv = [*argv, "--replication-factor", str(args.replication_factor)]
     if args.processes > 1:
         if args.advertise is None and unspecified_host(args.host):
             parser.error(

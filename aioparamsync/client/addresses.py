@@ -10,17 +10,39 @@ Both raise ValueError for what they refuse, before anything is sent.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Address", "UNIX", "check_seconds", "parse_address", "parse_addresses", "unix_path"]
+__all__ = [
+    "Address",
+    "UNIX",
+    "check_seconds",
+    "is_loopback",
+    "parse_address",
+    "parse_addresses",
+    "unix_path",
+]
 
 Address = str | tuple[str, int]
 
 # A Unix socket's address: "unix:PATH", as the pair ("unix:PATH", 0).
 UNIX = "unix:"
+# A URL's scheme ("http://", "tcp://", ...): no part of an address a node listens at.
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's own: ``localhost``, 127.0.0.0/8, ``::1``."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def unix_path(host: str) -> str | None:
@@ -51,7 +73,8 @@ def parse_address(address: Address) -> tuple[str, int]:
     ``"unix:PATH"`` (a Unix socket) -> ``("unix:PATH", 0)``.
 
     Raises:
-        ValueError: not an address.
+        ValueError: not an address (a URL, ``"http://host:9090"``, is not one:
+            the message says to drop its scheme).
     """
     if isinstance(address, str) and address.startswith(UNIX):
         if not address[len(UNIX) :] or "\0" in address:
@@ -68,6 +91,13 @@ def parse_address(address: Address) -> tuple[str, int]:
     if isinstance(address, tuple):
         host, port = address
     else:
+        if scheme := _SCHEME.match(str(address)):
+            # (else "http://host:9090" would read as the host "http://host")
+            bare = str(address)[scheme.end() :].split("/", 1)[0]
+            raise ValueError(
+                f"{address!r}: a node's address is host:port, without a scheme: drop "
+                f"{scheme[0]!r} and give {bare!r}"
+            )
         host, sep, port_text = str(address).rpartition(":")
         if not sep or not host:
             raise ValueError(f"{address!r} is not host:port")

@@ -227,7 +227,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         if encoding == "auto":
             if names is None:
                 raise ValueError('encoding="auto" needs the names (their sizes are what it weighs)')
-            encoding = self._auto_of().pull_encoding(names)
+            encoding = (await self._auto_of()).pull_encoding(names)
         request = thrift.ParameterRequest(
             param_names=list(names) if names is not None else [],
             min_version=min_version,

@@ -37,7 +37,7 @@ from thriftpy2.thrift import TApplicationException
 
 from ..errors import ConnectionLostError, ParamSyncError, RemoteProtocolError, ServerError
 from ..wire import Method, Receiver, decode_header, encode_message, method
-from ..wire.protocol import CALL, EXCEPTION, ONEWAY, REPLY
+from ..wire.protocol import CALL, EXCEPTION, MAX_I32, ONEWAY, REPLY
 
 __all__ = ["_Connection"]
 
@@ -56,6 +56,8 @@ FIRST_SEQID = 0x0D0A0D0A
 # How many of a connection's first bytes are kept until they show a framed
 # Thrift reply: what an error quotes of a server that speaks something else.
 HEAD_BYTES = 48
+# What sets the largest reply a client takes (named when one is larger).
+CLIENT_LIMIT = "ParameterClient(max_frame_bytes=...), this client's limit"
 
 
 def _ping_method() -> Method:
@@ -120,7 +122,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, max_frame_bytes: int, traffic: dict[str, int], address: str = "") -> None:
         self.traffic = traffic  # the client's byte counters
         self.address = address  # "host:port", for errors
-        self.receiver = Receiver(max_frame_bytes, framed=True)
+        self.receiver = Receiver(max_frame_bytes, framed=True, limit_name=CLIENT_LIMIT)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
         self._seqids = itertools.count(FIRST_SEQID - 1)  # (see FIRST_SEQID)
@@ -221,11 +223,23 @@ class _Connection(asyncio.BufferedProtocol):
         head, buffer = self._head, self._buffer
         assert head is not None and buffer is not None
         head += buffer[: min(nbytes, HEAD_BYTES + 1 - len(head))]  # (+1: more came?)
-        verdict = _reply_head(head, self.receiver.max_frame_bytes)
+        limit = self.receiver.max_frame_bytes
+        verdict = _reply_head(head, limit)
         if verdict is False:
-            self._break(
-                RemoteProtocolError(f"the server at {self.address} answered " + _what_came(head))
-            )
+            if _reply_head(head, MAX_I32):  # (a node's reply, larger than this client takes)
+                start = 0
+                while head[start : start + 4] == b"\0\0\0\0":  # (empty frames)
+                    start += 4
+                size = int.from_bytes(head[start : start + 4], "big")
+                error = RemoteProtocolError(
+                    f"{self._who} answered a reply of {size} bytes, more than {CLIENT_LIMIT} "
+                    f"({limit} bytes): raise it"
+                )
+            else:
+                error = RemoteProtocolError(
+                    f"the server at {self.address} answered " + _what_came(head)
+                )
+            self._break(error)
             return False
         if verdict or len(head) > HEAD_BYTES:  # (only empty frames so far: let it be)
             self._head = self._buffer = None

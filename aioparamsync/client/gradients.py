@@ -35,11 +35,13 @@ class GradientClient:
             self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
         ) -> Any: ...
 
-    def _auto_of(self) -> Any:
+    async def _auto_of(self) -> Any:
         if self._auto is None:
-            from .auto import Auto
+            from .auto import Auto, local_link
 
-            self._auto = Auto()
+            local = await local_link(self)
+            if self._auto is None:  # (another call made it meanwhile)
+                self._auto = Auto(local)
         return self._auto
 
     async def push_gradients(
@@ -120,7 +122,7 @@ class GradientClient:
         last = self._last_push
         auto = None
         if encoding == "auto":
-            auto = self._auto_of()
+            auto = await self._auto_of()
             encoding, ratio, max_residual = auto.push_choice(grads, target)
             error_feedback = True
         try:

@@ -248,8 +248,11 @@ class Routes:
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
         if arg == "request" and m.name != "barrier":
-            response = await self._send(m, arg, value, timeout, args, moves=0)
-            return await self._gather(value, response, timeout)
+
+            def send() -> Any:
+                return self._send(m, arg, value, timeout, args, moves=0)
+
+            return await self._gather(value, await send(), timeout, send)
         topology = self.topology
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
             return await self._cut(m, arg, value, timeout, topology.partition_bytes)
@@ -262,12 +265,16 @@ class Routes:
             return False
         return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
 
-    async def _gather(self, request: Any, response: Any, timeout: Any) -> Any:
-        """``response`` with the partitioned parameters in it read whole (routing.partitions)."""
+    async def _gather(self, request: Any, response: Any, timeout: Any, again: Any) -> Any:
+        """``response`` with the partitioned parameters in it read whole (routing.partitions);
+        ``again()`` reads it again, if one was replaced amid the read."""
         if not any("\x00" in p.name for p in response.params):
             return response
         found = manifests_of(response.params)
         self.layouts.update(found)
+        asked = set(request.param_names or ())
+        if all(p.name in asked for p in response.params if "\x00" in p.name):
+            return response  # (keys asked for by their own names: as they are, as a node answers)
 
         def read(sub: Any) -> Any:
             return self._send(
@@ -275,7 +282,7 @@ class Routes:
             )
 
         # (no limits: the partitions are put together here, whatever their size)
-        return await gather(request, response, read, encoding=request.encoding)
+        return await gather(request, response, read, again=again, encoding=request.encoding)
 
     async def _cut(
         self, m: Method, arg: str, value: Any, timeout: Any, partition_bytes: int
@@ -291,9 +298,19 @@ class Routes:
             cut_items, manifests, chosen = cut(items, partition_bytes, self.layouts)
         except ValueError as exc:
             raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
+        known = self.layouts
+        if arg == "update" and known:
+            for item in items:
+                if item.name not in chosen:
+                    known.pop(item.name, None)  # (written whole: it may no longer be cut)
         if not chosen:
             return await self._send(m, arg, value, timeout, {arg: value}, moves=0)
-        known = self.layouts
+        if arg == "update" and any(p.replace or p.dtype is None for p in items if p.name in chosen):
+            # A replacement may change a parameter between whole and partitions: the
+            # node writes its partitions, then its manifest, past the stored version.
+            for name in chosen:
+                known.pop(name, None)
+            return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: value})
         try:
             if arg == "update":
                 new = [

@@ -456,7 +456,10 @@ class PeerLink:
         if state != self.state:
             if self.state == LinkState.UP:
                 self.down_since = time.monotonic()
-            level = logging.INFO if state in (LinkState.UP, LinkState.BACKOFF) else logging.DEBUG
+            # (unreachable: a WARNING, once, not at each retry; up again: INFO)
+            level = {LinkState.BACKOFF: logging.WARNING, LinkState.UP: logging.INFO}.get(
+                state, logging.DEBUG
+            )
             suffix = f" ({self.last_error})" if state == LinkState.BACKOFF else ""
             log.log(level, "peer %s: %s%s", self.name, state, suffix)
             self.state = state

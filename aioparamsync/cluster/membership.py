@@ -563,6 +563,7 @@ class Cluster:
             if coordinator is not None and coordinator.revision > self.epoch:
                 self.epoch = coordinator.revision  # (a change, and its undoing: the same view)
             return
+        before = dict(self._view[0]) if self._view else {}  # (for the log line's level)
         self._view = view
         placed = [m for m, s in states.items() if s in PLACED]
         placement = Placement(placed, self.replication_factor)
@@ -583,7 +584,13 @@ class Cluster:
             self.epoch = max(self.epoch, coordinator.revision)  # (etcd's)
         else:
             self.epoch += 1
-        log.info(
+        # (a member live before and down now, or down before and failed now: a WARNING)
+        lost = any(
+            s in (DOWN, FAILED) and (before.get(m) in LIVE or (s, before.get(m)) == (FAILED, DOWN))
+            for m, s in states.items()
+        )
+        log.log(
+            logging.WARNING if lost else logging.INFO,
             "epoch %d: %s (R=%s)",
             self.epoch,
             ", ".join(f"{m} {s}" for m, s in sorted(states.items())),

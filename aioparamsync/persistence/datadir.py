@@ -25,10 +25,17 @@ Recovery loads the newest snapshot and replays the segments from its number
 on. A record cut short or failing its checksum at the end of the last
 segment is a torn write: it is cut off, with a warning. Damage anywhere else,
 or a snapshot that fails its checks, is an error: the node refuses to start
-rather than lose data silently (``ignore_corrupt_snapshot`` overrides for a
-snapshot: then it starts from what the log still holds). What a crash amid a
-snapshot left behind (``.tmp`` files, a ``.safetensors`` without its
-``.json``) is never read, so recovery removes it.
+rather than lose data silently, saying which flag would start it and what
+that loses. ``ignore_corrupt_log`` overrides for the log (see :mod:`.wal`);
+``ignore_corrupt_snapshot`` for a
+snapshot: each parameter has its own checksum, so only those that fail theirs
+are dropped (one stored as partitions, whole); the rest is loaded, the log
+replayed over it (bringing back what it holds of the dropped ones), the
+damaged files kept aside (``snapshot-N.safetensors.corrupt-<time>``, and its
+``.json`` so), never deleted, and a new snapshot written of what the node
+recovered, all said in a warning. What a crash amid a snapshot left behind
+(``.tmp`` files, a ``.safetensors`` without its ``.json``) is never read, so
+recovery removes it.
 
 One node a directory: recovery takes an exclusive ``flock`` on ``LOCK`` in
 it, held until :meth:`DataDir.close` (or the process's end, however it ends).
@@ -42,8 +49,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..store.table import Entry, ParameterTable
@@ -65,12 +73,24 @@ LOCK_NAME = "LOCK"
 
 @dataclass
 class Recovered:
-    """What recovery found."""
+    """What recovery found.
+
+    Attributes:
+        snapshot: the number of the snapshot loaded (None: none).
+        parameters: the keys it held (that were loaded).
+        records: the log's records replayed.
+        torn_bytes: the bytes cut off the log's end (a torn write).
+        dropped: parameters a damaged snapshot held that were dropped, with why
+            (``ignore_corrupt_snapshot``).
+        set_aside: the damaged snapshots' files, moved aside.
+    """
 
     snapshot: int | None = None
     parameters: int = 0
     records: int = 0
     torn_bytes: int = 0
+    dropped: dict[str, str] = field(default_factory=dict)
+    set_aside: list[Path] = field(default_factory=list)
 
 
 class DataDir(WriteAheadLog):
@@ -83,7 +103,9 @@ class DataDir(WriteAheadLog):
         path: the directory (made if missing).
         fsync: ``always``, ``batch`` or ``never`` (see the module's docstring).
         snapshot_wal_bytes: log bytes after which :meth:`snapshot_due` says so.
-        ignore_corrupt_snapshot: start without a snapshot that fails its checks.
+        ignore_corrupt_snapshot: start without what fails its checks in a snapshot.
+        ignore_corrupt_log: start from the log up to damage that is no torn write
+            (see :mod:`.wal`).
     """
 
     def __init__(
@@ -93,12 +115,14 @@ class DataDir(WriteAheadLog):
         fsync: str = "batch",
         snapshot_wal_bytes: int = DEFAULT_SNAPSHOT_WAL_BYTES,
         ignore_corrupt_snapshot: bool = False,
+        ignore_corrupt_log: bool = False,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, not {fsync!r}")
         super().__init__(Path(path), fsync, FSYNC_BATCH_SECONDS)
         self.snapshot_wal_bytes = snapshot_wal_bytes
         self.ignore_corrupt_snapshot = ignore_corrupt_snapshot
+        self.ignore_corrupt_log = ignore_corrupt_log
         self._lock_fd: int | None = None  # LOCK, flocked: from recover() to close()
 
     def __repr__(self) -> str:
@@ -213,22 +237,100 @@ class DataDir(WriteAheadLog):
             reverse=True,
         )
         start = 0
+        damaged: list[tuple[int, str, snapshot.Loaded | None]] = []
         for n in snapshots:
             try:
-                found.parameters = snapshot.load(self.path, n, table)
+                loaded: snapshot.Loaded | None = snapshot.load(self.path, n, table)
             except PersistenceError as exc:
                 if not self.ignore_corrupt_snapshot:
                     raise PersistenceError(
-                        f"{exc}; the node will not start without it (to start from what "
-                        "the log still holds, losing what only the snapshot held, pass "
-                        "--ignore-corrupt-snapshot)"
+                        f"{exc}; the node will not start without it. To start anyway, pass "
+                        "--ignore-corrupt-snapshot: the parameters that pass their checksums "
+                        "are kept and the log replayed over them; what only the damaged ones "
+                        "held in the snapshot is lost (the file is kept aside)"
                     ) from exc
-                log.error("%s: ignored, as asked", exc)
-                continue
+                try:
+                    loaded = snapshot.load(self.path, n, table, salvage=True)
+                except PersistenceError as again:
+                    loaded = None
+                    exc = again
+                damaged.append((n, str(exc), loaded))
+                if loaded is None:
+                    continue  # (nothing in it could be read: an older one, or the log alone)
+                found.dropped.update(loaded.dropped)
+            assert loaded is not None
+            found.parameters = loaded.parameters
             found.snapshot = start = n
             break
         found.records, found.torn_bytes = self._recover_log(start, table)
+        if damaged:
+            self._replace_damaged(damaged, table, found)
         return found
+
+    def _replace_damaged(
+        self,
+        damaged: list[tuple[int, str, snapshot.Loaded | None]],
+        table: ParameterTable,
+        found: Recovered,
+    ) -> None:
+        """Write a snapshot of what was recovered, then set the damaged ones aside; say so.
+
+        In this order: until the new snapshot exists, the damaged one is where
+        it was (a crash here leaves the directory as it was found); once it
+        exists, the damaged files are renamed before anything older is dropped.
+        """
+        n = self.start_snapshot()
+        entries = [e for name in table.names() if (e := table.entry(name)) is not None]
+        data_path, _ = snapshot.write(self.path, n, entries, table.timestamp)
+        fsync_dir(self.path)
+        for number, problem, loaded in damaged:
+            aside = self._set_aside(number)
+            found.set_aside += aside
+            where = " and ".join(str(p) for p in aside) or "nowhere (its files are gone)"
+            if loaded is None:
+                log.warning(
+                    "%s: nothing in it can be read, so it is ignored, as asked (what only it "
+                    "held is lost unless the log holds it); its files are kept as %s",
+                    problem,
+                    where,
+                )
+                continue
+            dropped = "; ".join(f"{name!r} ({why})" for name, why in loaded.dropped.items())
+            log.warning(
+                "snapshot %s is damaged: %d parameter%s dropped, as asked: %s. The %d keys of "
+                "it that pass their checks are kept and the log replayed over them (bringing "
+                "back what it holds of the dropped ones). The damaged files are kept as %s",
+                snapshot.paths(self.path, number)[0],
+                len(loaded.dropped),
+                "" if len(loaded.dropped) == 1 else "s",
+                dropped,
+                loaded.parameters,
+                where,
+            )
+        self._drop_before(n)
+        log.warning(
+            "snapshot %s written: what the node recovered (%d keys)", data_path.name, len(entries)
+        )
+
+    def _set_aside(self, n: int) -> list[Path]:
+        """Rename snapshot ``n``'s files to ``<name>.corrupt-<time>``; answer the new paths.
+
+        (Names that recovery neither reads nor removes, nor a snapshot replaces.)
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        moved = []
+        for path in snapshot.paths(self.path, n):
+            if not path.exists():
+                continue
+            target = path.with_name(f"{path.name}.corrupt-{stamp}")
+            count = 1
+            while target.exists():
+                count += 1
+                target = path.with_name(f"{path.name}.corrupt-{stamp}-{count}")
+            os.rename(path, target)
+            moved.append(target)
+        fsync_dir(self.path)
+        return moved
 
     # -- snapshots ----------------------------------------------------------------
 

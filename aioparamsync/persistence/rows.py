@@ -42,7 +42,7 @@ from ..store.rows import RowTables, table_spec
 from ..wire import thrift
 from ..wire.binary import BinaryReader
 from . import PersistenceError
-from .snapshot import _SAFETENSORS_DTYPES
+from .safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
 from .wal import fsync_dir, write_record
 
 __all__ = ["ROWS_DIR", "RowStore"]
@@ -290,28 +290,19 @@ class RowStore:
     def _write_snapshot(
         self, n: int, specs: list[dict[str, Any]], arrays: dict[str, np.ndarray]
     ) -> None:
-        header: dict[str, Any] = {}
-        offset = 0
+        tensors: list[Tensor] = []
         for key, arr in arrays.items():
-            dtype = _SAFETENSORS_DTYPES.get(
+            dtype = SAFETENSORS_DTYPES.get(
                 "bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.str
             )
             if dtype is None:
                 raise PersistenceError(f"{key}: dtype {arr.dtype} has no safetensors name")
-            header[key] = {
-                "dtype": dtype,
-                "shape": list(arr.shape),
-                "data_offsets": [offset, offset + arr.nbytes],
-            }
-            offset += arr.nbytes
-        header["__metadata__"] = {"format": _FORMAT, "tables": json.dumps(specs)}
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
+            tensors.append((key, dtype, arr.shape, arr.nbytes))
+        metadata = {"format": _FORMAT, "tables": json.dumps(specs)}
         path = self.path / _name(n, "safetensors")
         tmp = path.with_suffix(".safetensors.tmp")
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
+            f.write(file_header(tensors, metadata))
             for arr in arrays.values():
                 f.write(memoryview(cast(Any, arr.reshape(-1).view(np.uint8))))
             f.flush()

@@ -9,6 +9,13 @@ without its ``.json`` a ``.safetensors`` is never read. Loading one checks
 every parameter against its ``.json`` (where it lies in the file, its size,
 its crc32) and merges them all into the table (last writer wins); a snapshot
 that fails its checks is a :class:`~aioparamsync.persistence.PersistenceError`.
+
+Salvaging (``salvage=True``, what ``--ignore-corrupt-snapshot`` asks for):
+each parameter has its own crc32, so one that fails its checks is dropped
+and every other one kept. A parameter stored as partitions is dropped whole
+when any of its keys (a partition, its manifest) fails: half of one is no
+value. Damage to what describes the file (its ``.json``, its header) leaves
+nothing to salvage: that is still an error.
 """
 
 from __future__ import annotations
@@ -22,15 +29,19 @@ import struct
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ParamSyncError
+from ..placement import parse_key
 from ..store.table import Entry, ParameterTable
+from ..values.partitions import readable
 from ..wire import thrift
 from . import PersistenceError
+from .safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
 
-__all__ = ["DATA_FILE", "META_FILE", "TMP_FILE", "load", "write"]
+__all__ = ["DATA_FILE", "META_FILE", "TMP_FILE", "Loaded", "load", "paths", "write"]
 
 log = logging.getLogger(__name__)
 
@@ -42,51 +53,51 @@ META_FILE = re.compile(r"snapshot-(\d{8})\.json")
 DATA_FILE = re.compile(r"snapshot-(\d{8})\.safetensors")
 # What a snapshot is written to before it is renamed into place.
 TMP_FILE = re.compile(r"snapshot-\d{8}\.(?:safetensors|json)\.tmp")
-# numpy dtype strings that safetensors has a name for (little-endian only).
-_SAFETENSORS_DTYPES = {
-    "<f8": "F64",
-    "<f4": "F32",
-    "<f2": "F16",
-    "<i8": "I64",
-    "<u8": "U64",
-    "<i4": "I32",
-    "<u4": "U32",
-    "<i2": "I16",
-    "<u2": "U16",
-    "|i1": "I8",
-    "|u1": "U8",
-    "|b1": "BOOL",
-    "<c8": "C64",
-    "bfloat16": "BF16",  # (its wire bytes are little-endian, as safetensors wants)
-}
-
 _RULE_FIELDS = [field[1] for _, field in sorted(thrift.Rule.thrift_spec.items())]
 
 
-def _paths(directory: Path, n: int) -> tuple[Path, Path]:
+def paths(directory: Path, n: int) -> tuple[Path, Path]:
     """Snapshot ``n``'s data and metadata files in ``directory``."""
     return directory / f"snapshot-{n:08d}.safetensors", directory / f"snapshot-{n:08d}.json"
 
 
-def _rule(fields: Any, name: str, path: Path) -> Any:
-    """The ``Rule`` a snapshot's metadata holds for ``name`` (None if none)."""
+def _rule(fields: Any, shown: str) -> Any:
+    """The ``Rule`` a snapshot's metadata holds for a key (None if none)."""
     if fields is None:
         return None
     if not isinstance(fields, dict) or not set(fields) <= set(_RULE_FIELDS):
-        raise PersistenceError(f"snapshot {path}: {name!r} has a malformed rule {fields!r}")
+        raise _Damaged(f"{shown} has a malformed rule {fields!r}")
     return thrift.Rule(**fields)
 
 
 # -- reading ----------------------------------------------------------------------
 
 
-def load(directory: Path, n: int, table: ParameterTable) -> int:
-    """Merge snapshot ``n`` in ``directory`` into ``table``; answer how many parameters it held.
+@dataclass
+class Loaded:
+    """What :func:`load` merged, and (salvaging) what it dropped.
+
+    Attributes:
+        parameters: the keys merged into the table.
+        dropped: each parameter dropped (a name, for one stored as partitions
+            too), with why: its damaged keys and what is wrong with each.
+    """
+
+    parameters: int = 0
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+def load(directory: Path, n: int, table: ParameterTable, *, salvage: bool = False) -> Loaded:
+    """Merge snapshot ``n`` in ``directory`` into ``table``; answer what it merged.
+
+    With ``salvage``, the parameters that fail their checks are dropped (see
+    the module) and the others merged; else nothing is merged.
 
     Raises:
-        PersistenceError: the snapshot cannot be read, or fails its checks.
+        PersistenceError: the snapshot cannot be read, or (not salvaging)
+            fails its checks. The table is then unchanged.
     """
-    data_path, meta_path = _paths(directory, n)
+    data_path, meta_path = paths(directory, n)
     try:
         meta = json.loads(meta_path.read_text())
         params = meta["parameters"]
@@ -99,7 +110,7 @@ def load(directory: Path, n: int, table: ParameterTable) -> int:
     except (OSError, ValueError) as exc:
         raise PersistenceError(f"snapshot {data_path} cannot be read: {exc}") from exc
     try:
-        return _merge_snapshot(meta_path, data_path, mapped, params, timestamp, table)
+        return _merge_snapshot(data_path, mapped, params, timestamp, table, salvage)
     except (KeyError, TypeError, ValueError) as exc:
         raise PersistenceError(
             f"snapshot {meta_path} does not describe {data_path}: {exc!r}"
@@ -107,13 +118,13 @@ def load(directory: Path, n: int, table: ParameterTable) -> int:
 
 
 def _merge_snapshot(
-    meta_path: Path,
     data_path: Path,
     mapped: mmap.mmap,
     params: dict[str, Any],
     timestamp: int,
     table: ParameterTable,
-) -> int:
+    salvage: bool,
+) -> Loaded:
     view = memoryview(mapped)
     try:
         (header_len,) = struct.unpack_from("<Q", view, 0)
@@ -125,28 +136,16 @@ def _merge_snapshot(
     loaded = 0
     last_report = time.monotonic()
     wire = []
+    damaged: dict[str, list[str]] = {}  # parameter -> what is wrong with its keys
     for name, p in params.items():
-        info = header.get(name)
-        if info is None:
-            raise PersistenceError(f"snapshot {data_path} lacks {name!r}")
-        start, end = (base + int(x) for x in info["data_offsets"])
-        if not base <= start <= end <= len(view) or end - start != int(p["nbytes"]):
-            raise PersistenceError(f"snapshot {data_path}: {name!r} lies outside the file")
-        data = view[start:end]
-        if zlib.crc32(data) != p["crc32"]:
-            raise PersistenceError(f"snapshot {data_path}: {name!r} fails its checksum")
-        wire.append(
-            thrift.Parameter(
-                name=name,
-                data=data,
-                version=p["version"],
-                dtype=p["dtype"],
-                shape=p["shape"],
-                origin=p["origin"],
-                rule=_rule(p.get("rule"), name, data_path),
-            )
-        )
-        loaded += end - start
+        try:
+            wire.append(_checked(view, base, header, name, p))
+        except _Damaged as exc:
+            if not salvage:
+                raise PersistenceError(f"snapshot {data_path}: {exc}") from None
+            damaged.setdefault(_parameter_of(name), []).append(str(exc))
+            continue
+        loaded += int(p["nbytes"])
         now = time.monotonic()
         if now - last_report >= PROGRESS_SECONDS:
             log.info(
@@ -157,12 +156,52 @@ def _merge_snapshot(
                 total >> 20,
             )
             last_report = now
+    if damaged:
+        wire = [p for p in wire if _parameter_of(p.name) not in damaged]
     try:
         table.merge(wire, timestamp)
     except ParamSyncError as exc:
         raise PersistenceError(f"snapshot {data_path}: {exc}") from exc
     log.info("loaded %s: %d parameters, %d MiB", data_path.name, len(wire), loaded >> 20)
-    return len(wire)
+    return Loaded(len(wire), {name: "; ".join(why) for name, why in damaged.items()})
+
+
+def _parameter_of(key: str) -> str:
+    """The parameter a key belongs to: its own name, or a partition's or manifest's name."""
+    parsed = parse_key(key) if "\x00" in key else None
+    return key if parsed is None else parsed[0]
+
+
+class _Damaged(Exception):
+    """One key of a snapshot fails its checks (the message says how, its key readable)."""
+
+
+def _checked(view: memoryview, base: int, header: dict[str, Any], name: str, p: Any) -> Any:
+    """The ``Parameter`` of ``name`` in the snapshot, checked against its ``.json``.
+
+    Raises:
+        _Damaged: it is missing from the file, lies outside it, fails its
+            checksum, or has a malformed rule.
+    """
+    shown = readable(repr(name))
+    info = header.get(name)
+    if info is None:
+        raise _Damaged(f"the file lacks {shown}")
+    start, end = (base + int(x) for x in info["data_offsets"])
+    if not base <= start <= end <= len(view) or end - start != int(p["nbytes"]):
+        raise _Damaged(f"{shown} lies outside the file")
+    data = view[start:end]
+    if zlib.crc32(data) != p["crc32"]:
+        raise _Damaged(f"{shown} fails its checksum")
+    return thrift.Parameter(
+        name=name,
+        data=data,
+        version=p["version"],
+        dtype=p["dtype"],
+        shape=p["shape"],
+        origin=p["origin"],
+        rule=_rule(p.get("rule"), shown),
+    )
 
 
 # -- writing ----------------------------------------------------------------------
@@ -174,21 +213,16 @@ def write(directory: Path, n: int, entries: Sequence[Entry], timestamp: int) -> 
     The directory itself is not synced: the caller does that. Answer the
     snapshot's data file and the bytes of data it holds.
     """
-    header: dict[str, Any] = {}
+    tensors: list[Tensor] = []
     params: dict[str, Any] = {}
     offset = 0
     for e in entries:
-        dtype = _SAFETENSORS_DTYPES.get(e.dtype or "")
+        dtype = SAFETENSORS_DTYPES.get(e.dtype or "")
         shape = list(e.shape) if e.shape is not None else None
         if dtype is None or shape is None:
-            dtype, st_shape = "U8", [e.nbytes]  # other layouts: their bytes
+            tensors.append((e.name, "U8", [e.nbytes], e.nbytes))  # other layouts: their bytes
         else:
-            st_shape = shape
-        header[e.name] = {
-            "dtype": dtype,
-            "shape": st_shape,
-            "data_offsets": [offset, offset + e.nbytes],
-        }
+            tensors.append((e.name, dtype, shape, e.nbytes))
         params[e.name] = {
             "version": e.version,
             "origin": e.origin,
@@ -202,14 +236,11 @@ def write(directory: Path, n: int, entries: Sequence[Entry], timestamp: int) -> 
                 k: getattr(e.rule, k) for k in _RULE_FIELDS if getattr(e.rule, k) is not None
             }
         offset += e.nbytes
-    header["__metadata__"] = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    data_path, meta_path = _paths(directory, n)
+    metadata = {"format": "aioparamsync snapshot 1", "timestamp": str(timestamp)}
+    data_path, meta_path = paths(directory, n)
     tmp = data_path.with_suffix(".safetensors.tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+        f.write(file_header(tensors, metadata))
         for e in entries:
             f.write(e.data)
         f.flush()

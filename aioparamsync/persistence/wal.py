@@ -15,7 +15,11 @@ that record, so a crash amid the batch leaves none of it (see
 
 Reading back, a record cut short or failing its checksum at the end of the
 last segment is a torn write: it is cut off, with a warning. Damage anywhere
-else is an error: the node refuses to start rather than lose data silently.
+else is an error: the node refuses to start rather than lose data silently,
+and says what starting anyway would lose. With ``ignore_corrupt_log``
+(``--ignore-corrupt-log``) it starts from the log up to the damage: that
+segment is cut there, and its whole copy and every later segment are kept
+aside (``wal-N.log.corrupt-<time>``), never deleted, as a warning says.
 
 :class:`WriteAheadLog` holds the log's state (the segment being written, its
 descriptor, what is not synced yet); :class:`~.datadir.DataDir` is one, with
@@ -128,6 +132,14 @@ def _latest(params: Iterable[Any]) -> list[Any]:
     return list(latest.values())
 
 
+class _Damaged(Exception):
+    """Replay met damage that is not a torn write, and was asked to go on without the rest."""
+
+    def __init__(self, path: Path, pos: int, records: int) -> None:
+        super().__init__(path, pos, records)
+        self.path, self.pos, self.records = path, pos, records
+
+
 class WriteAheadLog:
     """The log in a directory: replaying it, appending to it, syncing it.
 
@@ -151,6 +163,8 @@ class WriteAheadLog:
         # by the next segment, the wrong file.
         self._fd_lock = threading.Lock()
         self.wal_bytes = 0  # bytes in the log since the last snapshot
+        #: replay up to damage that is not a torn write, and set the rest aside
+        self.ignore_corrupt_log = False
         self._last_sync = 0.0
         self._dirty = False
         self.records_written = 0
@@ -171,7 +185,13 @@ class WriteAheadLog:
         held: list[Any] = []  # large parameters whole, waiting for their batch's record
         for i, n in enumerate(segments):
             last = i == len(segments) - 1
-            records, torn = self._replay(n, table, uploads, held, last=last)
+            try:
+                records, torn = self._replay(n, table, uploads, held, last=last)
+            except _Damaged as exc:
+                records_total += exc.records
+                self._set_aside_from(exc, segments[i + 1 :])
+                segments = segments[: i + 1]
+                break
             records_total += records
             torn_total += torn
         if uploads.statistics()["uploads_open"] or held:
@@ -222,10 +242,8 @@ class WriteAheadLog:
                 # bytes after it (a power cut): any other damage is not one.
                 rest_is_zeros = not data[max(end, pos + _RECORD.size) :].strip(b"\0")
                 if not last or not (end >= len(data) or rest_is_zeros):
-                    raise PersistenceError(
-                        f"{path} is damaged at byte {pos} ({problem}) and records follow "
-                        "it: not a torn write; the node will not start"
-                    )
+                    self._damaged(path, pos, len(data), f"({problem}) and records follow it", n)
+                    raise _Damaged(path, pos, records)
                 torn = len(data) - pos
                 log.warning(
                     "%s: cutting %d bytes at its end (%s: a write torn by a crash)",
@@ -259,13 +277,66 @@ class WriteAheadLog:
                     held.clear()
                     table.merge(_latest(params), update.timestamp)
             except ParamSyncError as exc:
-                raise PersistenceError(
-                    f"{path}: record at byte {pos} passes its checksum but cannot be applied: {exc}"
-                ) from exc
+                self._damaged(path, pos, len(data), f"(a record that cannot be applied: {exc})", n)
+                raise _Damaged(path, pos, records) from exc
             records += 1
             pos = end
         self.wal_bytes += pos
         return records, 0
+
+    def _later(self, n: int) -> list[Path]:
+        return sorted(
+            p
+            for p in self.path.iterdir()
+            if (m := SEGMENT_FILE.fullmatch(p.name)) is not None and int(m[1]) > n
+        )
+
+    def _damaged(self, path: Path, pos: int, size: int, problem: str, n: int) -> None:
+        """Raise PersistenceError for damage at byte ``pos`` of segment ``n`` (``path``, ``size``
+        bytes), saying what starting anyway would lose, unless ``ignore_corrupt_log``."""
+        if self.ignore_corrupt_log:
+            return
+        later = self._later(n)
+        lost = f"its last {size - pos} bytes"
+        if later:
+            lost += f" and the {len(later)} segments after it ({', '.join(p.name for p in later)})"
+        raise PersistenceError(
+            f"{path} is damaged at byte {pos} {problem}: not a torn write; the node will not "
+            f"start. To start anyway, pass --ignore-corrupt-log: the log is replayed up to "
+            f"byte {pos} of {path.name}, losing the updates in {lost}, which are kept aside "
+            "(--ignore-corrupt-snapshot is for snapshots: it does not skip this)"
+        )
+
+    def _set_aside_from(self, damaged: _Damaged, later: Sequence[int]) -> None:
+        """Cut the damaged segment at the damage, keeping a whole copy of it and every
+        later segment aside (``.corrupt-<time>``); say so."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        path, pos = damaged.path, damaged.pos
+        copy = path.with_name(f"{path.name}.corrupt-{stamp}")
+        with open(path, "rb") as src, open(copy, "xb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        moved = []
+        for n in later:
+            segment = self.path / segment_name(n)
+            target = segment.with_name(f"{segment.name}.corrupt-{stamp}")
+            os.rename(segment, target)
+            moved.append(target)
+        fsync_dir(self.path)
+        with open(path, "r+b") as f:
+            f.truncate(pos)
+            os.fsync(f.fileno())
+        self.wal_bytes += pos
+        log.warning(
+            "%s is damaged at byte %d: replayed up to there, as asked (--ignore-corrupt-log); "
+            "the updates after it are lost. Its whole copy is kept as %s%s",
+            path,
+            pos,
+            copy,
+            "".join(f", and {p}" for p in moved),
+        )
 
     # -- appending ----------------------------------------------------------------
 

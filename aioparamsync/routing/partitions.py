@@ -21,7 +21,6 @@ itself) do the same: see :mod:`aioparamsync.values.partitions` for the layout.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,20 +28,18 @@ from ..errors import ErrorCode, RequestError
 from ..placement import parse_key
 from ..values import partitions as layouts
 from ..values.compression import decode_parameter
-from ..values.partitions import Layout
+from ..values.partitions import Layout, readable
 from ..wire import thrift
 
-__all__ = ["collapse", "cut", "gather", "manifests_of", "readable"]
+__all__ = ["Replaced", "collapse", "cut", "gather", "manifests_of", "readable"]
 
-# A partition's or manifest's key as repr() shows it in a message.
-_KEY_IN_MESSAGE = re.compile(r"\\x00#(m|\d+)")
+# How many times a read is made again when a parameter was replaced amid it.
+READ_AGAIN = 3
 
 
-def readable(message: str) -> str:
-    """``message`` with partition keys as ``name[partition i]`` (manifests: ``name[manifest]``)."""
-    return _KEY_IN_MESSAGE.sub(
-        lambda m: "[manifest]" if m.group(1) == "m" else f"[partition {m.group(1)}]", message
-    )
+class Replaced(RequestError):
+    """(UNAVAILABLE) A partition read does not fit the manifest read before it: the
+    parameter was replaced between the two. Reading again reads the new one."""
 
 
 def readable_error(exc: RequestError) -> RequestError:
@@ -80,12 +77,51 @@ async def gather(
     response: Any,
     read: Callable[[Any], Awaitable[Any]],
     *,
+    again: Callable[[], Awaitable[Any]] | None = None,
     encoding: str | None = None,
     max_nbytes: int | None = None,
     limits: bool = False,
     join: bool = True,
 ) -> Any:
     """``response`` with each manifest in it replaced by its parameter, whole (see the module).
+
+    Args:
+        again: makes the read ``response`` answers again, for when a parameter
+            was replaced amid it (its partitions do not fit its manifest: see
+            :class:`Replaced`); up to ``READ_AGAIN`` times. None: not again.
+
+    The other arguments are :func:`_gather_once`'s.
+    """
+    left = READ_AGAIN
+    while True:
+        try:
+            return await _gather_once(
+                request,
+                response,
+                read,
+                encoding=encoding,
+                max_nbytes=max_nbytes,
+                limits=limits,
+                join=join,
+            )
+        except Replaced:
+            if not left or again is None:
+                raise
+            left -= 1
+            response = await again()
+
+
+async def _gather_once(
+    request: Any,
+    response: Any,
+    read: Callable[[Any], Awaitable[Any]],
+    *,
+    encoding: str | None = None,
+    max_nbytes: int | None = None,
+    limits: bool = False,
+    join: bool = True,
+) -> Any:
+    """``response`` with each manifest in it replaced by its parameter, whole: one try.
 
     Args:
         request: the read ``response`` answers.
@@ -168,7 +204,7 @@ async def gather(
             )
         except ValueError as exc:
             # (a replace of the parameter came between its manifest and a partition)
-            raise RequestError(ErrorCode.UNAVAILABLE, f"{exc}: read it again") from None
+            raise Replaced(ErrorCode.UNAVAILABLE, f"{exc}: read it again") from None
         params.append(assembled)
     return thrift.ParameterResponse(params=params, timestamp=stamp)
 

@@ -366,20 +366,19 @@ class GradientPushes:
 
     def _check(self, parts: dict[str | None, list[Any]]) -> None:
         """Refuse a push that cannot be folded, before any of its parts is."""
-        # Checked here first (this node holds every parameter too): a push
-        # that cannot be folded is refused before any part of it is. This
-        # node's own part is decoded once, for the check and its fold; an
-        # encoded part another node folds is left to it to decode and check.
-        # (One not here yet may be at its owner, just made elsewhere: the
-        # owner decides.)
+        # Checked here first, of every parameter this node holds (a replica
+        # of those other nodes fold too): a push that cannot be folded is
+        # refused before any part of it is. This node's own part is decoded
+        # once, for the check and its fold; an encoded part another node folds
+        # is left to it to decode and check, as are the parameters this node
+        # does not hold (their primaries decide: what the others folded is
+        # remembered under the push's id, see PushLedger).
         if None in parts:
             parts[None] = list(decoded_parameters(parts[None], self.max_decoded_bytes))
-        checked = [g for gs in parts.values() for g in gs if not g.encoding]
-        try:
-            self.store.table.check_gradients(checked)
-        except RequestError as exc:
-            if exc.code != ErrorCode.UNKNOWN_PARAMETER:
-                raise
+        table = self.store.table
+        table.check_gradients(
+            [g for gs in parts.values() for g in gs if not g.encoding and g.name in table]
+        )
 
     def _acks_all(self, push: Any) -> bool:
         cluster = self.cluster

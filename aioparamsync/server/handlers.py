@@ -436,6 +436,9 @@ class ParameterService:
                 router.check_routed(names)
             else:
                 parts = router.write_parts(names)
+        if shrinking := partitioned.shrinking(params):  # (stored as partitions here, now whole)
+            shrunk = partitioned.shrink(update, params, parts, acks, shrinking)
+            return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
             return self.store.submit(
                 self.partitioned.checked(self._incoming(params)),

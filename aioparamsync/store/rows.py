@@ -28,10 +28,10 @@ import numpy as np
 
 from ..errors import ErrorCode, RequestError
 from ..placement import bucket_of
+from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
-from ..values.rows import Init, RowBlock, RowRule
-from ..values.rows import TableSpec as RowsSpec
+from ..values.rows import BlockSpec, Init, RowBlock, RowRule
 from ..values.rowwire import decode_ids, encode_ids
 from ..wire import thrift
 
@@ -65,7 +65,7 @@ class TableSpec:
     name: str
     dim: int
     dtype: np.dtype
-    rows: RowsSpec  # what a bucket's block is made by
+    rows: BlockSpec  # what a bucket's block is made by
     buckets: int
     row_ttl: float  # seconds; 0: never
     wire: Any  # the IDL's Table, every default filled in
@@ -119,8 +119,8 @@ def table_spec(t: Any) -> TableSpec:
     rule = t.rule if t.rule is not None else thrift.Rule(kind=DEFAULT_RULE)
     try:
         init = Init(kind, scale, t.seed if t.seed is not None else 0)
-        row_rule = _row_rule(rule)
-        rows = RowsSpec(name, t.dim, _ROW_DTYPES[wire_dtype(dtype)], init, row_rule)
+        row_rule = RowRule.of(rule)
+        rows = BlockSpec(name, t.dim, _ROW_DTYPES[wire_dtype(dtype)], init, row_rule)
     except RequestError as exc:
         raise _bad(f"table {name!r}: {exc.message}") from None
     wire = thrift.Table(
@@ -139,29 +139,12 @@ def table_spec(t: Any) -> TableSpec:
             beta2=row_rule.beta2,
             eps=row_rule.eps,
             initial_accumulator=row_rule.initial_accumulator,
+            allow_nonfinite=row_rule.allow_nonfinite,
         ),
         buckets=buckets,
         row_ttl_seconds=float(ttl),
     )
     return TableSpec(name, t.dim, dtype, rows, buckets, float(ttl), wire)
-
-
-def _row_rule(rule: Any) -> RowRule:
-    """The row rule of the IDL's ``Rule``: sgd, adagrad or adam, without momentum or
-    weight decay; adagrad's eps is torch's (1e-10) unless given."""
-    kind = rule.kind
-    if kind not in ("sgd", "adagrad", "adam"):
-        raise _bad(f"rows fold by sgd, adagrad or adam, not {kind!r}")
-    if rule.momentum or rule.weight_decay:
-        raise _bad(f"rule {kind} of rows takes lr, eps and betas, no momentum or weight_decay")
-    given = {
-        f: getattr(rule, f)
-        for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator")
-        if getattr(rule, f) is not None
-    }
-    if kind == "adagrad" and "eps" not in given:
-        given["eps"] = 1e-10
-    return RowRule(kind, **given)
 
 
 class RowTable:
@@ -224,8 +207,7 @@ class RowTable:
                 f"table {self.spec.name!r}: gradients of shape {grads.shape} for {len(ids)} "
                 f"ids of width {self.spec.dim}",
             )
-        if not np.isfinite(grads).all():
-            raise _bad(f"table {self.spec.name!r}: gradients hold values that are not finite")
+        rules.check_finite(f"table {self.spec.name!r}: gradients", grads, self.spec.wire.rule)
 
     def fold(
         self, ids: np.ndarray, grads: np.ndarray, now: float

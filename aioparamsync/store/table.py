@@ -11,6 +11,16 @@ steps on the same event loop, so it sees every update wholly or not at all,
 and the :class:`Entry` objects it collects are immutable: an update replaces
 entries, it never changes one. Their ``data`` is a read-only view of the
 bytes the update arrived in.
+
+A name is held whole (under the name) or as partitions (its manifest, under
+:func:`~aioparamsync.placement.manifest_key`, placed with the name), never
+both: the two keys are one parameter's, so of the two the one with the
+larger ``(version, origin)`` stands (:func:`lww_key`; at equal keys, the
+manifest), and storing it removes the other, in the same step. So a
+parameter changes between whole and partitions atomically where its name is
+held, and its replicas converge on the same one whatever the order in which
+updates reach them. An update of either key makes its version exceed the
+other's.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, RequestError
-from ..placement import parse_key
+from ..placement import manifest_key, parse_key
 from ..values import rules
 from ..values.arrays import check_layout, dtype_name, from_parameter, is_bfloat16
 from ..wire import thrift
@@ -167,6 +177,18 @@ def _readonly(data: Any, together: int = 0) -> memoryview:
     return view.toreadonly()
 
 
+def _manifest_of(key: str) -> str | None:
+    """The name ``key`` is the manifest of, or None (a name, a partition, another key)."""
+    parsed = parse_key(key)
+    return parsed[0] if parsed is not None and parsed[1] is None else None
+
+
+def _stands(held: Any, given: Any) -> bool:
+    """Whether ``held`` stands against ``given``, the other key of its parameter (see the
+    module): the larger ``lww_key``; at equal ones, the manifest."""
+    return (lww_key(held), "\x00" in held.name) >= (lww_key(given), "\x00" in given.name)
+
+
 def _together(together: Mapping[tuple[int, str], int], key: str, data: Any) -> int:
     if not together or type(data) is not memoryview or data.obj is None:
         return 0
@@ -206,6 +228,7 @@ class ParameterTable:
         self.timestamp = 0
         self._entries: dict[str, Entry] = {}
         self._nbytes = 0
+        self._manifests = 0  # manifests held (none: a name has no other key to look up)
         # What each parameter's rule keeps between gradient steps (this node's
         # own: optimizer state is not replicated).
         self._states: dict[str, rules.State] = {}
@@ -265,11 +288,23 @@ class ParameterTable:
                 found.append(entry)
         return found
 
+    def partner(self, key: str) -> str | None:
+        """The other key of ``key``'s parameter (a name's manifest, a manifest's name), or None.
+
+        None too for a name when no manifest is held (nothing to look up).
+        """
+        if "\x00" in key:
+            return _manifest_of(key)
+        return manifest_key(key) if self._manifests else None
+
     def check(self, params: Sequence[Any], *, replicated: bool = False) -> None:
         """Raise :class:`RequestError` if the update ``params`` may not be applied."""
         self._check_names(params, what="parameters")
+        partitioned = []  # the names of the manifests among params
         for p in params:
             name = p.name
+            if "\x00" in name and (whole := _manifest_of(name)) is not None:
+                partitioned.append(whole)
             if p.data is None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} has no data")
             if p.encoding or p.total_bytes is not None:
@@ -301,6 +336,11 @@ class ParameterTable:
                 check_keeps_layout(
                     current, nbytes, p.dtype, p.shape, lossy=getattr(p, "lossy", False)
                 )
+        if partitioned and not replicated and (both := set(partitioned) & {p.name for p in params}):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{sorted(both)[0]!r} is both whole and as partitions in one update",
+            )
 
     def apply(self, params: Sequence[Any], timestamp: int) -> Applied:
         """Apply one update wholly, or raise :class:`RequestError` and change nothing.
@@ -312,9 +352,15 @@ class ParameterTable:
         entries = self._entries
         together = _partitions_together(params) if len(params) > 1 else {}
         made = []
+        replaced = []  # the other keys of parameters written (see the module)
         for p in params:
             current = entries.get(p.name)
             stored = current.version if current is not None else 0
+            if self._manifests or "\x00" in p.name:  # (else no other key: see partner)
+                partner = self.partner(p.name)
+                if partner is not None and (other := entries.get(partner)) is not None:
+                    stored = max(stored, other.version)  # (it replaces the other: see the module)
+                    replaced.append(partner)
             given = p.version or 0
             dtype = p.dtype
             shape = tuple(p.shape) if p.shape is not None else None
@@ -344,7 +390,7 @@ class ParameterTable:
                     rule,
                 )
             )
-        return self._store(made, timestamp)
+        return self._store(made, timestamp, replaced)
 
     def fold(self, grads: Sequence[Any], timestamp: int) -> Applied:
         """Fold gradients into their parameters by each one's rule, wholly or not at all.
@@ -385,6 +431,9 @@ class ParameterTable:
     def check_gradients(self, grads: Sequence[Any]) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
 
+        A gradient holding NaN or inf is refused unless its parameter's rule
+        allows them (see :func:`~aioparamsync.values.rules.check_finite`).
+
         Answers, for each, its parameter's entry, the parameter's array and the gradient's.
         """
         self._check_names(grads, what="gradients")
@@ -421,6 +470,7 @@ class ParameterTable:
                     f"{weights.shape}",
                 )
             check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
+            rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
             work.append((current, weights, grad))
         return work
 
@@ -470,16 +520,27 @@ class ParameterTable:
         """
         self.check(params, replicated=True)
         entries = self._entries
+        # (a message may hold both keys of a parameter: the newer of them is merged)
+        given = {p.name: p for p in params} if any("\x00" in p.name for p in params) else {}
         made = []
+        replaced = []
         for p in params:
             current = entries.get(p.name)
             if current is not None and lww_key(current) >= lww_key(p):
                 continue
+            name = p.name
+            partner = manifest_key(name) if given and "\x00" not in name else self.partner(name)
+            if partner is not None:
+                others = [o for o in (given.get(partner), entries.get(partner)) if o is not None]
+                if any(_stands(other, p) for other in others):
+                    continue  # (the parameter's other key is newer: see the module)
+                if partner in entries:
+                    replaced.append(partner)
             shape = tuple(p.shape) if p.shape is not None else None
             made.append(
                 Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin, p.rule)
             )
-        return self._store(made, timestamp)
+        return self._store(made, timestamp, replaced)
 
     def drop(self, held: Mapping[str, tuple[int, str]]) -> list[str]:
         """Forget parameters handed to other nodes: each name whose ``lww_key`` is
@@ -490,21 +551,32 @@ class ParameterTable:
         for name, key in held.items():
             entry = entries.get(name)
             if entry is not None and lww_key(entry) <= key:
-                del entries[name]
-                self._nbytes -= entry.nbytes
-                self._states.pop(name, None)
+                self._remove(name)
                 dropped.append(name)
         return dropped
 
-    def _store(self, made: list[Entry], timestamp: int) -> Applied:
-        # Nothing here can fail: the update is applied whole.
+    def _remove(self, name: str) -> None:
+        entry = self._entries.pop(name)
+        self._nbytes -= entry.nbytes
+        self._states.pop(name, None)
+        if "\x00" in name and _manifest_of(name) is not None:
+            self._manifests -= 1
+
+    def _store(self, made: list[Entry], timestamp: int, replaced: Sequence[str] = ()) -> Applied:
+        # Nothing here can fail: the update is applied whole. ``replaced``: the
+        # other keys of parameters in ``made``, which they replace (see the module).
         entries = self._entries
+        for key in replaced:
+            if key in entries:
+                self._remove(key)
         for entry in made:
             old = entries.get(entry.name)
             if old is not None:
                 self._nbytes -= old.nbytes
                 if (old.rule, old.dtype, old.shape) != (entry.rule, entry.dtype, entry.shape):
                     self._states.pop(entry.name, None)  # a new rule or layout starts over
+            elif "\x00" in entry.name and _manifest_of(entry.name) is not None:
+                self._manifests += 1
             entries[entry.name] = entry
             self._nbytes += entry.nbytes
         if timestamp > self.timestamp:

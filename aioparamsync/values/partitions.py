@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "layout_for",
     "manifest",
     "per_partition",
+    "readable",
     "split",
 ]
 
@@ -59,6 +61,15 @@ FORMAT = 1
 _ENCODED_ITEM = {"fp16": 2, "bf16": 2, "int8": 1}
 # Encodings a parameter is cut in as it is (each element's bytes on their own).
 SPLITTABLE = frozenset((None, "fp16", "bf16", "int8", "topk"))
+# A partition's or manifest's key as repr() shows it in a message.
+_KEY_IN_MESSAGE = re.compile(r"\\x00#(m|\d+)")
+
+
+def readable(message: str) -> str:
+    """``message`` with partition keys as ``name[partition i]`` (manifests: ``name[manifest]``)."""
+    return _KEY_IN_MESSAGE.sub(
+        lambda m: "[manifest]" if m.group(1) == "m" else f"[partition {m.group(1)}]", message
+    )
 
 
 def per_partition(partition_bytes: int, plain: bool = False) -> int:

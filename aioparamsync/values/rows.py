@@ -1,6 +1,6 @@
 """Sparse embedding tables: rows made on first touch, folded by sgd, adagrad or lazy adam.
 
-An embedding table (:class:`TableSpec`) has a name, a row width ``dim``, a
+An embedding table (:class:`BlockSpec`) has a name, a row width ``dim``, a
 storage dtype, an initializer (:class:`Init`) and a fold rule
 (:class:`RowRule`). Its ids are any int64s, not a dense range; a
 :class:`RowBlock` holds the rows of one bucket of one table: a
@@ -48,15 +48,12 @@ from .rowspec import (
     DTYPES,
     INIT_KINDS,
     RULE_KINDS,
+    BlockSpec,
     Init,
     RowRule,
-    TableSpec,
     _bad,
     _real,
-    adagrad,
-    adam,
     normal,
-    sgd,
     uniform,
     zeros,
 )
@@ -65,15 +62,12 @@ __all__ = [
     "DTYPES",
     "INIT_KINDS",
     "RULE_KINDS",
+    "BlockSpec",
     "Init",
     "RowBlock",
     "RowData",
     "RowRule",
-    "TableSpec",
-    "adagrad",
-    "adam",
     "normal",
-    "sgd",
     "sum_duplicates",
     "uniform",
     "zeros",
@@ -142,10 +136,10 @@ class RowBlock:
 
     Rows ``0 .. len-1`` of every block are live (the index's dense slots); the
     blocks grow by ``max(GROW_ROWS, capacity/4)`` rows and shrink after a
-    large eviction. Rule state is kept in :attr:`TableSpec.work_dtype`.
+    large eviction. Rule state is kept in :attr:`BlockSpec.work_dtype`.
     """
 
-    def __init__(self, spec: TableSpec, capacity: int = 0) -> None:
+    def __init__(self, spec: BlockSpec, capacity: int = 0) -> None:
         """An empty block of table ``spec`` with room for ``capacity`` rows."""
         self._spec = spec
         self._dtype = spec.np_dtype
@@ -162,7 +156,7 @@ class RowBlock:
             self._state[name] = np.empty(shape, np.int64 if name == "step" else self._work)
 
     @property
-    def spec(self) -> TableSpec:
+    def spec(self) -> BlockSpec:
         """The table this block holds rows of."""
         return self._spec
 
@@ -292,7 +286,8 @@ class RowBlock:
                 then unchanged.
         """
         ids = _check_ids(ids)
-        grads = _check_rows("grads", grads, len(ids), self._spec.dim)
+        finite = not self._spec.rule.allow_nonfinite
+        grads = _check_rows("grads", grads, len(ids), self._spec.dim, finite=finite)
         stamp = _check_time("now", now)
         uniq, summed = sum_duplicates(ids, grads, self._work)
         slots = self._ensure(uniq, stamp)
@@ -359,7 +354,7 @@ class RowBlock:
         return gone
 
     @classmethod
-    def from_export(cls, spec: TableSpec, arrays: Mapping[str, np.ndarray]) -> RowBlock:
+    def from_export(cls, spec: BlockSpec, arrays: Mapping[str, np.ndarray]) -> RowBlock:
         """A block of table ``spec`` holding the rows :meth:`export` answered.
 
         ``touched`` may be left out (every row is then stamped 0.0).
@@ -471,7 +466,9 @@ class RowBlock:
         if _has_duplicates(ids):
             raise _bad(f"table {self._spec.name!r}: ids repeat; each row is installed once")
         dim, n = self._spec.dim, len(ids)
-        rows = _check_rows("rows", rows, n, dim)
+        # (rows a rule that allows non-finite gradients folded may hold NaN or inf)
+        finite = not self._spec.rule.allow_nonfinite
+        rows = _check_rows("rows", rows, n, dim, finite=finite)
         names = self._spec.rule.state_names
         given = dict(state or {})
         if set(given) != set(names):
@@ -484,7 +481,7 @@ class RowBlock:
             if name == "step":
                 checked[name] = _check_steps(given[name], n)
                 continue
-            a = _check_rows(name, given[name], n, dim)
+            a = _check_rows(name, given[name], n, dim, finite=finite)
             if name != "exp_avg" and (a < 0).any():
                 raise _bad(f"{name}: a sum of squares cannot be negative")
             checked[name] = a
@@ -516,7 +513,7 @@ def _check_ids(ids: Any) -> np.ndarray:
     return ids
 
 
-def _check_rows(what: str, rows: Any, n: int, dim: int) -> np.ndarray:
+def _check_rows(what: str, rows: Any, n: int, dim: int, *, finite: bool = True) -> np.ndarray:
     rows = np.asarray(rows)
     if not _is_float(rows.dtype):
         raise _bad(f"{what} must be of a float dtype, not {rows.dtype}", ErrorCode.SHAPE_MISMATCH)
@@ -525,9 +522,10 @@ def _check_rows(what: str, rows: Any, n: int, dim: int) -> np.ndarray:
             f"{what} must have shape ({n}, {dim}) (a row of {dim} per id), not {rows.shape}",
             ErrorCode.SHAPE_MISMATCH,
         )
-    finite = np.isfinite(rows)
-    if not finite.all():
-        raise _bad(f"{what} has {finite.size - np.count_nonzero(finite)} NaN or infinite values")
+    if finite:
+        ok = np.isfinite(rows)
+        if not ok.all():
+            raise _bad(f"{what} has {ok.size - np.count_nonzero(ok)} NaN or infinite values")
     return rows
 
 

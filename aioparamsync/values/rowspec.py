@@ -4,7 +4,7 @@
 id): a counter-based hash (splitmix64), not a random stream, so every
 replica and every restart makes the same row, whichever other rows exist and
 in whatever order they were touched. :class:`RowRule` is how a row's
-gradient folds (sgd, adagrad, lazy adam: see :mod:`.rows`). :class:`TableSpec`
+gradient folds (sgd, adagrad, lazy adam: see :mod:`.rows`). :class:`BlockSpec`
 is the two with the name, width and dtype. Each is a frozen dataclass of
 plain values, checked when made (a :class:`RequestError` names the field).
 """
@@ -28,13 +28,10 @@ __all__ = [
     "INIT_KINDS",
     "RULE_KINDS",
     "STATE",
+    "BlockSpec",
     "Init",
     "RowRule",
-    "TableSpec",
-    "adagrad",
-    "adam",
     "normal",
-    "sgd",
     "uniform",
     "zeros",
 ]
@@ -205,6 +202,8 @@ class RowRule(_Plain):
         eps: adagrad's and adam's epsilon, > 0.
         beta1, beta2: adam's betas, in [0, 1).
         initial_accumulator: adagrad's initial ``s``, finite and >= 0.
+        allow_nonfinite: fold gradients holding NaN or inf (by default refused),
+            and so keep rows that hold them.
     """
 
     kind: str = "sgd"
@@ -213,12 +212,38 @@ class RowRule(_Plain):
     beta1: float = 0.9
     beta2: float = 0.999
     initial_accumulator: float = 0.0
+    allow_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
             raise _bad(f"rule: kind must be one of {', '.join(RULE_KINDS)}, not {self.kind!r}")
         for name, need, ok in _RULE_FIELDS:
             _check_number("rule", name, getattr(self, name), need, ok)
+        if not isinstance(self.allow_nonfinite, bool):
+            raise _bad(f"rule: allow_nonfinite is True or False, not {self.allow_nonfinite!r}")
+
+    @classmethod
+    def of(cls, rule: Any) -> RowRule:
+        """The row rule of the IDL's ``Rule`` (what :func:`aioparamsync.sgd`, ``adagrad``
+        and ``adam`` make, the one set of rule constructors): sgd, adagrad or adam,
+        without momentum or weight decay; adagrad's eps is torch's (1e-10) unless given.
+
+        Raises:
+            RequestError: (BAD_REQUEST) another kind, or momentum or weight decay.
+        """
+        kind = rule.kind
+        if kind not in ("sgd", "adagrad", "adam"):
+            raise _bad(f"rows fold by sgd, adagrad or adam, not {kind!r}")
+        if rule.momentum or rule.weight_decay:
+            raise _bad(f"rule {kind} of rows takes lr, eps and betas, no momentum or weight_decay")
+        given = {
+            f: getattr(rule, f)
+            for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator", "allow_nonfinite")
+            if getattr(rule, f) is not None
+        }
+        if kind == "adagrad" and "eps" not in given:
+            given["eps"] = 1e-10
+        return cls(kind, **given)
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -235,28 +260,11 @@ _RULE_FIELDS = (
 )
 
 
-def sgd(lr: float = 0.01) -> RowRule:
-    """``w -= lr*g`` (torch.optim.SGD on a sparse embedding)."""
-    return RowRule("sgd", lr)
-
-
-def adagrad(lr: float = 0.01, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> RowRule:
-    """torch.optim.Adagrad(lr, eps=eps, initial_accumulator_value=initial_accumulator)."""
-    return RowRule("adagrad", lr, eps=eps, initial_accumulator=initial_accumulator)
-
-
-def adam(
-    lr: float = 0.001, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
-) -> RowRule:
-    """Lazy adam with a step count per row (torch.optim.SparseAdam's arithmetic)."""
-    return RowRule("adam", lr, eps=eps, beta1=betas[0], beta2=betas[1])
-
-
 # -- tables ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class TableSpec(_Plain):
+class BlockSpec(_Plain):
     """What an embedding table is: name, row width, storage dtype, initializer, rule.
 
     Attributes:

@@ -12,6 +12,10 @@ trained locally with ``torch.optim.SGD`` or ``torch.optim.Adam``:
 - ``adam``: ``g' = g + wd*w``; ``m = b1*m + (1-b1)*g'``,
   ``v = b2*v + (1-b2)*g'^2``; ``w -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``.
 
+A gradient holding NaN or inf is refused (:func:`check_finite`), so that one
+worker's diverged step does not poison the value every worker reads, unless
+its parameter's rule was made with ``allow_nonfinite=True``.
+
 Nothing here knows of asyncio or the network: :func:`fold` is a function of
 arrays, and what it keeps between steps (:class:`State`) is a new object
 each step, so the store can compute a whole update before it changes
@@ -29,21 +33,41 @@ import numpy as np
 from ..errors import ErrorCode, RequestError
 from ..wire import thrift
 
-__all__ = ["KINDS", "State", "adagrad", "adam", "check_rule", "fold", "sgd", "sum_rule"]
+__all__ = [
+    "KINDS",
+    "State",
+    "adagrad",
+    "adam",
+    "check_finite",
+    "check_rule",
+    "fold",
+    "sgd",
+    "sum_rule",
+]
 
 KINDS = ("sum", "sgd", "adam")
 
 
-def sum_rule() -> Any:
-    """The rule ``w += g``."""
-    return thrift.Rule(kind="sum")
+def sum_rule(*, allow_nonfinite: bool = False) -> Any:
+    """The rule ``w += g``.
+
+    ``allow_nonfinite`` (every rule has it): fold gradients holding NaN or
+    inf too; by default they are refused (see :func:`check_finite`).
+    """
+    return thrift.Rule(kind="sum", allow_nonfinite=allow_nonfinite)
 
 
-def sgd(lr: float = 0.01, *, momentum: float = 0.0, weight_decay: float = 0.0) -> Any:
+def sgd(
+    lr: float = 0.01,
+    *,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    allow_nonfinite: bool = False,
+) -> Any:
     """The rule of ``torch.optim.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay)``."""
-    rule = thrift.Rule(kind="sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
-    check_rule("sgd", rule)
-    return rule
+    return _checked(
+        "sgd", lr=lr, momentum=momentum, weight_decay=weight_decay, allow_nonfinite=allow_nonfinite
+    )
 
 
 def adam(
@@ -52,21 +76,66 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    allow_nonfinite: bool = False,
 ) -> Any:
     """The rule of ``torch.optim.Adam(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)``."""
-    rule = thrift.Rule(
-        kind="adam", lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay
+    beta1, beta2 = betas
+    return _checked(
+        "adam",
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        allow_nonfinite=allow_nonfinite,
     )
-    check_rule("adam", rule)
+
+
+def _checked(kind: str, **fields: Any) -> Any:
+    """The ``Rule`` of ``kind`` with ``fields``, checked (:func:`check_rule`)."""
+    rule = thrift.Rule(kind=kind, **fields)
+    check_rule(kind, rule)
     return rule
 
 
-def adagrad(lr: float = 0.01, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> Any:
+def adagrad(
+    lr: float = 0.01,
+    *,
+    eps: float = 1e-10,
+    initial_accumulator: float = 0.0,
+    allow_nonfinite: bool = False,
+) -> Any:
     """The rule of ``torch.optim.Adagrad(lr=lr, eps=eps,
     initial_accumulator_value=initial_accumulator)``, for embedding tables' rows
     (:meth:`~aioparamsync.ParameterClient.create_table`): ``s += g^2``;
     ``w -= lr * g / (sqrt(s) + eps)``."""
-    return thrift.Rule(kind="adagrad", lr=lr, eps=eps, initial_accumulator=initial_accumulator)
+    return thrift.Rule(
+        kind="adagrad",
+        lr=lr,
+        eps=eps,
+        initial_accumulator=initial_accumulator,
+        allow_nonfinite=allow_nonfinite,
+    )
+
+
+def check_finite(what: str, grad: np.ndarray, rule: Any) -> None:
+    """Raise :class:`RequestError` (BAD_REQUEST) if ``grad`` holds NaN or inf and
+    ``rule`` does not allow them (``allow_nonfinite``).
+
+    One vectorized pass over the array; integer gradients have no such values.
+    ``what`` names the gradient in the message (e.g. ``"gradient 'w'"``).
+    """
+    if grad.dtype.kind in "iub" or (rule is not None and rule.allow_nonfinite):
+        return
+    finite = np.isfinite(grad)
+    if finite.all():
+        return
+    bad = finite.size - int(np.count_nonzero(finite))
+    raise RequestError(
+        ErrorCode.BAD_REQUEST,
+        f"{what} holds {bad} of {finite.size} values that are not finite (NaN or inf): "
+        "nothing of the push was folded (a rule made with allow_nonfinite=True folds them)",
+    )
 
 
 def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_high: bool) -> None:
@@ -83,6 +152,11 @@ def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_h
 
 def check_rule(name: str, rule: Any) -> None:
     """Raise :class:`RequestError` (BAD_REQUEST) unless ``rule`` is a rule a node can apply."""
+    if rule.allow_nonfinite is not None and not isinstance(rule.allow_nonfinite, bool):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{name!r}: rule allow_nonfinite is True or False, not {rule.allow_nonfinite!r}",
+        )
     if rule.kind not in KINDS:
         tables = " (adagrad is for embedding tables' rows)" if rule.kind == "adagrad" else ""
         raise RequestError(

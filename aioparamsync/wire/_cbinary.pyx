@@ -284,7 +284,8 @@ def read_message_begin(self):
         if pos + 8 <= end:
             word = <uint32_t>_i32_at(data + pos)
             n = _i32_at(data + pos + 4)
-            if word & 0xFFFF0000 == 0x80010000 and n >= 0 and pos + 8 + n + 4 <= end:
+            if (word & 0xFFFF0000 == 0x80010000 and 0 <= n <= self.name_limit
+                    and pos + 8 + n + 4 <= end):
                 try:
                     name = PyUnicode_DecodeUTF8(<const char*>data + pos + 8, n, NULL)
                 except UnicodeDecodeError:

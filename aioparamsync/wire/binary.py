@@ -88,7 +88,11 @@ class BinaryReader(Reader):
         if pos + 8 <= end:
             word, n = _S_MSG_HEAD.unpack_from(buf, pos)
             p = pos + 8
-            if word & 0xFFFF0000 == _BINARY_VERSION and n >= 0 and p + n + 4 <= end:
+            if (
+                word & 0xFFFF0000 == _BINARY_VERSION
+                and 0 <= n <= self.name_limit
+                and p + n + 4 <= end
+            ):
                 try:
                     name = str(buf[p : p + n], "utf-8")
                 except UnicodeDecodeError:
@@ -99,7 +103,7 @@ class BinaryReader(Reader):
         word = _S_BIN_MSG.unpack_from(self.buf, self._take(4))[0]
         if word & 0xFFFF0000 != _BINARY_VERSION:
             raise RemoteProtocolError(f"bad binary protocol version word {word:#010x}")
-        name = self._read_string()
+        name = self._read_name()
         seqid = self._read_i32()
         return name, word & 0xFF, seqid
 

@@ -31,11 +31,12 @@ from typing import Any
 from ..errors import LocalProtocolError
 from .binary import BinaryReader, BinaryWriter
 from .compact import CompactReader, CompactWriter
+from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import _S_I32, MAX_I32, Protocol
-from .reader import Reader
+from .reader import NeedData, Reader
 from .writer import Writer
 
-__all__ = ["decode_header", "encode_message"]
+__all__ = ["claimed_name_length", "decode_header", "encode_message"]
 
 # (an enum's member is slow to get: bound once)
 _PROTOCOL_BINARY = Protocol.BINARY
@@ -47,17 +48,45 @@ _READERS: dict[Protocol, type[Reader]] = {
 
 
 def decode_header(
-    payload: Any, protocol: Protocol, *, stream: bool = False, limit: int = MAX_I32
+    payload: Any,
+    protocol: Protocol,
+    *,
+    stream: bool = False,
+    limit: int = MAX_I32,
+    name_limit: int = MAX_METHOD_NAME_BYTES,
 ) -> tuple[str, int, int, Reader]:
     """Read a message's header: answer (name, type, seqid, reader).
 
-    ``reader.read_body(cls)`` then decodes the struct that follows.
+    ``reader.read_body(cls)`` then decodes the struct that follows. A method
+    name longer than ``name_limit`` bytes (by default, than any method of the
+    IDL) is a :class:`~aioparamsync.errors.RemoteProtocolError`.
     """
     # (an enum's hash is slow: test for the usual protocol first)
     reader_cls = BinaryReader if protocol is _PROTOCOL_BINARY else _READERS[protocol]
-    reader = reader_cls(payload, stream=stream, limit=limit)
+    reader = reader_cls(payload, stream=stream, limit=limit, name_limit=name_limit)
     name, mtype, seqid = reader.read_message_begin()
     return name, mtype, seqid, reader
+
+
+def claimed_name_length(begun: Any, protocol: Protocol) -> int | None:
+    """The length of the method name a message starting with the bytes ``begun`` claims.
+
+    None while ``begun`` does not hold it yet. (So a receiver can refuse a
+    message naming no method before the rest of it has come.)
+
+    Raises:
+        RemoteProtocolError: the bytes before it are no header's (compact: a
+            seqid longer than 5 bytes).
+    """
+    if protocol is _PROTOCOL_BINARY:  # (strict: the version word, then the name's length)
+        return _S_I32.unpack_from(begun, 4)[0] if len(begun) >= 8 else None
+    reader = _READERS[protocol](begun, stream=True)
+    try:
+        reader._take(2)  # (0x82, the version and the type)
+        reader._varint(5)  # type: ignore[attr-defined]  # (the seqid)
+        return reader._read_length()
+    except NeedData:
+        return None
 
 
 _WRITERS: dict[Protocol, type[Writer]] = {

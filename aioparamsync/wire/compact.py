@@ -68,8 +68,10 @@ class CompactReader(Reader):
     MIN_SIZE: ClassVar[dict[int, int]] = {TType.DOUBLE: 8}
     FIXED_SIZE: ClassVar[dict[int, int]] = {TType.BYTE: 1, TType.DOUBLE: 8}
 
-    def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
-        super().__init__(buf, stream=stream, limit=limit)
+    def __init__(
+        self, buf: Any, *, stream: bool = False, limit: int = MAX_I32, name_limit: int = MAX_I32
+    ) -> None:
+        super().__init__(buf, stream=stream, limit=limit, name_limit=name_limit)
         self._last_fid = 0
         self._fid_stack: list[int] = []
         self._bool: bool | None = None
@@ -102,7 +104,7 @@ class CompactReader(Reader):
         if seqid > 0xFFFFFFFF:
             raise RemoteProtocolError("seqid out of range")
         seqid = seqid - (1 << 32) if seqid > MAX_I32 else seqid
-        name = self._read_string()
+        name = self._read_name()
         return name, vt >> 5, seqid
 
     def _struct_begin(self) -> None:

@@ -12,8 +12,12 @@ starts 0x80 0x01 and a compact one 0x82; anything else is the first byte of
 a 4-byte big-endian frame length, and each frame's first byte then tells its
 protocol. A length must lie in ``0..max_frame_bytes``, checked before any
 allocation: an HTTP request ("GET " reads as a 1.19 GB frame) or a TLS
-handshake is refused at once. An empty frame is skipped (Apache Thrift's
-``TFramedTransport`` sends one when flushed with nothing written).
+handshake is refused at once. So is a frame whose first bytes begin no
+message, as soon as they are there: a first byte of neither protocol, or a
+method name longer than the IDL's longest (random bytes claim names of any
+length, and the rest of such a frame would never come). An empty frame is
+skipped (Apache Thrift's ``TFramedTransport`` sends one when flushed with
+nothing written).
 
 Small frames are read into one scratch buffer and copied out (one cheap
 copy). A frame larger than ``LARGE_FRAME_BYTES`` gets one buffer of its exact
@@ -40,7 +44,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RemoteProtocolError
+from .codec import claimed_name_length
+from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import Protocol
+from .reader import OverLimit, name_too_long
 from .stream import StreamMeasure
 
 __all__ = [
@@ -68,6 +75,7 @@ _S_LEN = struct.Struct("!i")
 _BINARY_BYTE = Protocol.BINARY.value
 _COMPACT_BYTE = Protocol.COMPACT.value
 _PROTOCOL_BINARY = Protocol.BINARY
+_FRAME_PROTOCOLS = {_BINARY_BYTE: Protocol.BINARY, _COMPACT_BYTE: Protocol.COMPACT}
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -98,13 +106,19 @@ _set_protocol = vars(Frame)["protocol"].__set__
 _set_framed = vars(Frame)["framed"].__set__
 
 
-def _describe_length(header: bytes, size: int) -> str:
-    what = f"frame length {size}"
+def _describe_length(header: bytes, size: int) -> str | None:
+    """What the bytes of a frame length that cannot be one look like, if anything."""
     if header.isascii() and header.decode("ascii").isprintable():
-        what += f" ({header!r}: this looks like text, e.g. HTTP; the node speaks Thrift)"
-    elif header[:2] in (b"\x16\x03", b"\x16\x02"):
-        what += " (this looks like a TLS handshake; the node is not using TLS)"
-    return what
+        return f"{header!r}: this looks like text, e.g. HTTP; the node speaks Thrift"
+    if header[:2] in (b"\x16\x03", b"\x16\x02"):
+        return "this looks like a TLS handshake; the node is not using TLS"
+    return None
+
+
+def _size(nbytes: int) -> str:
+    """``268435456`` -> ``"268435456 bytes, 256 MiB"``; sizes that are no whole MiB as bytes."""
+    mib, rest = divmod(nbytes, 1 << 20)
+    return f"{nbytes} bytes, {mib} MiB" if mib and not rest else f"{nbytes} bytes"
 
 
 class ReceiveBudget:
@@ -209,6 +223,8 @@ class Receiver:
             the owner calls ``buffer_updated(0)`` to go on. A large frame's
             share is given back when the owner calls :meth:`release_handed`
             (after handing the frame on) or :meth:`close`.
+        limit_name: what sets ``max_frame_bytes``, named in the error that
+            refuses a larger message (a node's flag; a client's own option).
 
     Raises (from :meth:`buffer_updated`):
         RemoteProtocolError: the bytes cannot be a valid message; the
@@ -221,10 +237,12 @@ class Receiver:
         *,
         framed: bool | None = None,
         budget: ReceiveBudget | None = None,
+        limit_name: str = "the node's --max-frame-bytes",
     ) -> None:
         if max_frame_bytes < 16:
             raise ValueError(f"max_frame_bytes must be at least 16, not {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
+        self.limit_name = limit_name
         self.framed = framed
         self.protocol: Protocol | None = None  # of the unframed stream
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -234,6 +252,7 @@ class Receiver:
         self._end = 0
         self._large: memoryview | None = None  # a large frame being filled
         self._large_filled = 0
+        self._begun_checked = False  # the method name the frame being received claims: checked
         self._stream = bytearray()  # unframed: bytes of the message(s) so far
         self._measure: StreamMeasure | None = None  # unframed: the walk of the message
         self.bytes_received = 0
@@ -280,6 +299,7 @@ class Receiver:
             self._large_filled += nbytes
             if self._budget is not None:
                 self._budget.received += nbytes
+            self._check_begun(self._large[: self._large_filled])
             if self._large_filled == len(self._large):
                 frames.append(self._finish_large())
             return frames
@@ -353,14 +373,15 @@ class Receiver:
             start = self._start
             size = _S_LEN.unpack_from(scratch, start)[0]
             if size < 0 or size > self.max_frame_bytes:
-                header = bytes(scratch[start : start + 4])
-                raise RemoteProtocolError(
-                    f"{_describe_length(header, size)} is outside 0..{self.max_frame_bytes}"
-                )
+                guess = _describe_length(bytes(scratch[start : start + 4]), size)
+                what = f"frame length {size}" + (f" ({guess})" if guess else "")
+                hint = f": {self._raise_limit()}" if guess is None and size > 0 else ""
+                raise RemoteProtocolError(f"{what} is outside 0..{self.max_frame_bytes}{hint}")
             if size == 0:
                 self._start = start + 4
                 continue
             available = self._end - start - 4
+            self._check_begun(scratch[start + 4 : min(self._end, start + 4 + size)])
             if size > LARGE_FRAME_BYTES and available < size:
                 budget = self._budget
                 if budget is not None and not self._reserved:
@@ -382,6 +403,7 @@ class Receiver:
                 self._drop_reservation()  # the frame came whole after all
             payload = memoryview(bytes(scratch[start + 4 : start + 4 + size]))  # one copy
             self._start = start + 4 + size
+            self._begun_checked = False
             if payload[0] == _BINARY_BYTE:  # (self._frame's common case, inlined)
                 frames.append(Frame(payload, _PROTOCOL_BINARY, True))
             else:
@@ -416,10 +438,32 @@ class Receiver:
         payload = self._large.toreadonly()
         self._large = None
         self._large_filled = 0
+        self._begun_checked = False
         # The budget is given back once the frame is handed on (release_handed).
         self._handed += self._reserved
         self._reserved = 0
         return self._frame(payload)
+
+    def _raise_limit(self) -> str:
+        """Which limit a message larger than ``max_frame_bytes`` would need raised."""
+        return f"more than {self.limit_name} ({_size(self.max_frame_bytes)}): raise it"
+
+    def _check_begun(self, begun: memoryview) -> None:
+        """Refuse a frame from its first bytes, ``begun``, where they are no message's
+        start: a first byte of neither protocol, or a method name longer than any
+        (so a frame of garbage is refused at once, not once its claimed length has come)."""
+        if self._begun_checked or not begun:
+            return
+        protocol = _FRAME_PROTOCOLS.get(begun[0])
+        if protocol is None:
+            self._frame(begun)  # (raises: neither binary nor compact)
+            return
+        n = claimed_name_length(begun, protocol)
+        if n is None:
+            return  # (not there yet: looked at again as more arrives)
+        if n > MAX_METHOD_NAME_BYTES:
+            raise name_too_long(n, MAX_METHOD_NAME_BYTES)
+        self._begun_checked = True
 
     def _frame(self, payload: memoryview) -> Frame:
         first = payload[0]
@@ -446,7 +490,10 @@ class Receiver:
                         f"not {self.protocol.value:#04x}"
                     )
                 self._measure = StreamMeasure(self.protocol, self.max_frame_bytes)
-            size = self._measure.feed(stream)
+            try:
+                size = self._measure.feed(stream)
+            except OverLimit as exc:
+                raise RemoteProtocolError(f"{exc}: {self._raise_limit()}") from None
             if size is None:
                 return
             self._measure = None

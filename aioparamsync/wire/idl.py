@@ -23,7 +23,16 @@ from typing import Any
 
 import thriftpy2
 
-__all__ = ["IDL_PATH", "METHODS", "SEED_IDL_PATH", "Method", "Methods", "method", "thrift"]
+__all__ = [
+    "IDL_PATH",
+    "MAX_METHOD_NAME_BYTES",
+    "METHODS",
+    "SEED_IDL_PATH",
+    "Method",
+    "Methods",
+    "method",
+    "thrift",
+]
 
 
 def _find(name: str) -> Path:
@@ -91,6 +100,10 @@ def _methods(service: Any) -> dict[str, Method]:
 
 
 _METHODS = _methods(thrift.ParameterSyncService)
+
+#: The longest method name (UTF-8 bytes): a message naming a longer one is no
+#: call of this service, refused once its length is read (not waited for).
+MAX_METHOD_NAME_BYTES = max(len(name.encode()) for name in _METHODS)
 
 #: method(name): the service's method called ``name``, or None. (The dict's own
 #: ``get``: looked up once or twice per call, on both sides.)

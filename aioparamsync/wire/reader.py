@@ -25,7 +25,7 @@ from ..errors import RemoteProtocolError
 from .plan import _PLANS, _build, _plan
 from .protocol import _S_I8, MAX_I32
 
-__all__ = ["NeedData", "Reader"]
+__all__ = ["NeedData", "OverLimit", "Reader", "name_too_long"]
 
 # Deepest nesting of structs and containers a message may have.
 MAX_DEPTH = 64
@@ -36,6 +36,15 @@ MAX_ELEMENTS = 2_000_000
 _SCALAR_TYPES = frozenset(
     (TType.BOOL, TType.BYTE, TType.I16, TType.I32, TType.I64, TType.DOUBLE, TType.STRING)
 )
+
+
+def name_too_long(n: int, limit: int) -> RemoteProtocolError:
+    """What a message whose method name claims ``n`` bytes, more than ``limit``, is."""
+    return RemoteProtocolError(f"method name of {n} bytes: longer than any method's ({limit})")
+
+
+class OverLimit(RemoteProtocolError):
+    """A message on a stream longer than the reader's ``limit`` (its receiver's frame limit)."""
 
 
 class NeedData(Exception):
@@ -54,9 +63,11 @@ class Reader:
         stream: True where more bytes may follow (unframed): running out
             raises :class:`NeedData` instead of a protocol error.
         limit: with ``stream``, the most bytes a message may take.
+        name_limit: the longest method name a message may have (bytes): a
+            longer one is refused as soon as its length is read, not waited for.
     """
 
-    __slots__ = ("buf", "depth", "elements", "end", "limit", "pos", "stream")
+    __slots__ = ("buf", "depth", "elements", "end", "limit", "name_limit", "pos", "stream")
     # The fewest bytes an element of each wire type takes (refuses counts
     # that cannot fit in what is left before anything is allocated).
     MIN_SIZE: ClassVar[dict[int, int]] = {}
@@ -64,7 +75,9 @@ class Reader:
     # only measures steps over many at once).
     FIXED_SIZE: ClassVar[dict[int, int]] = {}
 
-    def __init__(self, buf: Any, *, stream: bool = False, limit: int = MAX_I32) -> None:
+    def __init__(
+        self, buf: Any, *, stream: bool = False, limit: int = MAX_I32, name_limit: int = MAX_I32
+    ) -> None:
         if type(buf) is memoryview and buf.readonly and buf.format == "B" and buf.ndim == 1:
             self.buf = buf  # a frame's payload: already what we need
         else:
@@ -77,6 +90,7 @@ class Reader:
         self.end = len(view)
         self.stream = stream
         self.limit = limit
+        self.name_limit = name_limit
         self.depth = 0
         self.elements = 0
 
@@ -95,7 +109,7 @@ class Reader:
     def _overrun(self, n: int) -> None:
         if self.stream:
             if self.pos + n > self.limit:
-                raise RemoteProtocolError(
+                raise OverLimit(
                     f"message needs {self.pos + n} bytes, more than the limit of {self.limit}"
                 )
             raise NeedData(self.pos + n)
@@ -181,6 +195,16 @@ class Reader:
             return str(view, "utf-8")
         except UnicodeDecodeError as exc:
             raise RemoteProtocolError(f"string is not valid UTF-8: {exc}") from None
+
+    def _read_name(self) -> str:
+        """A message's method name; one of more than ``name_limit`` bytes is refused
+        at once, before its bytes are taken (on a stream: waited for)."""
+        start = self.pos
+        n = self._read_length()
+        if n > self.name_limit:
+            raise name_too_long(n, self.name_limit)
+        self.pos = start
+        return self._read_string()
 
     # -- the walk --------------------------------------------------------------
 

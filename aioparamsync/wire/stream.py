@@ -19,8 +19,9 @@ from thriftpy2.thrift import TType
 from ..errors import RemoteProtocolError
 from .codec import _READERS
 from .compact import CompactReader
+from .idl import MAX_METHOD_NAME_BYTES
 from .protocol import Protocol
-from .reader import MAX_DEPTH, NeedData, Reader
+from .reader import MAX_DEPTH, NeedData, OverLimit, Reader
 
 __all__ = ["StreamMeasure"]
 
@@ -58,7 +59,9 @@ class StreamMeasure:
         Raises:
             RemoteProtocolError: it is not a valid message, or is longer than ``limit``.
         """
-        reader = _READERS[self.protocol](buf, stream=True, limit=self.limit)
+        reader = _READERS[self.protocol](
+            buf, stream=True, limit=self.limit, name_limit=MAX_METHOD_NAME_BYTES
+        )
         reader.pos = self.pos
         reader.elements = self.elements
         try:
@@ -71,7 +74,7 @@ class StreamMeasure:
                 self.pos = reader.pos
                 self.elements = reader.elements
             if self.pos > self.limit:
-                raise RemoteProtocolError(
+                raise OverLimit(
                     f"message of {self.pos} bytes is longer than the limit of {self.limit}"
                 )
             return self.pos
