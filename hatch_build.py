@@ -213,16 +213,16 @@ def build_extensions(work: Path) -> dict[str, tuple[Path, str]]:
 
 def editable_files(built: dict[str, tuple[Path, str]], work: Path) -> dict[str, str]:
     """What an editable wheel holds: the extensions and their manifest, in EDITABLE_DIR."""
-    modules, files = {}, {}
+    entries, files = {}, {}
     for source, (cached, digest) in built.items():
-        modules[module_name(source)] = {
+        entries[module_name(source)] = {
             "extension": extension_path(source),
             "source": source,
             "sha256": digest,
         }
         files[str(cached)] = f"{EDITABLE_DIR}/{extension_path(source)}"
     manifest = work / MANIFEST
-    manifest.write_text(json.dumps({"tree": str(HERE), "modules": modules}, indent=1))
+    manifest.write_text(json.dumps({"tree": str(HERE), "modules": entries}, indent=1))
     files[str(manifest)] = f"{EDITABLE_DIR}/{MANIFEST}"
     return files
 
