@@ -256,13 +256,17 @@ class Router:
         if parts is None:
             parts = {None: list(by_name)}
 
+        # (here and part: no reference cycle of closures, which would keep the
+        # update's buffers alive until a collection)
+        async def here(names: list[str]) -> Any:
+            result = await local([p for n in names for p in by_name[n]])
+            if acks == "all" and cluster is not None:
+                await cluster.replicated(names)
+            return result
+
         async def part(target: str | None, names: list[str]) -> Any:
-            mine = [p for n in names for p in by_name[n]]
             if target is None:
-                result = await local(mine)
-                if acks == "all" and cluster is not None:
-                    await cluster.replicated(names)
-                return result
+                return await here(names)
             assert cluster is not None
             epoch = cluster.epoch
 
@@ -274,11 +278,8 @@ class Router:
                 return {"update": sub}
 
             return merge_results(
-                await self.pass_on(target, names, METHODS.push_parameters, make, mine_here)
+                await self.pass_on(target, names, METHODS.push_parameters, make, here)
             )
-
-        async def mine_here(names: list[str]) -> Any:
-            return await part(None, names)
 
         answers = await asyncio.gather(
             *(part(t, ns) for t, ns in parts.items()), return_exceptions=True
