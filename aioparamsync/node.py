@@ -443,8 +443,14 @@ class Node:
             await asyncio.wait({self._joining})
         try:
             handed = await self.cluster.transitions.leave(timeout)
-        finally:
+        except RequestError:
+            # It could not leave (it stays, holding its keys): it may be asked again.
+            self._leaving = None
+            raise
+        except BaseException:
             self.left.set()
+            raise
+        self.left.set()
         log.info("node %s left its cluster: %d keys handed off", self.node_id, handed)
         return handed
 
@@ -543,7 +549,10 @@ class Node:
         """
         try:
             if leave and self._writer is not None and self.cluster.state in (UP, JOINING):
-                await self.leave()
+                try:
+                    await self.leave()
+                except RequestError as exc:
+                    log.error("node %s stops without leaving its cluster: %s", self.node_id, exc)
             if self._joining is not None:
                 self._joining.cancel()
                 await asyncio.wait({self._joining})

@@ -767,6 +767,53 @@ async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lea
         )
 
 
+async def test_a_drain_the_coordinator_cannot_hear_of_keeps_the_node_and_its_keys(
+    etcd: Etcd,
+) -> None:
+    """With etcd out of reach, a node asked to leave cannot say so (placement is etcd's): it
+    hands nothing off, so it stays, holding its keys, and says why; once etcd is back, it
+    leaves, handing them off. (It left, handing off none: with R=1 their only copies.)"""
+    from aioparamsync import Node
+
+    prefix = new_prefix()
+    options: dict[str, Any] = {
+        "port": 0,
+        "coordinator": etcd.endpoint,
+        "coordinator_prefix": prefix,
+        "failure_timeout": TTL,
+        "replication_factor": 1,
+    }
+    async with Node(**options) as a, Node(**options) as b:
+
+        def both_live() -> None:
+            assert a.cluster.live == b.cluster.live == {a.node_id, b.node_id}
+
+        await eventually(both_live, timeout=SETTLE_TIMEOUT, interval=POLL)
+        values = {f"w{i}": np.full(4, i, np.float32) for i in range(40)}
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(values)
+        held = set(b.table.names())
+        assert held, "placement gave b none of 40 keys"
+        etcd.kill()
+        with pytest.raises(RequestError) as refused:
+            await b.leave(timeout=2.0)
+        assert refused.value.code == ErrorCode.UNAVAILABLE, refused.value
+        assert "it stays, holding its keys" in refused.value.message
+        assert not b.left.is_set() and b.cluster.state == "up"
+        assert held <= set(b.table.names())
+        await etcd.start()
+        await eventually(
+            lambda: assert_(b.readiness()[0] and a.readiness()[0]),
+            timeout=SETTLE_TIMEOUT,
+            interval=POLL,
+        )
+        assert await b.leave(timeout=SETTLE_TIMEOUT) >= len(held)
+        assert b.left.is_set()
+        async with ParameterClient(a.address, timeout=10) as client:
+            got = await client.get_arrays(list(values))
+        assert {n: v.tolist() for n, v in got.items()} == {n: v.tolist() for n, v in values.items()}
+
+
 async def test_rows_a_non_member_replicates_are_ignored_a_members_taken(etcd: Etcd) -> None:
     """A node whose lease expired is no member: rows it sends (``replicate_rows``) may
     be folds its replicas never confirmed, and are ignored, as its parameters are; the

@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from ..errors import ErrorCode, RequestError
 from ..placement import JOINING, LEAVING, LEFT, LIVE, UP
 from ..wire import METHODS
 from .links import LinkState, PeerLink
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 # The longest a node takes to join (pull what it will hold) before it serves
 # anyway (seconds): links that stay unreachable are not waited for.
 JOIN_TIMEOUT = 120.0
+# How often a node that leaves writes its state to the coordinator again while the
+# coordinator cannot be reached (seconds).
+PUBLISH_RETRY = 0.5
 
 
 class Transitions:
@@ -46,7 +50,7 @@ class Transitions:
         self.cluster = cluster
         #: while this node takes over as the primary of its keys (see join): done then
         self.settling: asyncio.Future[None] | None = None
-        self._published: asyncio.Future[None] | None = None  # the last state written to etcd
+        self._published: asyncio.Future[bool] | None = None  # the last state written to etcd
         self._rejoining: asyncio.Future[None] | None = None  # joining again, its lease lost
 
     async def stop(self) -> None:
@@ -60,18 +64,35 @@ class Transitions:
         """Write this node's new state to the coordinator, after the one before it."""
         self._published = asyncio.ensure_future(self._publish(state, self._published))
 
-    async def _publish(self, state: str, before: asyncio.Future[None] | None) -> None:
+    async def _publish(self, state: str, before: asyncio.Future[bool] | None) -> bool:
         if before is not None:
             await asyncio.wait({before})
         coordinator = self.cluster.coordinator
         assert coordinator is not None
         if not await coordinator.set_state(state):
             log.warning("could not write this node's state (%s) to the coordinator", state)
+            return False
+        return True
 
-    async def published(self) -> None:
-        """Wait until this node's last state change is written to the coordinator (if any)."""
-        if self._published is not None:
-            await asyncio.wait({self._published})
+    async def published(self) -> bool:
+        """Wait until this node's last state change is written to the coordinator (if any);
+        whether it was (True without a coordinator)."""
+        published = self._published
+        if published is None:
+            return True
+        await asyncio.wait({published})
+        return not published.cancelled() and published.exception() is None and published.result()
+
+    async def _said(self, state: str, timeout: float) -> bool:
+        """Wait until ``state`` is written to the coordinator, writing it again every
+        ``PUBLISH_RETRY`` seconds while it cannot be, up to ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await self.published():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(PUBLISH_RETRY)
+            self.publish(state)
+        return True
 
     # -- the lease ------------------------------------------------------------------
 
@@ -177,7 +198,17 @@ class Transitions:
             cluster.set_state(LEFT)  # (no one to hand anything to)
             return 0
         cluster.set_state(LEAVING)
-        await self.published()
+        if not await self._said(LEAVING, timeout):
+            # The others never saw it leave (placement is etcd's): it hands nothing
+            # off, so it keeps its keys, and stays.
+            cluster.set_state(UP)
+            await self.published()
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"node {cluster.me.node_id} could not tell the coordinator it leaves within "
+                f"{timeout:.0f} s: it stays, holding its keys (leaving now could lose the only "
+                "copies of them); drain it again once the coordinator answers",
+            )
         await self.tell_all()  # (they must know before what it hands them)
         handed = await cluster.rebalancer.drain(timeout)
         cluster.set_state(LEFT)
