@@ -58,14 +58,21 @@ T = TypeVar("T")
 
 
 class Holders(Protocol):
-    """What the forward policy reads of the cluster."""
+    """What the forward policy reads of the cluster (a part of
+    :class:`~.clusterview.ClusterView`)."""
 
-    me: Any
-    epoch: int
-    state: str
-    placement: Placement
-    live: frozenset[str]
-    by_id: Mapping[str, Any]
+    @property
+    def me(self) -> Any: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def live(self) -> frozenset[str]: ...
+    @property
+    def by_id(self) -> Mapping[str, Any]: ...
 
 
 def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> str | None:

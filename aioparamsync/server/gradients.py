@@ -58,6 +58,7 @@ from ..routing.partitions import collapse, cut, readable_error
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
+from .clusterview import ClusterView
 from .routing import moved
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class GradientPushes:
     def __init__(
         self,
         store: ParameterStore,
-        cluster: Any,
+        cluster: ClusterView | None,
         waiting: Waiting,
         max_decoded_bytes: int,
         *,
@@ -408,6 +409,7 @@ class GradientPushes:
                 await settling
             applied = await self.store.submit(decoded, timestamp, gradients=True)
             if acks_all:
+                assert self.cluster is not None  # (acks=all: a cluster's)
                 await self.cluster.replicated([e.name for e in applied.entries])
             return result(applied)
 
@@ -431,6 +433,7 @@ class GradientPushes:
         ``before``: the versions of the names folded by earlier tries.
         """
         cluster = self.cluster
+        assert cluster is not None
         by_name = {g.name: g for gs in parts.values() for g in gs}
         acks = push.acks or cluster.acks
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from .._ext import fast_path
 from .._version import __version__
@@ -133,7 +133,7 @@ class ParameterService:
         self.gradients = GradientPushes(
             store, cluster, self.waiting, max_decoded_bytes, partition_bytes=partition_bytes
         )
-        self.router = Router(cast(Any, cluster))  # (routing.Routed: settable, a subset)
+        self.router = Router(cluster)
         #: the embedding tables (see .rows)
         self.rows = RowService(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)

@@ -25,25 +25,26 @@ What is atomic: each part is applied atomically where it is applied; an
 update spanning several replica sets is answered once every part is, and a
 reader of two of them may see one applied before the other.
 
-The cluster is read through a small interface (``Routed``): this module
-imports nothing of :mod:`aioparamsync.cluster`.
+The cluster is read through its typed view (:class:`~.clusterview.ClusterView`):
+this module imports nothing of :mod:`aioparamsync.cluster`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from ..errors import Moved, RequestError
-from ..placement import LIVE, Placement, barrier_key
+from ..placement import LIVE, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
 from . import forward
+from .clusterview import ClusterView
 
-__all__ = ["Routed", "Router", "moved"]
+__all__ = ["Router", "moved"]
 
 # The deadline of a call passed on to another node (seconds), past the wait a
 # held one (a long poll, a barrier) asks for: a node that froze is given up on.
@@ -59,23 +60,8 @@ def _deadline(m: Method, args: dict[str, Any]) -> float | None:
     return PASS_ON_TIMEOUT
 
 
-class Routed(Protocol):
-    """What routing reads of the cluster (:class:`~aioparamsync.cluster.membership.Cluster`)."""
-
-    me: Any
-    epoch: int
-    state: str
-    acks: str
-    placement: Placement
-    live: frozenset[str]
-    links: Mapping[str, Any]
-    by_id: Mapping[str, Any]
-
-    async def replicated(self, names: Iterable[str]) -> None: ...
-
-
 def moved(
-    cluster: Routed,
+    cluster: ClusterView,
     names: Sequence[str],
     what: str = "does not hold",
     then: str = "ask a node for the topology",
@@ -95,7 +81,7 @@ class Router:
         cluster: the node's cluster (its view of the topology), or None (a node alone).
     """
 
-    def __init__(self, cluster: Routed | None) -> None:
+    def __init__(self, cluster: ClusterView | None) -> None:
         self.cluster = cluster
         self.passed_on = 0  # parts of requests passed on to other nodes
 

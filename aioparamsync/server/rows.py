@@ -48,6 +48,7 @@ from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids,
 from ..wire import METHODS, Method, thrift
 from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
+from .clusterview import ClusterView
 from .routing import moved
 
 __all__ = ["RowService"]
@@ -71,7 +72,7 @@ class RowService:
         tables: the node's tables (made empty when None).
     """
 
-    def __init__(self, cluster: Any = None, tables: RowTables | None = None) -> None:
+    def __init__(self, cluster: ClusterView | None = None, tables: RowTables | None = None) -> None:
         self.cluster = cluster
         self.tables = tables if tables is not None else RowTables()
         self.passed_on = 0  # parts of row calls passed on to other nodes
@@ -112,6 +113,7 @@ class RowService:
 
     async def _tell_members(self, method: Method, spec: Any) -> Any:
         cluster = self.cluster
+        assert cluster is not None
         passed = thrift.Table(**{**spec.wire.__dict__, "forwarded": True})
         targets = [m for m in cluster.live if m != self._me and m in cluster.by_id]
 
@@ -141,6 +143,7 @@ class RowService:
             return table
         if self._peers():
             cluster = self.cluster
+            assert cluster is not None
             for member in sorted(cluster.live):
                 link = cluster.by_id.get(member)
                 if link is None:
@@ -181,6 +184,7 @@ class RowService:
             self._check_held(table, ids, "does not hold")
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
+        assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
             positions_of[bucket_key(table.spec.name, bucket)] = positions
@@ -297,6 +301,7 @@ class RowService:
     ) -> tuple[int, int]:
         """Fold each bucket's rows at its primary, by the one forward policy (:mod:`.forward`)."""
         cluster = self.cluster
+        assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
             positions_of[bucket_key(table.spec.name, bucket)] = positions
@@ -370,6 +375,7 @@ class RowService:
     async def send_deltas(self, replica: str, deltas: list[Any]) -> bool:
         """Send ``deltas`` to ``replica`` now, on the replication lane; whether it took them."""
         try:
+            assert self.cluster is not None  # (a replica: a cluster's)
             link = self.cluster.by_id[replica]
             await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True
