@@ -59,7 +59,6 @@ from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
 from .clusterview import ClusterView
-from .routing import moved
 
 if TYPE_CHECKING:
     from ..store.table import Applied
@@ -304,12 +303,15 @@ class GradientPushes:
         """Refuse (MOVED) a part passed on here by a node that took this one for the
         primary of names it is not the primary of now."""
         cluster = self.cluster
-        if cluster is None:
-            return
-        me = cluster.me.node_id
-        elsewhere = [g.name for g in push.grads or () if forward.holder(cluster, g.name) != me]
-        if elsewhere:
-            raise moved(cluster, elsewhere, "is not the primary of", "nothing was folded")
+        if cluster is not None:
+            names = [g.name for g in push.grads or ()]
+            forward.gate(
+                cluster,
+                names,
+                primary=True,
+                what="is not the primary of",
+                then="nothing was folded",
+            )
 
     def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
         """``push`` with the gradients of large parameters cut as their partitions are."""

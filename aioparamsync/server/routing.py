@@ -36,7 +36,7 @@ import copy
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import Moved, RequestError
+from ..errors import RequestError
 from ..placement import LIVE, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
 from ..store.table import lww_key
@@ -44,7 +44,7 @@ from ..wire import METHODS, Method, thrift
 from . import forward
 from .clusterview import ClusterView
 
-__all__ = ["Router", "moved"]
+__all__ = ["Router"]
 
 # The deadline of a call passed on to another node (seconds), past the wait a
 # held one (a long poll, a barrier) asks for: a node that froze is given up on.
@@ -58,20 +58,6 @@ def _deadline(m: Method, args: dict[str, Any]) -> float | None:
     if m.held == "always":
         return None  # (a barrier without a wait: as long as its caller waits)
     return PASS_ON_TIMEOUT
-
-
-def moved(
-    cluster: ClusterView,
-    names: Sequence[str],
-    what: str = "does not hold",
-    then: str = "ask a node for the topology",
-) -> Moved:
-    """The ``MOVED`` error for ``names`` (what this node does not do for them), with its epoch."""
-    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    return Moved(
-        f"node {cluster.me.node_id} {what} {shown} at epoch {cluster.epoch}: {then}",
-        epoch=cluster.epoch,
-    )
 
 
 class Router:
@@ -95,15 +81,8 @@ class Router:
     def check_routed(self, names: Sequence[str]) -> None:
         """Refuse (MOVED) a routed request naming keys this node does not hold."""
         cluster = self.cluster
-        if cluster is None or not cluster.links:
-            return
-        me, placement = cluster.me.node_id, cluster.placement
-        serving = cluster.state in LIVE
-        if serving and placement.everywhere and me in placement.members:
-            return
-        missing = [n for n in names if not (serving and placement.holds(me, n))]
-        if missing:
-            raise moved(cluster, missing)
+        if cluster is not None:
+            forward.gate(cluster, names)
 
     def read_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
         """``names`` by the node to read each from (None: here); None when all are here."""

@@ -42,14 +42,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import LIVE, bucket_key
+from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
 from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
 from .clusterview import ClusterView
-from .routing import moved
 
 __all__ = ["RowService"]
 
@@ -226,18 +225,9 @@ class RowService:
         """Refuse (MOVED) a routed call for buckets this node does not hold (is not the
         primary of, with ``primary``) at its epoch."""
         cluster = self.cluster
-        if cluster is None or not cluster.links:
-            return
-        me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in LIVE
-        missing = []
-        for bucket, _ in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            ok = placement.primary(key, live) == me if primary else placement.holds(me, key)
-            if not (serving and ok):
-                missing.append(f"bucket {bucket} of table {table.spec.name}")
-        if missing:
-            raise moved(cluster, missing, what)
+        if cluster is not None:
+            keys = [bucket_key(table.spec.name, bucket) for bucket, _ in table.by_bucket(ids)]
+            forward.gate(cluster, keys, primary=primary, what=what, shown=_bucket_shown)
 
     # -- pushes ---------------------------------------------------------------------
 
