@@ -3,13 +3,14 @@
 # Configured by environment: every flag of aioparamsync-node is also AIOPARAMSYNC_<FLAG>.
 
 # The wheel, with the compiled fast path (a C compiler here only; the image has none).
-# AIOPARAMSYNC_REQUIRE_EXT=1: a failed compile fails the build, rather than a slower image.
+# AIOPARAMSYNC_REQUIRE_EXT=1: a failed compile fails the build, rather than a slower image;
+# -v: the build log shows the compile's progress, a line per module.
 FROM python:3.11-slim AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,source=.,target=/src,rw \
-    cd /src && AIOPARAMSYNC_REQUIRE_EXT=1 pip wheel --no-cache-dir --no-deps -w /wheels .
+    cd /src && AIOPARAMSYNC_REQUIRE_EXT=1 pip wheel -v --no-cache-dir --no-deps -w /wheels .
 
 FROM python:3.11-slim
 

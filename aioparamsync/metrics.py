@@ -135,7 +135,7 @@ LATENCY_BUCKETS = (
     10.0,
 )
 # Every state a peer link can be in (see PeerLink).
-PEER_STATES = (LinkState.CONNECTING, LinkState.UP, LinkState.BACKOFF)
+PEER_STATES = (LinkState.CONNECTING, LinkState.UP, LinkState.BACKOFF, LinkState.REFUSED)
 PREFIX = "aioparamsync_"
 
 MISSING = (

@@ -385,7 +385,9 @@ class Node:
         if self.discovery is not None:
             self.discovery.start()
         if self.cluster.state == JOINING:
-            self._joining = asyncio.create_task(self.cluster.join(), name="aioparamsync-join")
+            self._joining = asyncio.create_task(
+                self.cluster.transitions.join(), name="aioparamsync-join"
+            )
         kept = f"data in {self.data_dir.path}" if self.data_dir is not None else "in memory"
         log.info(
             "node %s listening on %s:%d, %s",
@@ -440,9 +442,15 @@ class Node:
             self._joining.cancel()
             await asyncio.wait({self._joining})
         try:
-            handed = await self.cluster.leave(timeout)
-        finally:
+            handed = await self.cluster.transitions.leave(timeout)
+        except RequestError:
+            # It could not leave (it stays, holding its keys): it may be asked again.
+            self._leaving = None
+            raise
+        except BaseException:
             self.left.set()
+            raise
+        self.left.set()
         log.info("node %s left its cluster: %d keys handed off", self.node_id, handed)
         return handed
 
@@ -464,6 +472,9 @@ class Node:
             return False, state
         if self.cluster.settling is not None:
             return False, "taking over as the primary of its keys"
+        unjoined = self.cluster.reports.unjoined()
+        if unjoined is not None:
+            return False, f"in no cluster: {unjoined}"
         fenced = self.cluster.fenced()
         if fenced is not None:
             return False, f"takes no writes: {fenced}"
@@ -538,7 +549,10 @@ class Node:
         """
         try:
             if leave and self._writer is not None and self.cluster.state in (UP, JOINING):
-                await self.leave()
+                try:
+                    await self.leave()
+                except RequestError as exc:
+                    log.error("node %s stops without leaving its cluster: %s", self.node_id, exc)
             if self._joining is not None:
                 self._joining.cancel()
                 await asyncio.wait({self._joining})
@@ -546,7 +560,9 @@ class Node:
                 await self.discovery.stop()
             await self.server.close(grace)
             self.service.close()
-            await self.cluster.drain(grace)  # what clients wrote reaches the peers that are up
+            await self.cluster.replication.drain(
+                grace
+            )  # what clients wrote reaches the peers that are up
             await self.cluster.stop()
             if self.coordinator is not None:
                 # (a node that left is gone at once; one to come back, past its TTL)

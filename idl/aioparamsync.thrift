@@ -352,6 +352,15 @@ struct Member {
     4: optional string state,
     // The epoch of its topology: a node adopts a larger one it is told.
     5: optional i64 epoch,
+    // The replication factor it was started with (0: every node holds every
+    // key). The nodes of one cluster share one: a node refuses a member that
+    // says another (it does not add it), and a link to one.
+    6: optional i32 replication_factor,
+    // Only on the first member of an answer to announce (the node answering):
+    // why it refused the caller (not added: e.g. their replication factors
+    // differ), naming both sides' values. The caller's link is then
+    // "refused" (see PeerInfo.state), and tries again now and then.
+    7: optional string refused,
 }
 
 // One member of the cluster, as the node answering sees it.
@@ -427,7 +436,9 @@ struct DigestEntry {
 struct PeerInfo {
     1: required string node_id,
     2: required string address,
-    // connecting, up, or backoff (unreachable; retried)
+    // connecting, up, backoff (unreachable; retried), or refused (the peer
+    // cannot be in this node's cluster, last_error says why: e.g. another
+    // replication factor; retried now and then)
     3: required string state,
     // parameters waiting to be sent to the peer (at most one per name)
     4: required i64 outbox_depth,

@@ -9,6 +9,7 @@ port 0; every wait is a poll bounded by a deadline, and no timing is asserted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import statistics
 import time
@@ -37,9 +38,12 @@ from cluster_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aioparamsync import ConnectError, Node, ParameterClient, to_parameter
+from aioparamsync import ConnectError, Node, ParameterClient, ServerError, to_parameter
 from aioparamsync.cluster.links import PeerLink
+from aioparamsync.cluster.view import View
+from aioparamsync.placement import Placement
 from aioparamsync.store.table import Entry
+from aioparamsync.wire import METHODS, thrift
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -374,6 +378,99 @@ async def test_info_shows_the_peers_and_their_counters(cluster: LocalCluster) ->
         p = await eventually(c_in_backoff)
     assert p.last_error
     assert p.outbox_depth <= 1
+
+
+# -- the view -------------------------------------------------------------------------------
+
+
+def test_a_view_is_one_epochs_members_frozen_and_replaced_whole() -> None:
+    states = {"a": "up", "b": "leaving", "c": "joining", "d": "down", "e": "failed"}
+    view = View.of(7, states, leaving=["b"], replication_factor=2)
+    assert (view.epoch, dict(view.states)) == (7, states)
+    assert view.placement == Placement(["a", "b", "d"], 2)  # (up, leaving, down)
+    assert view.pending == Placement(["a", "c", "d"], 2)  # (b gone, c come)
+    assert view.live == {"a", "b"}
+    states["a"] = "failed"  # (the view keeps its own)
+    assert view.states["a"] == "up" and view.same({**states, "a": "up"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.epoch = 8  # type: ignore[misc]
+    later = view.at(9)
+    assert (later.epoch, later.placement, view.epoch) == (9, view.placement, 7)
+    name = next(f"k{i}" for i in range(100) if "c" in view.pending.replicas(f"k{i}"))
+    assert view.holds("c", name) and not view.placement.holds("c", name)
+    settled = View.of(10, {"a": "up", "d": "up"}, (), 2, before=view)
+    assert settled.pending is None and settled.placement.members == ("a", "d")
+    assert str(settled) == "epoch 10: a up, d up (R=2)"
+
+
+# -- nodes of another replication factor ----------------------------------------------------------
+
+
+async def test_a_node_of_another_replication_factor_is_refused_and_not_ready(
+    cluster: LocalCluster,
+) -> None:
+    a = await cluster.start(replication_factor=2)
+    b = await cluster.start(peers=[a], replication_factor=2)
+    await cluster.formed([a, b])
+    odd = await cluster.start(peers=[a])  # (every node holds every key: "all")
+    both = f"node {odd.node_id} has replication factor all, node {a.node_id} 2"
+
+    def refused() -> None:
+        links = {n: link.state for n, link in odd.cluster.links.items()}
+        assert links == {address_text(a.address): "refused"}, links
+        ready, why = odd.readiness()
+        assert not ready and why.startswith("in no cluster: ") and both in why, why
+
+    await eventually(refused)
+    link = a.cluster.links[address_text(odd.address)]  # (made for it, refused)
+    assert link.state == "refused" and both in link.last_error
+    assert address_text(odd.address) not in b.cluster.links  # (a does not tell of it)
+    for node in (a, b):
+        assert {m.node_id for m in node.cluster.topology().members} == {a.node_id, b.node_id}
+        assert node.readiness()[0], node.readiness()
+    async with ParameterClient(a.address, timeout=10) as routed:
+        await routed.update_arrays({f"k{i}": value(i) for i in range(20)})
+        assert len(await routed.get_arrays([f"k{i}" for i in range(20)])) == 20
+    assert not list(odd.table.names())  # (no key placed on it, none sent to it)
+    assert [m.node_id for m in odd.cluster.topology().members] == [odd.node_id]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"replication_factor": -1}, "replication factor is at least 1, or 0"),
+        ({"refused": "no"}, "refused is for an answer to announce"),
+    ],
+)
+async def test_a_bad_announce_is_refused_and_adds_nothing(
+    cluster: LocalCluster, fields: dict[str, Any], message: str
+) -> None:
+    a = await cluster.start()
+    member = thrift.Member(node_id="x", host="127.0.0.1", port=free_port(), **fields)
+    async with node_client(a.address, timeout=10) as client:
+        with pytest.raises(ServerError, match=message):
+            await client.invoke(METHODS.announce, member=member)
+        assert not (await client.info()).peers
+
+
+async def test_an_announce_of_another_replication_factor_is_answered_refused(
+    cluster: LocalCluster,
+) -> None:
+    a = await cluster.start(replication_factor=2)
+    async with node_client(a.address, timeout=10) as client:
+        for r, said in ((3, "3"), (0, "all")):
+            port = free_port()
+            member = thrift.Member(node_id=f"odd{r}", host="127.0.0.1", port=port, state="up")
+            member.replication_factor = r
+            answer = await client.invoke(METHODS.announce, member=member)
+            assert [m.node_id for m in answer] == [a.node_id], answer  # (no member told)
+            assert answer[0].replication_factor == 2
+            assert f"node odd{r} has replication factor {said}, node {a.node_id} 2" in (
+                answer[0].refused
+            )
+            peer = {p.node_id: p for p in (await client.info()).peers}[f"odd{r}"]
+            assert peer.state == "refused" and said in peer.last_error, peer
+        assert [m.node_id for m in (await client.topology()).members] == [a.node_id]
 
 
 # -- regressions: each of these once kept a cluster from converging -----------------------------

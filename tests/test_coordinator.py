@@ -767,6 +767,53 @@ async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lea
         )
 
 
+async def test_a_drain_the_coordinator_cannot_hear_of_keeps_the_node_and_its_keys(
+    etcd: Etcd,
+) -> None:
+    """With etcd out of reach, a node asked to leave cannot say so (placement is etcd's): it
+    hands nothing off, so it stays, holding its keys, and says why; once etcd is back, it
+    leaves, handing them off. (It left, handing off none: with R=1 their only copies.)"""
+    from aioparamsync import Node
+
+    prefix = new_prefix()
+    options: dict[str, Any] = {
+        "port": 0,
+        "coordinator": etcd.endpoint,
+        "coordinator_prefix": prefix,
+        "failure_timeout": TTL,
+        "replication_factor": 1,
+    }
+    async with Node(**options) as a, Node(**options) as b:
+
+        def both_live() -> None:
+            assert a.cluster.live == b.cluster.live == {a.node_id, b.node_id}
+
+        await eventually(both_live, timeout=SETTLE_TIMEOUT, interval=POLL)
+        values = {f"w{i}": np.full(4, i, np.float32) for i in range(40)}
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays(values)
+        held = set(b.table.names())
+        assert held, "placement gave b none of 40 keys"
+        etcd.kill()
+        with pytest.raises(RequestError) as refused:
+            await b.leave(timeout=2.0)
+        assert refused.value.code == ErrorCode.UNAVAILABLE, refused.value
+        assert "it stays, holding its keys" in refused.value.message
+        assert not b.left.is_set() and b.cluster.state == "up"
+        assert held <= set(b.table.names())
+        await etcd.start()
+        await eventually(
+            lambda: assert_(b.readiness()[0] and a.readiness()[0]),
+            timeout=SETTLE_TIMEOUT,
+            interval=POLL,
+        )
+        assert await b.leave(timeout=SETTLE_TIMEOUT) >= len(held)
+        assert b.left.is_set()
+        async with ParameterClient(a.address, timeout=10) as client:
+            got = await client.get_arrays(list(values))
+        assert {n: v.tolist() for n, v in got.items()} == {n: v.tolist() for n, v in values.items()}
+
+
 async def test_rows_a_non_member_replicates_are_ignored_a_members_taken(etcd: Etcd) -> None:
     """A node whose lease expired is no member: rows it sends (``replicate_rows``) may
     be folds its replicas never confirmed, and are ignored, as its parameters are; the
@@ -842,3 +889,91 @@ async def test_a_row_push_a_live_replica_cannot_take_is_refused_before_it_is_fol
         for node_id in ("a", "b"):
             rows = await clients[node_id].pull_rows("emb", ids)
             np.testing.assert_array_equal(rows, np.full((len(ids), 4), -2.0), node_id)
+
+
+async def one_view(clients: Mapping[str, ParameterClient], ids: set[str]) -> int:
+    """Every node answers one topology: the same epoch, the same members in the same
+    states, those up exactly ``ids``; answers the epoch."""
+    tops = await topologies(clients)
+    views = {n: (t.epoch, {m.node_id: m.state for m in t.members}) for n, t in tops.items()}
+    assert len({(e, tuple(sorted(s.items()))) for e, s in views.values()}) == 1, (
+        f"views differ: {views}"
+    )
+    epoch, seen = next(iter(views.values()))
+    assert {m for m, s in seen.items() if s == "up"} == ids, f"up: {seen}"
+    return epoch
+
+
+async def until_one_view(clients: Mapping[str, ParameterClient]) -> int:
+    """Wait until :func:`one_view`, every node up; answer the epoch."""
+    return await eventually(
+        lambda: one_view(clients, set(clients)),
+        timeout=FORM_TIMEOUT,
+        interval=POLL,
+        retry_on=RETRY,
+    )
+
+
+def numbered(names: Sequence[str], base: int) -> dict[str, np.ndarray]:
+    """Name ``i`` of ``names`` -> ``[base + i, base + i]``."""
+    return {n: np.full(2, base + i, np.float32) for i, n in enumerate(names)}
+
+
+async def assert_numbered(client: ParameterClient, names: Sequence[str], base: int) -> None:
+    got = await client.get_arrays(names)
+    assert {n: float(v[0]) for n, v in got.items()} == {n: base + i for i, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("fault", ["stalled", "stopped"])
+async def test_a_node_whose_lease_expired_follows_the_members_again(
+    etcd: Etcd, procs: ProcessCluster, fault: str
+) -> None:
+    """A's calls to etcd hang past its lease's TTL (stalled: the network drops its
+    packets, so they time out rather than fail; stopped: A is SIGSTOPped): the others
+    place it no more; healed, A registers anew. Then a node joins and another drains:
+    every node, A too, answers one epoch and one set of members, and writes and reads
+    routed through A reach every key."""
+    prefix = new_prefix()
+    async with contextlib.AsyncExitStack() as stack:
+        to_etcd = FaultProxy(etcd.port)
+        await to_etcd.start()
+        stack.push_async_callback(to_etcd.close)
+        flags = coordinated(f"etcd://{LOOPBACK}:{to_etcd.port}", prefix)
+        nodes = [await procs.spawn(extra=[*flags, "--node-id", n]) for n in "abc"]
+        a = nodes[0]
+        clients = await open_clients(stack, nodes)
+        await until_agreed(clients)
+        names = [f"f{i}" for i in range(30)]
+        await clients["b"].update_arrays(numbered(names, 0))
+
+        if fault == "stalled":
+            to_etcd.stall_from(a.pid)
+        else:
+            a.signal(signal.SIGSTOP)
+        lost = await until_agreed({"b": clients["b"], "c": clients["c"]}, {"b", "c"})
+        await asyncio.sleep(3 * TTL)  # (A's calls keep timing out meanwhile)
+        if fault == "stalled":
+            to_etcd.heal()
+        else:
+            a.signal(signal.SIGCONT)
+        await a.wait_stderr("lost its lease", timeout=FORM_TIMEOUT)
+        healed = await until_one_view(clients)
+        assert healed > lost
+
+        joined = await procs.spawn(extra=[*flags, "--node-id", "d"])
+        clients["d"] = await stack.enter_async_context(joined.client())
+        assert await until_one_view(clients) > healed
+        await clients.pop("c").close()
+        nodes[2].signal(signal.SIGTERM)  # a planned leave: it hands its keys off first
+        assert await nodes[2].wait_exit(timeout=60.0) == 0
+        await until_one_view(clients)
+
+        # Through A: a routed client (it splits calls by A's topology) and a founding one.
+        async with ParameterClient(a.address, timeout=10) as routed:
+            await routed.update_arrays(numbered(names, 100))
+            await assert_numbered(routed, names, 100)
+        await clients["a"].update_arrays(numbered(names, 200))
+        for client in clients.values():
+            await assert_numbered(client, names, 200)
+        states = await replica_states(clients, names)
+        assert len(states) == R * len(names)

@@ -14,18 +14,17 @@ import importlib.util
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from build_helpers import dockerfile
 
 from aioparamsync.cli import node as node_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
-DOCKERFILE = ROOT / "Dockerfile"
 # The Kubernetes release the manifests are validated against (a schema kubernetes-validate ships).
 KUBERNETES = "1.30"
 # What the downward API gives a node's pod, for reading its variables as the kubelet would.
@@ -102,22 +101,6 @@ def resolve_env(entries: list[dict]) -> dict[str, str]:
 
         env[name] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand, str(entry.get("value", "")))
     return env
-
-
-def dockerfile() -> list[tuple[str, str]]:
-    """The Dockerfile's instructions, (INSTRUCTION, arguments), continuation lines joined."""
-    instructions, pending = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
-        text = line.strip()
-        if not pending and (not text or text.startswith("#")):
-            continue
-        if text.endswith("\\"):
-            pending += text[:-1] + " "
-            continue
-        word, _, rest = (pending + text).partition(" ")
-        instructions.append((word.upper(), rest.strip()))
-        pending = ""
-    return instructions
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -400,19 +383,3 @@ def test_every_image_variable_is_a_flag():
     assert env, "the image sets no AIOPARAMSYNC_* default"
     unknown = env - known_variables()
     assert not unknown, f"not flags of aioparamsync-node: {sorted(unknown)}"
-
-
-def test_the_build_context_holds_what_the_install_reads():
-    patterns = [
-        line.strip()
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    kept = {p[1:].strip("/") for p in patterns if p.startswith("!")}
-    assert patterns[0] == "*", ".dockerignore keeps only what it names"
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    wheel = project["tool"]["hatch"]["build"]["targets"]["wheel"]
-    read = {"pyproject.toml", project["project"]["readme"], *wheel["packages"]}
-    read |= set(wheel.get("force-include", {}))
-    missing = {path for path in read if path.split("/")[0] not in kept}
-    assert not missing, f".dockerignore leaves out what pip install reads: {sorted(missing)}"

@@ -284,6 +284,11 @@ async def test_a_part_none_of_whose_replicas_is_up_fails_unavailable_and_lands_n
     b = await cluster.start(peers=[a], replication_factor=2)
     c = await cluster.start(peers=[a], replication_factor=2)
     await cluster.formed([a, b, c])
+
+    def placed_over_three() -> None:  # (formed: linked; placed, once each is seen up)
+        assert len(a.cluster.placement.members) == 3, a.cluster.placement
+
+    await eventually(placed_over_three, timeout=WAIT)
     names = [f"w{i}" for i in range(200)]
     theirs = next(n for n in names if not a.cluster.placement.holds(a.node_id, n))
     async with node_client(a.address) as client:

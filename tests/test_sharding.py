@@ -36,6 +36,7 @@ from cluster_helpers import (
     State,
     eventually,
     free_port,
+    launch,
     open_clients,
     run_process,
     spawn_cluster,
@@ -50,7 +51,7 @@ from aioparamsync import (
     RequestError,
     sum_rule,
 )
-from aioparamsync.placement import Placement
+from aioparamsync.placement import DEFAULT_REPLICATION_FACTOR, Placement
 from aioparamsync.wire import SEED_IDL_PATH
 
 pytestmark = [
@@ -499,13 +500,26 @@ def _process_holds(pid: int, local_port: int, remote_port: int) -> bool:
     return False
 
 
+@dataclass(eq=False)
+class _Pipe:
+    """One connection through a :class:`FaultProxy`: its two ends, its client's port, and
+    whether bytes flow through it (they wait while it is stalled)."""
+
+    ends: list[asyncio.StreamWriter]
+    client_port: int
+    flowing: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class FaultProxy:
     """A TCP proxy in front of one node (as asyncpg's ``_testbase/fuzzer.py``).
 
     It forwards bytes both ways between each connection it accepts and the node.
     :meth:`cut` closes every connection and refuses new ones; :meth:`cut_from` does so
-    for the connections made by one process (a node's links to this one); :meth:`heal`
-    lets connections through again. It listens on a port the kernel picks.
+    for the connections made by one process (a node's links to this one);
+    :meth:`stall_from` keeps that process's connections, and accepts its new ones, but
+    forwards none of their bytes (a network that drops packets: calls hang, they do not
+    fail); :meth:`heal` lets connections through again (stalled bytes flow on). It
+    listens on a port the kernel picks.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -513,10 +527,10 @@ class FaultProxy:
         self.port = 0
         self.cut_all = False
         self.cut_pids: set[int] = set()
+        self.stall_pids: set[int] = set()
         self.refused = 0
         self._server: asyncio.Server | None = None
-        # each connection: its (client side, node side) transports, and its client's port
-        self._pipes: dict[asyncio.Task[Any], tuple[list[asyncio.StreamWriter], int]] = {}
+        self._pipes: dict[asyncio.Task[Any], _Pipe] = {}
 
     @property
     def address_text(self) -> str:
@@ -526,10 +540,11 @@ class FaultProxy:
         self._server = await asyncio.start_server(self._accept, LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    def _made_by(self, pids: Iterable[int], client_port: int) -> bool:
+        return any(_process_holds(pid, client_port, self.port) for pid in pids)
+
     def _refuses(self, client_port: int) -> bool:
-        return self.cut_all or any(
-            _process_holds(pid, client_port, self.port) for pid in self.cut_pids
-        )
+        return self.cut_all or self._made_by(self.cut_pids, client_port)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_port = writer.get_extra_info("peername")[1]
@@ -539,26 +554,32 @@ class FaultProxy:
             return
         task = asyncio.current_task()
         assert task is not None
-        ends = [writer]
-        self._pipes[task] = (ends, client_port)
+        pipe = self._pipes[task] = _Pipe([writer], client_port)
+        if not self._made_by(self.stall_pids, client_port):
+            pipe.flowing.set()
         try:
             try:
                 node_reader, node_writer = await asyncio.open_connection(*self.target)
             except OSError:
                 return
-            ends.append(node_writer)
+            pipe.ends.append(node_writer)
             if self._refuses(client_port):  # (cut while it connected)
                 return
-            await asyncio.gather(self._pump(reader, node_writer), self._pump(node_reader, writer))
+            await asyncio.gather(
+                self._pump(reader, node_writer, pipe), self._pump(node_reader, writer, pipe)
+            )
         finally:
             del self._pipes[task]
-            for end in ends:
+            for end in pipe.ends:
                 end.transport.abort()
 
     @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: _Pipe
+    ) -> None:
         try:
             while data := await reader.read(64 * KiB):
+                await pipe.flowing.wait()
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -566,9 +587,9 @@ class FaultProxy:
         finally:
             writer.transport.abort()  # (one way ends: both do)
 
-    def _abort(self, chosen: Iterable[tuple[list[asyncio.StreamWriter], int]]) -> None:
-        for ends, _ in list(chosen):
-            for end in ends:
+    def _abort(self, chosen: Iterable[_Pipe]) -> None:
+        for pipe in list(chosen):
+            for end in pipe.ends:
                 end.transport.abort()
 
     def cut(self) -> None:
@@ -577,11 +598,20 @@ class FaultProxy:
 
     def cut_from(self, pid: int) -> None:
         self.cut_pids.add(pid)
-        self._abort(p for p in self._pipes.values() if _process_holds(pid, p[1], self.port))
+        self._abort(p for p in self._pipes.values() if self._made_by([pid], p.client_port))
+
+    def stall_from(self, pid: int) -> None:
+        self.stall_pids.add(pid)
+        for pipe in list(self._pipes.values()):
+            if self._made_by([pid], pipe.client_port):
+                pipe.flowing.clear()
 
     def heal(self) -> None:
         self.cut_all = False
         self.cut_pids.clear()
+        self.stall_pids.clear()
+        for pipe in self._pipes.values():
+            pipe.flowing.set()
 
     async def close(self) -> None:
         if self._server is not None:
@@ -805,3 +835,98 @@ async def test_a_large_parameter_spreads_over_node_processes_and_outlives_a_kill
         assert [(p.name, p.version, p.data) for p in response.params] == [
             ("w", 2, (w + 1).tobytes())
         ]
+
+
+# -- 8. a node of another replication factor ------------------------------------------------------
+
+# What a refusal says: "node X has replication factor A, node Y B: ..."
+REFUSAL = re.compile(r"node \S+ has replication factor (\S+), node \S+ (\S+): ")
+
+
+async def spawn_with_factor(
+    procs: ProcessCluster, r: str | None, peers: Sequence[NodeProcess] = ()
+) -> NodeProcess:
+    """A node of replication factor ``r`` (None: started without the flag: the default)."""
+    flags = ["--port", "0", "--repair-interval", str(procs.repair_interval)]
+    if r is not None:
+        flags += ["--replication-factor", r]
+    if peers:
+        flags += ["--peers", ",".join(p.address_text for p in peers)]
+    node = await launch(*flags)
+    procs.started.append(node)
+    await node.wait_listening()
+    return node
+
+
+def assert_names_both(text: str, values: set[str]) -> None:
+    """``text`` is a refusal naming both replication factors, ``values``."""
+    found = REFUSAL.search(text)
+    assert found is not None and set(found.groups()) == values, text
+
+
+@pytest.mark.parametrize(
+    ("who_announces", "cluster_r", "odd_r"),
+    [
+        ("odd", "2", None),  # it forgot the flag: the default (3)
+        ("odd", "all", "2"),
+        ("others", "2", "all"),
+        ("others", "all", None),
+    ],
+)
+async def test_a_node_of_another_replication_factor_is_refused_both_ways(
+    procs: ProcessCluster, who_announces: str, cluster_r: str, odd_r: str | None
+) -> None:
+    """Three nodes of one replication factor and an odd one of another: whichever
+    announces itself to whom, they form no cluster. The odd node's links, and theirs to
+    it, are "refused", naming both values (info, logs at ERROR); no key is placed on it,
+    and every name is read whole through every node of the cluster."""
+    values = {cluster_r, odd_r or str(DEFAULT_REPLICATION_FACTOR)}
+    flags = ["--replication-factor", cluster_r]
+    if who_announces == "odd":
+        nodes = await spawn_cluster(procs, 3, flags)
+        odd = await spawn_with_factor(procs, odd_r, peers=nodes[:1])
+    else:  # (each given the odd node first: it learns the others from one another)
+        odd = await spawn_with_factor(procs, odd_r)
+        nodes = [await procs.spawn(peers=[odd], extra=flags)]
+        nodes += [await procs.spawn(peers=[odd, nodes[0]], extra=flags) for _ in range(2)]
+    names = [f"r{i:02d}" for i in range(30)]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, nodes)
+        await wait_formed(clients)  # (the three alone, each up)
+        odd_client = await stack.enter_async_context(odd.client())
+
+        async def odd_is_refused() -> None:
+            info = await odd_client.info()
+            assert info.peers and all(p.state == "refused" for p in info.peers), info.peers
+            for p in info.peers:
+                assert_names_both(p.last_error or "", values)
+            assert [m.node_id for m in info.topology.members] == [odd.node_id]
+
+        await eventually(odd_is_refused, timeout=FORM_TIMEOUT, interval=POLL, retry_on=RETRY)
+        # The nodes it announced itself to, or that announced themselves to it, have a
+        # refused link to it (the others do not know it).
+        told = {nodes[0].node_id} if who_announces == "odd" else set(clients)
+        by_id = {n.node_id: n for n in nodes}
+        for node_id, client in clients.items():
+            links = {p.address: p for p in (await client.info()).peers or []}
+            link = links.get(odd.address_text)
+            if node_id not in told:
+                assert link is None, f"{node_id} linked the odd node: {link}"
+                continue
+            assert link is not None and link.state == "refused", (node_id, link)
+            assert_names_both(link.last_error or "", values)
+            errors = [line for line in by_id[node_id].stderr_lines if " ERROR " in line]
+            assert errors, f"{node_id} logged no error"
+            assert_names_both(errors[0], values)
+        errors = [line for line in odd.stderr_lines if " ERROR " in line]
+        assert errors, odd.stderr
+        assert_names_both(errors[0], values)
+
+        async with ParameterClient(nodes[1].address, timeout=CALL_TIMEOUT) as routed:
+            await routed.update_arrays({n: np.full(4, i, np.float32) for i, n in enumerate(names)})
+            r = 3 if cluster_r == "all" else int(cluster_r)
+            await settled(clients, names, r)
+            for where, client in [("routed", routed), *clients.items()]:
+                got = await client.get_arrays(names)
+                assert sorted(got) == names, f"{where} lacks {sorted(set(names) - set(got))}"
+        assert (await odd_client.info()).parameter_count == 0  # (none placed on it)

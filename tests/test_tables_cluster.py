@@ -18,6 +18,7 @@ from cluster_helpers import ProcessCluster, eventually, run_process, spawn_clust
 
 from aioparamsync import ParameterClient, sgd
 from aioparamsync.errors import CallTimeout, NetworkError, RequestError
+from aioparamsync.placement import PLACED, Placement, bucket_key, bucket_of
 
 pytestmark = [pytest.mark.asyncio(loop_factories=["asyncio"]), pytest.mark.timeout(120)]
 
@@ -46,11 +47,26 @@ async def rows_held(clients: Mapping[str, ParameterClient]) -> dict[str, int]:
 
 
 async def wait_placed(clients: Mapping[str, ParameterClient], total: int) -> dict[str, int]:
-    """Until the nodes hold R copies of every row between them (buckets moved, dropped)."""
+    """Until every node holds the rows of the buckets placement gives it, no more, no less
+    (buckets moved, dropped): R copies of every row between them.
+
+    (R copies in all is not enough: while buckets move, a node that held every bucket and
+    has not dropped some yet, beside nodes that have pulled theirs, can add up to R too.)
+    """
+    topology = await next(iter(clients.values())).topology()
+    members = [m.node_id for m in topology.members if m.state in PLACED]
+    assert sorted(members) == sorted(clients), (members, sorted(clients))
+    placement = Placement(members, R)
+    buckets = bucket_of(IDS, BUCKETS)
+    placed = {m: 0 for m in members}
+    for bucket, count in zip(*np.unique(buckets, return_counts=True), strict=True):
+        for m in placement.replicas(bucket_key("emb", int(bucket))):
+            placed[m] += int(count)
+    assert total == len(IDS) and sum(placed.values()) == R * total
 
     async def check() -> dict[str, int]:
         held = await rows_held(clients)
-        assert sum(held.values()) == R * total, held
+        assert held == placed, f"held {held}, placed {placed}"
         return held
 
     return await eventually(check, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)

@@ -33,7 +33,7 @@ survive a restart, their TTL counted anew), renewals succeed and writes
 resume. Workers need no etcd: they learn the topology from any node.
 
 The etcd client is ``aetcd`` (the ``[etcd]`` extra), imported only when a
-coordinator is asked for.
+coordinator is asked for (see :mod:`.etcdclient`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..placement import SELF_STATES
+from .etcdclient import client_class, credentials, refresh, watch_from
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -141,40 +142,6 @@ class Record:
         return record
 
 
-def _client_class() -> Any:
-    try:
-        import aetcd
-        import grpc
-    except ImportError as exc:  # (the [etcd] extra)
-        raise CoordinatorError(
-            "--coordinator needs the aetcd package: pip install '.[etcd]' in the checkout"
-        ) from exc
-
-    class Client(aetcd.Client):
-        """aetcd's client, over TLS when given credentials (it speaks plain gRPC only)."""
-
-        def __init__(self, host: str, port: int, credentials: Any = None) -> None:
-            super().__init__(host=host, port=port)
-            self._credentials = credentials
-
-        async def connect(self) -> None:
-            if self._credentials is None:
-                await super().connect()
-                return
-            target = f"{self._host}:{self._port}"
-            real = aetcd.rpc.insecure_channel
-            aetcd.rpc.insecure_channel = lambda t, options: grpc.aio.secure_channel(
-                t, self._credentials, options=options
-            )
-            try:
-                await super().connect()
-            finally:
-                aetcd.rpc.insecure_channel = real
-            log.debug("coordinator: TLS to %s", target)
-
-    return Client
-
-
 class EtcdCoordinator:
     """This node's membership in etcd (see the module).
 
@@ -204,7 +171,12 @@ class EtcdCoordinator:
         if not ttl >= MIN_TTL:
             raise ValueError(f"the coordinator's lease TTL must be at least {MIN_TTL} s, not {ttl}")
         check_prefix(prefix)
-        self._client_class = _client_class()  # (raises at once without aetcd)
+        try:
+            self._client_class = client_class()  # (at once without aetcd)
+        except ImportError as exc:  # (the [etcd] extra)
+            raise CoordinatorError(
+                "--coordinator needs the aetcd package: pip install '.[etcd]' in the checkout"
+            ) from exc
         self.endpoints = list(endpoints)
         self.prefix = prefix
         self.ttl = ttl
@@ -229,7 +201,7 @@ class EtcdCoordinator:
         self._renewed = -math.inf  # time.monotonic() when the last answered renewal was sent
         self._lost = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._watching: Any = None  # the watch running (aetcd's Watch)
+        self._watching: tuple[Any, Any] | None = None  # the watch running: (client, Watch)
         self._registering: asyncio.Task[None] | None = None
         self._complained = 0.0
 
@@ -258,7 +230,17 @@ class EtcdCoordinator:
     # -- etcd calls ---------------------------------------------------------------
 
     async def _call(self, make: Callable[[Any], Any], timeout: float = CALL_TIMEOUT) -> Any:
-        """``make(client)`` against the current endpoint; on failure, the next one is next."""
+        """``make(client)`` against the current endpoint; on failure, the next one is next.
+
+        The calls of this node (renewals, the watch, registering, state changes)
+        share one client; a call that fails drops it (see :meth:`_drop_client`),
+        and gRPC cancels the calls still in flight on it: those raise
+        ``CancelledError`` though their callers were not cancelled. That is a
+        failure of the call, as any other (a ``CoordinatorError``): taken for a
+        cancellation, it ended the task that made it (the watch, and the node's
+        view stopped at the epoch it had, for good).
+        """
+        client = None
         try:
             async with asyncio.timeout(timeout):
                 if self._client is None:
@@ -266,37 +248,38 @@ class EtcdCoordinator:
                 client = self._client
                 await client.connect()  # (at once when connected; else with the one connecting)
                 return await make(client)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # (this call's caller was cancelled)
+            await self._drop_client(client)
+            raise CoordinatorError(
+                f"{self.address}: the connection was closed under the call (another failed)"
+            ) from None
         except (Exception, TimeoutError) as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            await self._drop_client()
-            self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+            await self._drop_client(client)
             raise CoordinatorError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
 
     def _connect(self, endpoint: tuple[str, int]) -> Any:
-        credentials = None
-        if self.tls is not None:
-            import grpc
+        return self._client_class(*endpoint, credentials(self.tls))
 
-            ca, cert, key = self.tls
-
-            def read(path: str | None) -> bytes | None:
-                if path is None:
-                    return None
-                with open(path, "rb") as f:
-                    return f.read()
-
-            # (a key in the certificate's file, when it has none of its own)
-            credentials = grpc.ssl_channel_credentials(read(ca), read(key or cert), read(cert))
-        return self._client_class(*endpoint, credentials)
-
-    async def _drop_client(self) -> None:
-        watching, self._watching = self._watching, None
-        if watching is not None:  # (it ends the watch's loop: see _watch)
+    async def _drop_client(self, client: Any = None) -> None:
+        """Close ``client`` (None: the current one); where it is the current one, the
+        next call connects anew, to the next endpoint, and the watch on it ends (see
+        :meth:`_watch`). A client that a call failed on after another call dropped it
+        is closed, and nothing else is: a newer client, and its watch, go on."""
+        current = client is None or client is self._client
+        if client is None:
+            client = self._client
+        if current:
+            self._client = None
+            self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+        watching = self._watching
+        if watching is not None and (client is None or watching[0] is client):
+            self._watching = None  # (cancelled: it ends the watch's loop)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    await watching.cancel()
-        client, self._client = self._client, None
+                    await watching[1].cancel()
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
@@ -498,7 +481,7 @@ class EtcdCoordinator:
                 continue
             sent = time.monotonic()
             try:
-                reply = await self._call(partial(_refresh, lease=lease), period)
+                reply = await self._call(partial(refresh, lease=lease), period)
             except CoordinatorError as exc:
                 self._complain(exc)
                 continue
@@ -545,30 +528,41 @@ class EtcdCoordinator:
     # -- the watch ------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        """Follow the members, from the last revision seen on; after a failure, anew."""
+        """Follow the members, from the last revision seen on; after a failure, anew.
+
+        The watch outlives any failure of etcd's: only a cancellation of this
+        task (the node stops) ends it.
+        """
         import aetcd
 
         prefix = self._members_prefix
+        resync = False  # read the members anew first (the revision may have been compacted)
         while True:
             try:
-                watch = await self._call(
-                    lambda c: c.watch_prefix(prefix, start_revision=self.revision + 1)
-                )
-                self._watching = watch
+                if resync:
+                    await self._snapshot()
+                    resync = False
+                client, watch = await self._call(lambda c: watch_from(c, prefix, self.revision + 1))
+                self._watching = (client, watch)
+                if client is not self._client:
+                    # (dropped while the watch was made on it, which connected it anew,
+                    # aside: no failure of a call would end that watch)
+                    await self._drop_client(client)
+                    continue
                 try:
                     async for event in watch:
                         self._event(event, aetcd.EventKind)
                 finally:
-                    self._watching = None
+                    if self._watching is not None and self._watching[1] is watch:
+                        self._watching = None
                 # (ended: a call failed and dropped the client, since a stream can
                 # hang rather than fail: watched anew, replaying what it missed)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 (the watch outlives any failure of etcd's)
                 self._complain(CoordinatorError(f"watch: {type(exc).__name__}: {exc}"))
+                resync = True
                 await asyncio.sleep(1.0)
-                with contextlib.suppress(CoordinatorError):
-                    await self._snapshot()  # (the revision may have been compacted away)
 
     def _event(self, event: Any, kinds: Any) -> None:
         kv = event.kv
@@ -589,10 +583,6 @@ class EtcdCoordinator:
         if gone and not self._lost and self._lease is not None:
             self._lease_lost()
         self.on_change()
-
-
-async def _refresh(client: Any, lease: int) -> Any:
-    return await client.refresh_lease(lease)
 
 
 async def _nothing() -> None:

@@ -11,12 +11,7 @@ merges it (last writer wins on ``(version, origin)``, see
 :meth:`ParameterTable.merge`) and does not send it on: the origin has sent
 it to everyone.
 
-Oneway messages can be lost (a connection that breaks mid-send, a node that
-restarts empty), so links also repair: on every (re)connection, and every
-``repair_interval`` seconds, a link asks its peer for a digest (name ->
-version, origin) and pulls whatever the peer has newer than this node.
-Every node does the same towards each of its peers, so every replica ends
-equal.
+Oneway messages can be lost, so links also repair (see :mod:`.repair`).
 
 Theory of operation: a link's states (:class:`LinkState`), what moves a
 link between them, and what each means for its outbox and for placement
@@ -43,6 +38,14 @@ link between them, and what each means for its outbox and for placement
   meanwhile) for the next connection; repair catches up what was lost. Its
   member is down: its keys' next replicas are their primaries (and past
   the failure timeout it leaves placement).
+- REFUSED: the peer answered, but it and this node cannot be in one
+  cluster (their replication factors differ: placement would differ, and
+  reads through one would miss keys the other placed); whichever side
+  noticed it first refused the other, and ``last_error`` names both values.
+  Logged at ERROR. The link tries again every ``REFUSED_RETRY`` seconds (or
+  when the peer announces itself: it may have been restarted with the
+  cluster's), staying REFUSED until it is accepted. Its member is no member:
+  placed nowhere, sent nothing, in no topology this node answers.
 - DROPPED, final: the peer turned out to be this node itself, or a member
   another link reaches already. The cluster forgets the link; its task ends.
 
@@ -64,12 +67,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..client.api import ParameterClient
-from ..client.fetch import fetch
 from ..errors import ClientClosedError, ConnectError, ParamSyncError
-from ..placement import LEAVING
 from ..store.table import Entry, lww_key
 from ..wire import METHODS, Method, thrift
 from .batches import batches, messages
+from .repair import repair
 from .rowbox import RowOutbox
 
 if TYPE_CHECKING:
@@ -93,6 +95,9 @@ PEER_CALL_TIMEOUT = 10.0
 # How long a gradient push waits for the link to its owner while the link is
 # being made (seconds); a link down (in backoff) is not waited for.
 FORWARD_CONNECT_WAIT = 2.0
+# How long a link that its peer refused (see LinkState.REFUSED) waits before it
+# tries again (seconds).
+REFUSED_RETRY = 30.0
 # How often an idle link checks that its peer is there (seconds).
 HEARTBEAT_SECONDS = 1.0
 # Most bytes, and most parameters, in one replication message or one pull;
@@ -111,6 +116,7 @@ class LinkState(enum.StrEnum):
     CONNECTING = "connecting"  # connecting and announcing; may own parameters
     UP = "up"  # connected and joined: sending its outbox, repairing
     BACKOFF = "backoff"  # a call failed: waiting to retry; owns nothing
+    REFUSED = "refused"  # not of this node's cluster (last_error says why): no member
     DROPPED = "dropped"  # redundant (it reaches this node, or a node linked already): gone
 
 
@@ -118,6 +124,8 @@ class LinkState(enum.StrEnum):
 # as an enum's member looked up on its class is a slow attribute on Python 3.11.
 _CONNECTING = LinkState.CONNECTING
 _UP = LinkState.UP
+# The states whose log line says why (the link's last error).
+_SAYS_WHY = (LinkState.BACKOFF, LinkState.REFUSED)
 
 
 def member_name(node_id: str, host: str, port: int) -> str:
@@ -130,6 +138,10 @@ def member_name(node_id: str, host: str, port: int) -> str:
     if not node_id or node_id in (address, f"{host}:{port}"):
         return address
     return f"{node_id} ({address})"
+
+
+class _Refused(Exception):
+    """The peer and this node cannot be in one cluster (the message says why)."""
 
 
 class PeerLink:
@@ -352,6 +364,13 @@ class PeerLink:
             )
         return self._proxy
 
+    def refused(self, why: str) -> None:
+        """Its peer announced itself and this node refused it (see ``LinkState.REFUSED``):
+        the link, made for it (not started yet), says so from the start, and tries
+        again as a refused link does."""
+        self.last_error = why
+        self._set_state(LinkState.REFUSED)
+
     def poke(self) -> None:
         """The peer is (back) up: cut short the wait before the next try."""
         self._poked.set()
@@ -410,7 +429,10 @@ class PeerLink:
 
     async def _run(self) -> None:
         backoff = BACKOFF_INITIAL
+        if self.state == LinkState.REFUSED:  # (made refused: see refused())
+            await self._pause(REFUSED_RETRY)
         while True:
+            delay = backoff
             client = ParameterClient(
                 (self.host, self.port),
                 timeout=PEER_CALL_TIMEOUT,
@@ -420,7 +442,8 @@ class PeerLink:
                 route=False,
             )
             try:
-                if self.state != LinkState.BACKOFF:  # retries stay in backoff until one succeeds
+                if self.state not in (LinkState.BACKOFF, LinkState.REFUSED):
+                    # (retries stay in backoff, or refused, until one succeeds)
                     self._set_state(LinkState.CONNECTING)
                 await self._join(client)
                 if self.cluster.redundant(self):
@@ -434,6 +457,11 @@ class PeerLink:
                 self.pulled = True
                 await self._send(client)
                 continue  # the connection was replaced: the peer may be new; join again
+            except _Refused as exc:
+                self.last_error = str(exc)
+                self._set_state(LinkState.REFUSED)
+                self.discard()  # (no member: nothing is sent to it)
+                delay = REFUSED_RETRY
             except (ParamSyncError, OSError) as exc:
                 if isinstance(exc, ClientClosedError):
                     return
@@ -446,21 +474,28 @@ class PeerLink:
                 self._changed.set()
                 self._settle_confirms(False)
                 await client.close()
-            self._poked.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff * random.uniform(0.5, 1.0)):
-                    await self._poked.wait()  # or sooner, when the peer announces itself
+            await self._pause(delay)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait about ``delay`` seconds (jittered) before the next try, or until the
+        peer announces itself."""
+        self._poked.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay * random.uniform(0.5, 1.0)):
+                await self._poked.wait()
 
     def _set_state(self, state: LinkState) -> None:
         if state != self.state:
             if self.state == LinkState.UP:
                 self.down_since = time.monotonic()
-            # (unreachable: a WARNING, once, not at each retry; up again: INFO)
-            level = {LinkState.BACKOFF: logging.WARNING, LinkState.UP: logging.INFO}.get(
-                state, logging.DEBUG
-            )
-            suffix = f" ({self.last_error})" if state == LinkState.BACKOFF else ""
+            # (unreachable: a WARNING, once, not at each retry; refused: an ERROR; up: INFO)
+            level = {
+                LinkState.BACKOFF: logging.WARNING,
+                LinkState.REFUSED: logging.ERROR,
+                LinkState.UP: logging.INFO,
+            }.get(state, logging.DEBUG)
+            suffix = f" ({self.last_error})" if state in _SAYS_WHY else ""
             log.log(level, "peer %s: %s%s", self.name, state, suffix)
             self.state = state
             self._changed.set()
@@ -470,51 +505,21 @@ class PeerLink:
         self._announce_due = False
         # Its answer is newer than any report before the call (the member may
         # have restarted, its epoch starting over); one it makes meanwhile, on
-        # its own link, is newer still (see Cluster._said).
+        # its own link, is newer still (see Announces.said).
         self.said_epoch = None
-        members = await client.invoke(METHODS.announce, member=self.cluster.announcement())
+        members = await client.invoke(
+            METHODS.announce, member=self.cluster.announces.announcement()
+        )
         if members:
             self.node_id = members[0].node_id  # a node answers itself first
-        self.cluster.learn(members, self)
+            why = self.cluster.announces.refusal(members[0])
+            if why is not None:
+                raise _Refused(why)
+        self.cluster.announces.learn(members, self)
 
     async def _repair(self, client: ParameterClient) -> None:
-        """Pull what the peer holds newer than this node, of what this node holds (anti-entropy).
-
-        The peer answers the digest of the keys this node is a replica of, by
-        the placement this node sends (the one it will have, while joining).
-        """
-        cluster = self.cluster
-        placement = cluster.pending or cluster.placement
-        if cluster.state == LEAVING:
-            return  # it holds nothing any more: it hands off
-        if not cluster.trusted(self.node_id):
-            return  # (a member whose lease expired: what it holds may lose acknowledged writes)
-        request = thrift.DigestRequest(
-            for_node=cluster.me.node_id,
-            members=list(placement.members),
-            replication_factor=placement.r or 0,
-        )
-        digest = await client.invoke(METHODS.digest_for, request=request)
-        table = self.cluster.store.table
-        wanted = []
-        for item in digest:
-            mine = table.entry(item.name)
-            if mine is None or lww_key(mine) < lww_key(item):
-                wanted.append(item)
-        cluster = self.cluster
-        for batch in batches(wanted, cluster.batch_params, cluster.batch_bytes):
-            request = thrift.ParameterRequest(
-                param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
-            )
-            response = await client.invoke(METHODS.pull_parameters, request=request)
-            # A large parameter comes without its data: read it in pieces.
-            params = [
-                p if p.total_bytes is None else await fetch(client, p, cluster.piece_bytes)
-                for p in response.params
-            ]
-            if params:
-                await self.cluster.store.update(params, response.timestamp, replicated=True)
-                self.repaired += len(params)
+        """Pull what the peer holds newer than this node (see :mod:`.repair`)."""
+        self.repaired += await repair(self.cluster, client, self.node_id)
 
     async def _send(self, client: ParameterClient) -> None:
         """Send the outbox as it fills; repair every ``repair_interval`` seconds.

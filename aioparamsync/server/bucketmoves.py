@@ -20,6 +20,7 @@ from ..store.rows import RowTable
 from ..wire import METHODS, thrift
 
 if TYPE_CHECKING:
+    from .clusterview import ClusterView
     from .rows import RowService
 
 __all__ = ["BucketMoves"]
@@ -39,6 +40,11 @@ class BucketMoves:
         self._synced: dict[tuple[str, int], Any] = {}
         self._handed: dict[tuple[str, int], Any] = {}
 
+    @property
+    def cluster(self) -> ClusterView | None:
+        """The node's cluster (the rows service's)."""
+        return self.rows.cluster
+
     async def round(self) -> int:
         """Pull the buckets this node newly holds; hand off those it is to hold no more.
 
@@ -53,10 +59,10 @@ class BucketMoves:
         rows = self.rows
         for table in list(rows.tables.tables.values()):
             table.evict(time.time())
-        cluster = rows.cluster
+        cluster = self.cluster
         if cluster is None or not cluster.links:
             return 0
-        me, now, epoch = rows._me, cluster.placement, cluster.epoch
+        me, now, epoch = cluster.me.node_id, cluster.placement, cluster.epoch
         after = cluster.pending or now
         waiting = 0
         for table in list(rows.tables.tables.values()):
@@ -99,7 +105,9 @@ class BucketMoves:
     async def _take(self, table: RowTable, bucket: int, sources: Iterable[str]) -> bool:
         """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
         page; whether every one answered."""
-        cluster, me = self.rows.cluster, self.rows._me
+        cluster = self.cluster
+        assert cluster is not None  # (a round runs in a cluster)
+        me = cluster.me.node_id
         # (not from a member whose lease expired: what it holds may lose acknowledged rows)
         others = [m for m in sources if m != me and self._up(m) and cluster.trusted(m)]
         page = self._page_rows(table)
@@ -130,7 +138,9 @@ class BucketMoves:
     async def _hand_off(self, table: RowTable, bucket: int, holders: Iterable[str]) -> bool:
         """Give every row of ``bucket`` to each of ``holders``, page by page; whether every
         one of them took it (each must be linked)."""
-        rows, me = self.rows, self.rows._me
+        rows, cluster = self.rows, self.cluster
+        assert cluster is not None  # (a round runs in a cluster)
+        me = cluster.me.node_id
         holders = [h for h in holders if h != me]
         block = table.blocks[bucket]
         page = self._page_rows(table)
@@ -143,7 +153,8 @@ class BucketMoves:
 
     def _up(self, member: str) -> bool:
         """Whether this node's link to ``member`` is up (it may be joining)."""
-        link = self.rows.cluster.by_id.get(member)
+        cluster = self.cluster
+        link = cluster.by_id.get(member) if cluster is not None else None
         return link is not None and link.state == "up"
 
     @staticmethod

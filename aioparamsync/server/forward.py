@@ -48,7 +48,16 @@ from ..errors import (
 )
 from ..placement import LIVE, Placement
 
-__all__ = ["FORWARD_RETRY_DELAYS", "Holders", "by_holder", "cut", "holder", "pass_on"]
+__all__ = [
+    "FORWARD_RETRY_DELAYS",
+    "Holders",
+    "by_holder",
+    "cut",
+    "gate",
+    "holder",
+    "moved",
+    "pass_on",
+]
 
 # Waits before a part answered Moved goes again to its holders as this node
 # sees them then (seconds): views differ for a moment while members change.
@@ -58,14 +67,23 @@ T = TypeVar("T")
 
 
 class Holders(Protocol):
-    """What the forward policy reads of the cluster."""
+    """What the forward policy reads of the cluster (a part of
+    :class:`~.clusterview.ClusterView`)."""
 
-    me: Any
-    epoch: int
-    state: str
-    placement: Placement
-    live: frozenset[str]
-    by_id: Mapping[str, Any]
+    @property
+    def me(self) -> Any: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def live(self) -> frozenset[str]: ...
+    @property
+    def by_id(self) -> Mapping[str, Any]: ...
+    @property
+    def links(self) -> Mapping[str, Any]: ...
 
 
 def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> str | None:
@@ -126,6 +144,54 @@ def cut(
             )
         groups.setdefault(None if node == me else node, []).append(key)
     return groups
+
+
+def moved(
+    cluster: Holders,
+    keys: Sequence[str],
+    what: str = "does not hold",
+    then: str = "ask a node for the topology",
+    shown: Callable[[str], str] = repr,
+) -> Moved:
+    """The ``Moved`` error for ``keys`` (what this node does not do for them), with its epoch."""
+    named = ", ".join(shown(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+    return Moved(
+        f"node {cluster.me.node_id} {what} {named} at epoch {cluster.epoch}: {then}",
+        epoch=cluster.epoch,
+    )
+
+
+def gate(
+    cluster: Holders,
+    keys: Iterable[str],
+    *,
+    primary: bool = False,
+    what: str = "does not hold",
+    then: str = "ask a node for the topology",
+    shown: Callable[[str], str] = repr,
+) -> None:
+    """Refuse (:class:`Moved`) what this node may not serve of ``keys``: the one gate.
+
+    A routed call (its caller's epoch set) is served only where its keys are
+    held (this node a replica of each, and serving); a part passed on to be
+    folded, only at their primary (``primary``). A node alone serves all.
+
+    Raises:
+        Moved: the keys it does not hold (is not the primary of), with its epoch.
+    """
+    if not cluster.links:
+        return
+    me, placement = cluster.me.node_id, cluster.placement
+    if cluster.state not in LIVE:
+        missing = list(keys)
+    elif primary:
+        missing = [k for k in keys if holder(cluster, k) != me]
+    elif placement.everywhere and me in placement.members:
+        return
+    else:
+        missing = [k for k in keys if not placement.holds(me, k)]
+    if missing:
+        raise moved(cluster, missing, what, then, shown)
 
 
 def _shown(keys: Sequence[str]) -> str:

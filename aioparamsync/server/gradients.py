@@ -58,7 +58,7 @@ from ..routing.partitions import collapse, cut, readable_error
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
-from .routing import moved
+from .clusterview import ClusterView
 
 if TYPE_CHECKING:
     from ..store.table import Applied
@@ -227,7 +227,7 @@ class GradientPushes:
     def __init__(
         self,
         store: ParameterStore,
-        cluster: Any,
+        cluster: ClusterView | None,
         waiting: Waiting,
         max_decoded_bytes: int,
         *,
@@ -303,12 +303,15 @@ class GradientPushes:
         """Refuse (MOVED) a part passed on here by a node that took this one for the
         primary of names it is not the primary of now."""
         cluster = self.cluster
-        if cluster is None:
-            return
-        me = cluster.me.node_id
-        elsewhere = [g.name for g in push.grads or () if forward.holder(cluster, g.name) != me]
-        if elsewhere:
-            raise moved(cluster, elsewhere, "is not the primary of", "nothing was folded")
+        if cluster is not None:
+            names = [g.name for g in push.grads or ()]
+            forward.gate(
+                cluster,
+                names,
+                primary=True,
+                what="is not the primary of",
+                then="nothing was folded",
+            )
 
     def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
         """``push`` with the gradients of large parameters cut as their partitions are."""
@@ -408,6 +411,7 @@ class GradientPushes:
                 await settling
             applied = await self.store.submit(decoded, timestamp, gradients=True)
             if acks_all:
+                assert self.cluster is not None  # (acks=all: a cluster's)
                 await self.cluster.replicated([e.name for e in applied.entries])
             return result(applied)
 
@@ -431,6 +435,7 @@ class GradientPushes:
         ``before``: the versions of the names folded by earlier tries.
         """
         cluster = self.cluster
+        assert cluster is not None
         by_name = {g.name: g for gs in parts.values() for g in gs}
         acks = push.acks or cluster.acks
 

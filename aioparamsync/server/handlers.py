@@ -23,6 +23,7 @@ from ..store.writer import ParameterStore
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
+from .clusterview import ClusterView
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest
@@ -97,7 +98,7 @@ class ParameterService:
 
     Args:
         store: where parameters live; ``ping`` answers its table's node id.
-        cluster: the node's :class:`~aioparamsync.cluster.membership.Cluster` (membership calls).
+        cluster: the node's cluster as the server reads it (:mod:`.clusterview`), or None.
         counters: the server's counters, reported by ``info``.
         max_decoded_bytes: the largest array an encoded parameter may decode to,
             and the largest piece of a parameter answered.
@@ -114,7 +115,7 @@ class ParameterService:
     def __init__(
         self,
         store: ParameterStore,
-        cluster: Any = None,
+        cluster: ClusterView | None = None,
         counters: Mapping[str, int] | None = None,
         *,
         max_decoded_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -221,7 +222,7 @@ class ParameterService:
         elif any(e.nbytes > limit for e in entries):
             params = [self._inline_or_header(request, e, limit) for e in entries]
         elif request.encoding:
-            params = [self._encoded(e, request.encoding) for e in entries]
+            params = [self.encoded(e, request.encoding) for e in entries]
         else:
             params = [e.to_parameter() for e in entries]
         if manifests:
@@ -241,7 +242,7 @@ class ParameterService:
             header.data, header.total_bytes = b"", entry.nbytes
             return header
         if request.encoding:
-            return self._encoded(entry, request.encoding)
+            return self.encoded(entry, request.encoding)
         return entry.to_parameter()
 
     def _piece(self, request: Any, entries: list[Entry]) -> list[Any]:
@@ -268,7 +269,7 @@ class ParameterService:
         piece.offset, piece.total_bytes = offset, entry.nbytes
         return [piece]
 
-    def _incoming(self, params: Sequence[Any]) -> Sequence[Any]:
+    def incoming(self, params: Sequence[Any]) -> Sequence[Any]:
         """An update's parameters as the store takes them: whole and decoded.
 
         The pieces of a large parameter are put aside until it is whole (see
@@ -312,7 +313,8 @@ class ParameterService:
             self._sweeper = None
 
     @staticmethod
-    def _encoded(entry: Entry, encoding: str) -> Any:
+    def encoded(entry: Entry, encoding: str) -> Any:
+        """``entry`` as a ``Parameter`` in ``encoding`` (raw where it cannot be encoded)."""
         from ..values import compression
         from ..values.arrays import from_parameter
 
@@ -346,16 +348,16 @@ class ParameterService:
                 if request.wait_ms is None:
                     outcome = asyncio.ensure_future(
                         router.read_everything(
-                            request, self._pull_here(request), METHODS.pull_parameters
+                            request, self.pull_here(request), METHODS.pull_parameters
                         )
                     )
             elif (parts := router.read_parts(request.param_names)) is not None:
                 self.store.read(request.param_names)  # (checks the request's size)
                 outcome = asyncio.ensure_future(
-                    router.read(request, parts, self._pull_here, METHODS.pull_parameters)
+                    router.read(request, parts, self.pull_here, METHODS.pull_parameters)
                 )
         if outcome is None:
-            outcome = self._pull_here(request)
+            outcome = self.pull_here(request)
         # (a routed caller puts partitioned ones together itself)
         if request.epoch is None and (
             isinstance(outcome, asyncio.Future) or any("\x00" in p.name for p in outcome.params)
@@ -365,7 +367,7 @@ class ParameterService:
             return _then(outcome, lambda r: method.result(success=r))
         return method.result(success=outcome)
 
-    def _pull_here(self, request: Any) -> Any:
+    def pull_here(self, request: Any) -> Any:
         """A read served here: its ``ParameterResponse``, or a future of it (a long poll)."""
         if request.encoding:
             from ..values.compression import PULL_ENCODINGS
@@ -405,7 +407,7 @@ class ParameterService:
                 log.debug("replication from %s ignored: not a member", args.update.from_peer)
                 return _done(None)
             params, timestamp = _params(args.update)
-            return self.store.submit(self._incoming(params), timestamp, replicated=True)
+            return self.store.submit(self.incoming(params), timestamp, replicated=True)
         return self._write(args.update, lambda _: None)
 
     def _write(self, update: Any, answer: Callable[[Any], Any]) -> asyncio.Future:
@@ -441,13 +443,13 @@ class ParameterService:
             return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
             return self.store.submit(
-                self.partitioned.checked(self._incoming(params)),
+                self.partitioned.checked(self.incoming(params)),
                 timestamp,
                 then=lambda applied: answer(update_result(applied)),
             )
-        return _then(asyncio.ensure_future(self._write_parts(update, params, parts, acks)), answer)
+        return _then(asyncio.ensure_future(self.write_parts(update, params, parts, acks)), answer)
 
-    async def _write_parts(self, update: Any, params: Sequence[Any], parts: Any, acks: str) -> Any:
+    async def write_parts(self, update: Any, params: Sequence[Any], parts: Any, acks: str) -> Any:
         """``params`` of ``update`` applied where they are held (``parts``: see Router.write)."""
         router = self.router
         if parts is not None:
@@ -456,7 +458,7 @@ class ParameterService:
 
         def here(mine: Sequence[Any]) -> asyncio.Future:
             return self.store.submit(
-                self.partitioned.checked(self._incoming(mine)), update.timestamp, then=update_result
+                self.partitioned.checked(self.incoming(mine)), update.timestamp, then=update_result
             )
 
         return await router.write(update, params, parts, here, acks)
@@ -512,13 +514,10 @@ class ParameterService:
         cluster = self.cluster
         if cluster is not None:
             info.state = cluster.state
-            rebalancer = getattr(cluster, "rebalancer", None)
-            if rebalancer is not None:
-                info.keys_moving = rebalancer.moving
-                info.under_replicated = rebalancer.under_replicated
+            info.keys_moving = cluster.rebalancer.moving
+            info.under_replicated = cluster.rebalancer.under_replicated
             counters["requests_passed_on"] = self.router.passed_on
-            coordinator = getattr(cluster, "coordinator", None)
-            if coordinator is not None:
+            if (coordinator := cluster.coordinator) is not None:
                 info.coordinator = f"{coordinator.address} {coordinator.prefix}"
                 info.fenced = cluster.fenced()
         return method.result(success=info)

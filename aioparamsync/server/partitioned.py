@@ -208,7 +208,7 @@ class Partitioned:
                         p.origin,
                         p.rule,
                     )
-                    p = self.service._encoded(entry, request.encoding)
+                    p = self.service.encoded(entry, request.encoding)
             params.append(p)
         gathered.params = params
         return gathered
@@ -218,9 +218,9 @@ class Partitioned:
         router = self.service.router
         parts = None if router.alone() else router.read_parts(request.param_names)
         if parts is None:
-            outcome = self.service._pull_here(request)
+            outcome = self.service.pull_here(request)
             return await outcome if isinstance(outcome, asyncio.Future) else outcome
-        return await router.read(request, parts, self.service._pull_here, METHODS.pull_parameters)
+        return await router.read(request, parts, self.service.pull_here, METHODS.pull_parameters)
 
     def large(self, p: Any) -> bool:
         """Whether ``p`` is a parameter to store as partitions (not one of them)."""
@@ -246,7 +246,7 @@ class Partitioned:
         a parameter stored whole that the update keeps the layout of stays
         whole (made when ``--partition-bytes`` was larger).
         """
-        ready = self.service._incoming(params)  # (pieces put together, encoded ones decoded)
+        ready = self.service.incoming(params)  # (pieces put together, encoded ones decoded)
         if not ready:  # (a piece of an upload, not the last)
             return thrift.UpdateResult(versions={}, timestamp=self.service.store.timestamp)
         stored = await self._stored([p.name for p in ready if self.large(p)])
@@ -451,7 +451,7 @@ class Partitioned:
                 _carry_rule(p, rule)
             out.append(p)
         # (at every live replica before the partitions are emptied: none reads them then)
-        result = await self.service._write_parts(update, out, parts, "all")
+        result = await self.service.write_parts(update, out, parts, "all")
         await self._empty(
             update, [key for name, layout in layouts.items() for key in layout.keys(name)], acks
         )
@@ -464,7 +464,7 @@ class Partitioned:
         if not router.alone():
             parts = router.write_parts(list(dict.fromkeys(p.name for p in params)))
         try:
-            return await self.service._write_parts(update, params, parts, acks)
+            return await self.service.write_parts(update, params, parts, acks)
         except RequestError as exc:
             raise readable_error(exc) from exc
 

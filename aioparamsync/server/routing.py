@@ -25,25 +25,26 @@ What is atomic: each part is applied atomically where it is applied; an
 update spanning several replica sets is answered once every part is, and a
 reader of two of them may see one applied before the other.
 
-The cluster is read through a small interface (``Routed``): this module
-imports nothing of :mod:`aioparamsync.cluster`.
+The cluster is read through its typed view (:class:`~.clusterview.ClusterView`):
+this module imports nothing of :mod:`aioparamsync.cluster`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
-from ..errors import Moved, RequestError
-from ..placement import LIVE, Placement, barrier_key
+from ..errors import RequestError
+from ..placement import LIVE, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
 from . import forward
+from .clusterview import ClusterView
 
-__all__ = ["Routed", "Router", "moved"]
+__all__ = ["Router"]
 
 # The deadline of a call passed on to another node (seconds), past the wait a
 # held one (a long poll, a barrier) asks for: a node that froze is given up on.
@@ -59,35 +60,6 @@ def _deadline(m: Method, args: dict[str, Any]) -> float | None:
     return PASS_ON_TIMEOUT
 
 
-class Routed(Protocol):
-    """What routing reads of the cluster (:class:`~aioparamsync.cluster.membership.Cluster`)."""
-
-    me: Any
-    epoch: int
-    state: str
-    acks: str
-    placement: Placement
-    live: frozenset[str]
-    links: Mapping[str, Any]
-    by_id: Mapping[str, Any]
-
-    async def replicated(self, names: Iterable[str]) -> None: ...
-
-
-def moved(
-    cluster: Routed,
-    names: Sequence[str],
-    what: str = "does not hold",
-    then: str = "ask a node for the topology",
-) -> Moved:
-    """The ``MOVED`` error for ``names`` (what this node does not do for them), with its epoch."""
-    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    return Moved(
-        f"node {cluster.me.node_id} {what} {shown} at epoch {cluster.epoch}: {then}",
-        epoch=cluster.epoch,
-    )
-
-
 class Router:
     """Cuts requests by the nodes that hold their keys (see the module).
 
@@ -95,7 +67,7 @@ class Router:
         cluster: the node's cluster (its view of the topology), or None (a node alone).
     """
 
-    def __init__(self, cluster: Routed | None) -> None:
+    def __init__(self, cluster: ClusterView | None) -> None:
         self.cluster = cluster
         self.passed_on = 0  # parts of requests passed on to other nodes
 
@@ -109,15 +81,8 @@ class Router:
     def check_routed(self, names: Sequence[str]) -> None:
         """Refuse (MOVED) a routed request naming keys this node does not hold."""
         cluster = self.cluster
-        if cluster is None or not cluster.links:
-            return
-        me, placement = cluster.me.node_id, cluster.placement
-        serving = cluster.state in LIVE
-        if serving and placement.everywhere and me in placement.members:
-            return
-        missing = [n for n in names if not (serving and placement.holds(me, n))]
-        if missing:
-            raise moved(cluster, missing)
+        if cluster is not None:
+            forward.gate(cluster, names)
 
     def read_parts(self, names: Sequence[str]) -> dict[str | None, list[str]] | None:
         """``names`` by the node to read each from (None: here); None when all are here."""
@@ -256,13 +221,17 @@ class Router:
         if parts is None:
             parts = {None: list(by_name)}
 
+        # (here and part: no reference cycle of closures, which would keep the
+        # update's buffers alive until a collection)
+        async def here(names: list[str]) -> Any:
+            result = await local([p for n in names for p in by_name[n]])
+            if acks == "all" and cluster is not None:
+                await cluster.replicated(names)
+            return result
+
         async def part(target: str | None, names: list[str]) -> Any:
-            mine = [p for n in names for p in by_name[n]]
             if target is None:
-                result = await local(mine)
-                if acks == "all" and cluster is not None:
-                    await cluster.replicated(names)
-                return result
+                return await here(names)
             assert cluster is not None
             epoch = cluster.epoch
 
@@ -274,11 +243,8 @@ class Router:
                 return {"update": sub}
 
             return merge_results(
-                await self.pass_on(target, names, METHODS.push_parameters, make, mine_here)
+                await self.pass_on(target, names, METHODS.push_parameters, make, here)
             )
-
-        async def mine_here(names: list[str]) -> Any:
-            return await part(None, names)
 
         answers = await asyncio.gather(
             *(part(t, ns) for t, ns in parts.items()), return_exceptions=True

@@ -42,13 +42,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import LIVE, bucket_key
+from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
 from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
-from .routing import moved
+from .clusterview import ClusterView
 
 __all__ = ["RowService"]
 
@@ -71,7 +71,7 @@ class RowService:
         tables: the node's tables (made empty when None).
     """
 
-    def __init__(self, cluster: Any = None, tables: RowTables | None = None) -> None:
+    def __init__(self, cluster: ClusterView | None = None, tables: RowTables | None = None) -> None:
         self.cluster = cluster
         self.tables = tables if tables is not None else RowTables()
         self.passed_on = 0  # parts of row calls passed on to other nodes
@@ -112,6 +112,7 @@ class RowService:
 
     async def _tell_members(self, method: Method, spec: Any) -> Any:
         cluster = self.cluster
+        assert cluster is not None
         passed = thrift.Table(**{**spec.wire.__dict__, "forwarded": True})
         targets = [m for m in cluster.live if m != self._me and m in cluster.by_id]
 
@@ -141,6 +142,7 @@ class RowService:
             return table
         if self._peers():
             cluster = self.cluster
+            assert cluster is not None
             for member in sorted(cluster.live):
                 link = cluster.by_id.get(member)
                 if link is None:
@@ -181,6 +183,7 @@ class RowService:
             self._check_held(table, ids, "does not hold")
             return method.result(success=encode_rows(table.pull(ids), request.encoding))
         cluster = self.cluster
+        assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
             positions_of[bucket_key(table.spec.name, bucket)] = positions
@@ -222,18 +225,9 @@ class RowService:
         """Refuse (MOVED) a routed call for buckets this node does not hold (is not the
         primary of, with ``primary``) at its epoch."""
         cluster = self.cluster
-        if cluster is None or not cluster.links:
-            return
-        me, placement, live = self._me, cluster.placement, cluster.live
-        serving = cluster.state in LIVE
-        missing = []
-        for bucket, _ in table.by_bucket(ids):
-            key = bucket_key(table.spec.name, bucket)
-            ok = placement.primary(key, live) == me if primary else placement.holds(me, key)
-            if not (serving and ok):
-                missing.append(f"bucket {bucket} of table {table.spec.name}")
-        if missing:
-            raise moved(cluster, missing, what)
+        if cluster is not None:
+            keys = [bucket_key(table.spec.name, bucket) for bucket, _ in table.by_bucket(ids)]
+            forward.gate(cluster, keys, primary=primary, what=what, shown=_bucket_shown)
 
     # -- pushes ---------------------------------------------------------------------
 
@@ -297,6 +291,7 @@ class RowService:
     ) -> tuple[int, int]:
         """Fold each bucket's rows at its primary, by the one forward policy (:mod:`.forward`)."""
         cluster = self.cluster
+        assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
         for bucket, positions in table.by_bucket(ids):
             positions_of[bucket_key(table.spec.name, bucket)] = positions
@@ -370,6 +365,7 @@ class RowService:
     async def send_deltas(self, replica: str, deltas: list[Any]) -> bool:
         """Send ``deltas`` to ``replica`` now, on the replication lane; whether it took them."""
         try:
+            assert self.cluster is not None  # (a replica: a cluster's)
             link = self.cluster.by_id[replica]
             await link.replicate(METHODS.replicate_rows, timeout=PEER_TIMEOUT, deltas=deltas)
             return True

@@ -1,0 +1,236 @@
+"""This node's own changes of state: joining, taking over, leaving, a lease lost.
+
+- Joining (:meth:`Transitions.join`): the node waits until every link that
+  answers has pulled what it will hold, then says it is up and takes over as
+  the primary of its keys (:meth:`Transitions.take_over`).
+- Leaving (:meth:`Transitions.leave`, a drain or SIGTERM): it says so, hands
+  every key off (see :mod:`.rebalance`), then says it left.
+- With a coordinator, its lease lost (:meth:`Transitions.lease_lost`): it is
+  no member; it registers anew, joining, after forgetting what no replica
+  confirmed (see :mod:`.fencing`), and joins again.
+
+Each state is told to every member up (an announce) and, with a coordinator,
+written to etcd, one write after the other (:meth:`Transitions.published`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import ErrorCode, RequestError
+from ..placement import JOINING, LEAVING, LEFT, LIVE, UP
+from ..wire import METHODS
+from .links import LinkState, PeerLink
+
+if TYPE_CHECKING:
+    from .membership import Cluster
+
+__all__ = ["JOIN_TIMEOUT", "Transitions"]
+
+log = logging.getLogger(__name__)
+
+# The longest a node takes to join (pull what it will hold) before it serves
+# anyway (seconds): links that stay unreachable are not waited for.
+JOIN_TIMEOUT = 120.0
+# How often a node that leaves writes its state to the coordinator again while the
+# coordinator cannot be reached (seconds).
+PUBLISH_RETRY = 0.5
+
+
+class Transitions:
+    """This node's own changes of state (see the module).
+
+    Args:
+        cluster: the cluster whose node this is.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        #: while this node takes over as the primary of its keys (see join): done then
+        self.settling: asyncio.Future[None] | None = None
+        self._published: asyncio.Future[bool] | None = None  # the last state written to etcd
+        self._rejoining: asyncio.Future[None] | None = None  # joining again, its lease lost
+
+    async def stop(self) -> None:
+        if self._rejoining is not None:
+            self._rejoining.cancel()
+            await asyncio.wait({self._rejoining})
+
+    # -- to the coordinator -------------------------------------------------------
+
+    def publish(self, state: str) -> None:
+        """Write this node's new state to the coordinator, after the one before it."""
+        self._published = asyncio.ensure_future(self._publish(state, self._published))
+
+    async def _publish(self, state: str, before: asyncio.Future[bool] | None) -> bool:
+        if before is not None:
+            await asyncio.wait({before})
+        coordinator = self.cluster.coordinator
+        assert coordinator is not None
+        if not await coordinator.set_state(state):
+            log.warning("could not write this node's state (%s) to the coordinator", state)
+            return False
+        return True
+
+    async def published(self) -> bool:
+        """Wait until this node's last state change is written to the coordinator (if any);
+        whether it was (True without a coordinator)."""
+        published = self._published
+        if published is None:
+            return True
+        await asyncio.wait({published})
+        return not published.cancelled() and published.exception() is None and published.result()
+
+    async def _said(self, state: str, timeout: float) -> bool:
+        """Wait until ``state`` is written to the coordinator, writing it again every
+        ``PUBLISH_RETRY`` seconds while it cannot be, up to ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await self.published():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(PUBLISH_RETRY)
+            self.publish(state)
+        return True
+
+    # -- the lease ------------------------------------------------------------------
+
+    def lease_lost(self) -> None:
+        """This node's lease expired: it is no member now; it joins anew.
+
+        What its outboxes still hold joins the unconfirmed writes, dropped
+        before it registers again (see :mod:`.fencing`).
+        """
+        cluster = self.cluster
+        log.warning("node %s lost its lease: it joins again", cluster.me.node_id)
+        cluster.state = JOINING
+        cluster.fencing.take_outboxes()
+        cluster.refresh()
+
+    def registered_anew(self) -> None:
+        """Registered again (joining): pull what it holds, then serve it."""
+        for link in self.cluster.links.values():
+            link.pulled = False
+            link.repair_soon()
+        if self._rejoining is not None:
+            self._rejoining.cancel()
+        self._rejoining = asyncio.ensure_future(self.join())
+
+    # -- joining ----------------------------------------------------------------------
+
+    async def join(self, timeout: float = JOIN_TIMEOUT) -> None:
+        """Joining: wait until every link that answers has pulled what this node will hold.
+
+        Then this node is up (it serves its keys, and the others place it).
+        A link that cannot connect is not waited for (it repairs once up);
+        past ``timeout`` seconds the node serves anyway, with a warning.
+        """
+        cluster = self.cluster
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while cluster.state == JOINING:
+            # (a link in backoff cannot be reached: not waited for; with a
+            # coordinator, the link of a member live there is: it will answer)
+            waiting = [
+                link
+                for link in cluster.links.values()
+                if not link.pulled
+                and (
+                    link.state in (LinkState.UP, LinkState.CONNECTING)
+                    or (cluster.coordinator is not None and cluster.seen_state(link) in LIVE)
+                )
+            ]
+            if not waiting:
+                break
+            if loop.time() >= deadline:
+                log.warning(
+                    "joined after %.0f s without pulling from %s",
+                    timeout,
+                    ", ".join(link.name for link in waiting),
+                )
+                break
+            await asyncio.sleep(0.05)
+        await self.take_over()
+
+    async def take_over(self) -> None:
+        """Say this node is up, and become the primary of its keys once no one else is.
+
+        Until every member up has answered that it knows (each answers once
+        what it folded as their primary is applied: see the announce handler)
+        and this node has pulled what they folded, it folds nothing
+        (:attr:`settling`): two primaries of one key at once would each make
+        its next version, and last-writer-wins would drop one of the two.
+        """
+        cluster = self.cluster
+        settling = self.settling = asyncio.get_running_loop().create_future()
+        try:
+            cluster.set_state(UP)
+            await self.published()
+            if any(link.state == LinkState.UP for link in cluster.links.values()):
+                await self.tell_all()
+                await self._pull_all()
+                await cluster.rebalancer.other_rounds()
+        finally:
+            self.settling = None
+            settling.set_result(None)
+
+    async def _pull_all(self) -> None:
+        """Pull from every member up what it holds newer than this node, now."""
+        links = [link for link in self.cluster.links.values() if link.state == LinkState.UP]
+        results = await asyncio.gather(*(link.pull() for link in links), return_exceptions=True)
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("could not pull from %s as this node took over: %s", link.name, result)
+
+    # -- leaving ----------------------------------------------------------------------
+
+    async def leave(self, timeout: float) -> int:
+        """A planned leave: say so, hand every key off (up to ``timeout`` s), say it left.
+
+        Answers how many keys the others confirmed. The node keeps serving
+        meanwhile (its keys are its own until the others place it no more).
+        """
+        cluster = self.cluster
+        if cluster.state not in (UP, JOINING):
+            return 0
+        if not any(link.state == LinkState.UP for link in cluster.links.values()):
+            cluster.set_state(LEFT)  # (no one to hand anything to)
+            return 0
+        cluster.set_state(LEAVING)
+        if not await self._said(LEAVING, timeout):
+            # The others never saw it leave (placement is etcd's): it hands nothing
+            # off, so it keeps its keys, and stays.
+            cluster.set_state(UP)
+            await self.published()
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"node {cluster.me.node_id} could not tell the coordinator it leaves within "
+                f"{timeout:.0f} s: it stays, holding its keys (leaving now could lose the only "
+                "copies of them); drain it again once the coordinator answers",
+            )
+        await self.tell_all()  # (they must know before what it hands them)
+        handed = await cluster.rebalancer.drain(timeout)
+        cluster.set_state(LEFT)
+        await self.published()
+        await self.tell_all()
+        return handed
+
+    async def tell_all(self) -> None:
+        """Announce this node to every member up, now, and wait for their answers."""
+        cluster = self.cluster
+        member = cluster.announces.announcement()
+
+        async def tell(link: PeerLink) -> None:
+            members = await link.proxy().invoke(METHODS.announce, member=member)
+            if members and cluster.announces.refusal(members[0]) is None:  # (refused: its link)
+                cluster.announces.said(link, members[0])
+
+        links = [link for link in cluster.links.values() if link.state == LinkState.UP]
+        results = await asyncio.gather(*(tell(link) for link in links), return_exceptions=True)
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, Exception):
+                log.info(
+                    "could not tell %s that this node is %s: %s", link.name, cluster.state, result
+                )
+        cluster.refresh()
