@@ -5,8 +5,8 @@ the layers contract: see ``[tool.importlinter]`` in pyproject.toml), nor the
 client. The node hands its :class:`~aioparamsync.cluster.membership.Cluster`
 to the server, which reads it through this Protocol alone: exactly what the
 server reads of it, every member read-only (the server changes nothing of
-the cluster but through its methods). ``routing.Routed`` and
-``forward.Holders`` are subsets of it.
+the cluster but through its methods). ``forward.Holders``, what the forward
+policy reads, is a subset of it.
 """
 
 from __future__ import annotations
