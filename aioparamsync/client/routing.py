@@ -360,9 +360,14 @@ class Routes:
         items = value.grads if name == "push_gradients" else value.params
         if not items:
             return None
-        by_target: dict[str | None, list[Any]] = {}
+        # (by primary: the placement's own cut, which the node cuts what it passes on by)
+        by_name: dict[str, list[Any]] = {}
         for item in items:
-            by_target.setdefault(topology.target(item.name, "primary", self._salt), []).append(item)
+            by_name.setdefault(item.name, []).append(item)  # (pieces: several of one name)
+        by_target = {
+            t: [item for n in names for item in by_name[n]]
+            for t, names in topology.placement.by_primary(list(by_name), topology.live).items()
+        }
         parts = {}
         for t, chosen in by_target.items():
             sub = copy.copy(value)

@@ -95,11 +95,10 @@ def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> s
 def by_holder(
     cluster: Holders, keys: Iterable[str], tried: frozenset[str] = frozenset()
 ) -> dict[str | None, list[str]]:
-    """``keys`` grouped by :func:`holder` (None: keys none of whose replicas is left)."""
-    groups: dict[str | None, list[str]] = {}
-    for key in keys:
-        groups.setdefault(holder(cluster, key, tried), []).append(key)
-    return groups
+    """``keys`` grouped by :func:`holder` (None: keys none of whose replicas is left): the
+    placement's own cut by primary, which the routed client cuts its calls by too."""
+    live = cluster.live - tried if tried else cluster.live
+    return cluster.placement.by_primary(list(keys), live)
 
 
 def cut(
@@ -130,19 +129,24 @@ def cut(
             last-writer-wins when its replicas come back.
     """
     me, placement = cluster.me.node_id, cluster.placement
-    serving = held_here and cluster.state in LIVE
-    groups: dict[str | None, list[str]] = {}
-    for key in keys:
-        node = None if serving and placement.holds(me, key) else holder(cluster, key)
-        if node is None and refuse and not (serving and placement.holds(me, key)):
-            down = ", ".join(placement.replicas(key))
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"no replica of {shown(key)} is up ({down}); nothing of {what} was applied: "
-                "try again when one is, or after the failure timeout",
-                cluster.epoch,
-            )
-        groups.setdefault(None if node == me else node, []).append(key)
+    keys = list(keys)
+    here: list[str] = []
+    if held_here and cluster.state in LIVE:
+        here = [k for k in keys if placement.holds(me, k)]
+        keys = [k for k in keys if not placement.holds(me, k)]
+    groups = by_holder(cluster, keys)
+    lost = groups.pop(None, [])
+    if lost and refuse:
+        down = ", ".join(placement.replicas(lost[0]))
+        raise RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"no replica of {shown(lost[0])} is up ({down}); nothing of {what} was applied: "
+            "try again when one is, or after the failure timeout",
+            cluster.epoch,
+        )
+    here += groups.pop(me, []) + lost  # (lost, not refused: what this node has of them)
+    if here:
+        groups[None] = here
     return groups
 
 
