@@ -430,7 +430,7 @@ class _NodeCollector:
             "Parameters waiting to be sent to the peer.",
             labels=labels,
         )
-        counts = [
+        peer_counts = [
             (CounterMetricFamily(PREFIX + "peer_" + attribute, doc, labels=labels), attribute)
             for attribute, doc in PEER_COUNTERS
         ]
@@ -448,7 +448,7 @@ class _NodeCollector:
         for link in list(node.cluster.links.values()):
             peer = [link.address]
             depth.add_metric(peer, len(link.outbox))
-            for family, attribute in counts:
+            for family, attribute in peer_counts:
                 family.add_metric(peer, getattr(link, attribute))
             try:
                 seconds_behind = link.lag
@@ -460,7 +460,7 @@ class _NodeCollector:
                 state.add_metric([link.address, name], 1.0 if name == current else 0.0)
             peer_info.add_metric(peer, {"node_id": link.node_id})
         yield depth
-        yield from (family for family, _ in counts)
+        yield from (family for family, _ in peer_counts)
         yield from (lag, state, peer_info)
 
 
