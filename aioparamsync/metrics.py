@@ -137,6 +137,16 @@ LATENCY_BUCKETS = (
 # Every state a peer link can be in (see PeerLink).
 PEER_STATES = (LinkState.CONNECTING, LinkState.UP, LinkState.BACKOFF, LinkState.REFUSED)
 PREFIX = "aioparamsync_"
+# Each peer link's counters: the link's attribute (its metric is peer_ATTRIBUTE), its help.
+PEER_COUNTERS = (
+    ("updates_sent", "Parameters sent to the peer."),
+    (
+        "updates_coalesced",
+        "Parameter updates replaced in the outbox by a newer one before being sent.",
+    ),
+    ("send_failures", "Failed sends to the peer."),
+    ("repaired", "Parameters pulled from the peer by repair."),
+)
 
 MISSING = (
     "metrics need the prometheus-client package: pip install '.[metrics]' in the "
@@ -420,20 +430,10 @@ class _NodeCollector:
             "Parameters waiting to be sent to the peer.",
             labels=labels,
         )
-        sent = CounterMetricFamily(
-            PREFIX + "peer_updates_sent", "Parameters sent to the peer.", labels=labels
-        )
-        coalesced = CounterMetricFamily(
-            PREFIX + "peer_updates_coalesced",
-            "Parameter updates replaced in the outbox by a newer one before being sent.",
-            labels=labels,
-        )
-        failures = CounterMetricFamily(
-            PREFIX + "peer_send_failures", "Failed sends to the peer.", labels=labels
-        )
-        repaired = CounterMetricFamily(
-            PREFIX + "peer_repaired", "Parameters pulled from the peer by repair.", labels=labels
-        )
+        peer_counts = [
+            (CounterMetricFamily(PREFIX + "peer_" + attribute, doc, labels=labels), attribute)
+            for attribute, doc in PEER_COUNTERS
+        ]
         lag = GaugeMetricFamily(
             PREFIX + "peer_lag_seconds",
             "How long the oldest update waiting for the peer has waited (replication lag).",
@@ -448,10 +448,8 @@ class _NodeCollector:
         for link in list(node.cluster.links.values()):
             peer = [link.address]
             depth.add_metric(peer, len(link.outbox))
-            sent.add_metric(peer, link.updates_sent)
-            coalesced.add_metric(peer, link.updates_coalesced)
-            failures.add_metric(peer, link.send_failures)
-            repaired.add_metric(peer, link.repaired)
+            for family, attribute in peer_counts:
+                family.add_metric(peer, getattr(link, attribute))
             try:
                 seconds_behind = link.lag
             except TypeError:  # its outbox drained between lag's two reads of its start
@@ -461,7 +459,9 @@ class _NodeCollector:
             for name in dict.fromkeys((*PEER_STATES, current)):
                 state.add_metric([link.address, name], 1.0 if name == current else 0.0)
             peer_info.add_metric(peer, {"node_id": link.node_id})
-        yield from (depth, sent, coalesced, failures, repaired, lag, state, peer_info)
+        yield depth
+        yield from (family for family, _ in peer_counts)
+        yield from (lag, state, peer_info)
 
 
 class NodeMetrics:

@@ -33,6 +33,7 @@ from aioparamsync import (
     ConnectionLostError,
     ParameterClient,
     RemoteProtocolError,
+    RequestError,
     ServerError,
     __version__,
     from_parameter,
@@ -484,6 +485,43 @@ def test_port_in_use_exits_1_without_a_traceback() -> None:
         # Our listener is untouched.
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
+
+
+def test_a_unix_socket_that_cannot_be_made_exits_1_naming_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "missing" / "node.sock"
+    port = free_port()
+    result = run_cli("--port", str(port), "--unix-socket", str(path))
+    assert result.returncode == 1, result
+    assert result.stdout == ""
+    assert f"aioparamsync-node: cannot listen on unix:{path}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_listens(port)
+
+
+# -- the limits --------------------------------------------------------------------------
+
+
+async def test_the_limit_flags_set_the_nodes_limits(spawn) -> None:
+    node = await spawn(
+        "--max-name-bytes", "8", "--max-params-per-update", "2", "--max-names-per-request", "3"
+    )  # fmt: skip
+    async with client_of(node) as client:
+        with pytest.raises(RequestError, match="of 9 bytes is longer than 8"):
+            await client.update_arrays({"x" * 9: np.arange(2)})
+        three = {name: np.arange(2) for name in ("a", "b", "c")}
+        with pytest.raises(RequestError, match="3 parameters in one request; the limit is 2"):
+            await client.update_arrays(three)
+        with pytest.raises(RequestError, match="4 names in one request; the limit is 3"):
+            await client.get_arrays(["a", "b", "c", "d"])
+        # Within the limits, all is served; nothing refused was stored.
+        assert await client.update_arrays({"x" * 8: np.arange(2), "a": np.arange(2)}) == {
+            "x" * 8: 1,
+            "a": 1,
+        }
+        assert sorted(await client.get_arrays(["x" * 8, "a", "b"])) == ["a", "x" * 8]
+    rc, _ = await stop(node)
+    assert rc == 0
+    assert_clean(node.stderr)
 
 
 # -- --help and --version -------------------------------------------------------------------

@@ -57,6 +57,12 @@ __all__ = ["main"]
 log = logging.getLogger("aioparamsync")
 
 DEFAULT_LIMITS = Limits()
+# The flags of the node's Limits: each field's --flag, and what it bounds.
+LIMIT_FLAGS = (
+    ("max_names_per_request", "names one get may ask for"),
+    ("max_params_per_update", "parameters one update may hold"),
+    ("max_name_bytes", "longest parameter name, in UTF-8 bytes"),
+)
 # The smallest --max-frame-bytes worth running with.
 MIN_FRAME_BYTES = 1024
 
@@ -318,27 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="client connections served at once; more are refused (default: %(default)s)",
     )
-    parser.add_argument(
-        "--max-names-per-request",
-        type=positive_int,
-        default=DEFAULT_LIMITS.max_names_per_request,
-        metavar="N",
-        help="names one get may ask for (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-params-per-update",
-        type=positive_int,
-        default=DEFAULT_LIMITS.max_params_per_update,
-        metavar="N",
-        help="parameters one update may hold (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-name-bytes",
-        type=positive_int,
-        default=DEFAULT_LIMITS.max_name_bytes,
-        metavar="N",
-        help="longest parameter name, in UTF-8 bytes (default: %(default)s)",
-    )
+    for field, text in LIMIT_FLAGS:
+        parser.add_argument(
+            "--" + field.replace("_", "-"),
+            type=positive_int,
+            default=getattr(DEFAULT_LIMITS, field),
+            metavar="N",
+            help=text + " (default: %(default)s)",
+        )
     parser.add_argument(
         "--metrics-port",
         type=port_number,
@@ -445,11 +438,7 @@ async def serve(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout,
             request_timeout=args.request_timeout,
             max_connections=args.max_connections,
-            limits=Limits(
-                max_name_bytes=args.max_name_bytes,
-                max_params_per_update=args.max_params_per_update,
-                max_names_per_request=args.max_names_per_request,
-            ),
+            limits=Limits(**{field: getattr(args, field) for field, _ in LIMIT_FLAGS}),
             ssl=server_ssl,
             peer_ssl=peer_ssl,
             metrics_port=args.metrics_port,
@@ -470,7 +459,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     try:
         await node.start()
-    except (PersistenceError, MetricsBindError) as exc:
+    except (PersistenceError, MetricsBindError, ListenError) as exc:
         print(f"aioparamsync-node: {exc}", file=sys.stderr)
         return 1
     except CoordinatorError as exc:
@@ -480,9 +469,6 @@ async def serve(args: argparse.Namespace) -> int:
         if exc.name != "prometheus_client":
             raise
         print(f"aioparamsync-node: --metrics-port: {exc}", file=sys.stderr)
-        return 1
-    except ListenError as exc:
-        print(f"aioparamsync-node: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(
