@@ -297,6 +297,14 @@ class CallDispatch(CallOrder):
                 return MessageType.REPLY, m.result(error=error)
             return MessageType.EXCEPTION, app_error(TApplicationException.UNKNOWN, str(exc))
         if isinstance(exc, asyncio.CancelledError):
+            if self.server.stopping and m.typed_errors and m.result is not None:
+                # (the node stops with the call unfinished: another node may take it)
+                unfinished = RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"the node is shutting down: {m.name} was not finished (a write may "
+                    "have been applied); try again, at another node",
+                )
+                return self._error_reply(m, unfinished)
             return MessageType.EXCEPTION, app_error(
                 TApplicationException.INTERNAL_ERROR, f"{m.name} was cancelled (shutting down)"
             )

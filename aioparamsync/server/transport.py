@@ -375,6 +375,8 @@ class Server:
     """
 
     def __init__(self, handler: Handler, config: ServerConfig | None = None) -> None:
+        #: set once :meth:`close` began: calls cancelled then are unfinished, not failed
+        self.stopping = False
         self.handler = handler
         self.config = config or ServerConfig()
         self.connections: set[ServerConnection] = set()
@@ -460,6 +462,7 @@ class Server:
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop accepting, let the calls in flight finish (up to ``grace`` s), close the rest."""
+        self.stopping = True
         if self._server is None:
             return
         if self._budget_check is not None:

@@ -35,8 +35,8 @@ plus ``grace``. With ``--acks 1``: every fault but a delay (a primary's writes i
 got). With ``--acks all`` and no coordinator: a kill and a cut (nodes that disagree on who is
 primary take writes for a while; a partition is not fenced). With a coordinator: rows alone
 under a kill, a cut or etcd's loss (rows merge by their count of folds). A push may be folded
-twice when a kill or (without a coordinator) a cut overlaps it: the request ids a node has seen
-are in its memory only.
+twice when a kill, a drain or (without a coordinator) a cut overlaps it: the request ids a node
+has seen are in its memory only (docs/training.md, "Retried safely").
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class Gaps:
             self.lost_params, self.lost_rows, self.before = set(), {"kill", "cut", "etcd"}, 0.0
         else:
             self.lost_params, self.lost_rows, self.before = {"kill", "cut"}, {"kill", "cut"}, 0.0
-        self.twice_kinds = {"kill"} if plan.coordinator else {"kill", "cut"}
+        # (a drained node's memory of request ids goes with it, as a killed one's)
+        self.twice_kinds = {"kill", "drain"} if plan.coordinator else {"kill", "cut", "drain"}
         self.ordered = plan.acks == "all"  # (see the module: whole writes' order)
 
     def _overlaps(self, op: Op, kinds: set[str], before: float = 0.0) -> bool:

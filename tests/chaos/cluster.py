@@ -54,8 +54,10 @@ class LinkProxy(FaultProxy):
         super().__init__(target_port)
         self.delay = 0.0
 
-    async def _pump(self, reader: Any, writer: asyncio.StreamWriter) -> None:  # type: ignore[override]
-        await FaultProxy._pump(_DelayedReader(reader, self), writer)
+    async def _pump(  # type: ignore[override]
+        self, reader: Any, writer: asyncio.StreamWriter, pipe: Any
+    ) -> None:
+        await FaultProxy._pump(_DelayedReader(reader, self), writer, pipe)
 
 
 @dataclass
