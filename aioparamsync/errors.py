@@ -12,7 +12,9 @@ fits, ours derives from it too, so ``except TimeoutError`` or
   (bad names, data that does not match its dtype and shape, limits); it
   carries the wire's :class:`ErrorCode`. :class:`Moved` is the one whose
   code is ``MOVED``: the node does not hold what was asked of it at its
-  epoch (ask for the topology again).
+  epoch (ask for the topology again); :class:`Indeterminate` the one whose
+  code is ``INDETERMINATE``: a write that may or may not have been applied.
+  Every other code of a write means nothing of it was applied.
 - :class:`ServerError`: the node failed or does not know the method (a
   ``TApplicationException`` on the wire).
 - :class:`NetworkError`: :class:`ConnectError`, :class:`ConnectionLostError`.
@@ -33,6 +35,7 @@ __all__ = [
     "ConnectTimeout",
     "ConnectionLostError",
     "ErrorCode",
+    "Indeterminate",
     "LocalProtocolError",
     "Moved",
     "NetworkError",
@@ -55,6 +58,7 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE = 5
     TIMEOUT = 6
     MOVED = 7
+    INDETERMINATE = 8
 
 
 class ParamSyncError(Exception):
@@ -99,6 +103,8 @@ class RequestError(ParamSyncError, ValueError):
         """The error for a code from the wire: a :class:`Moved` for ``MOVED``."""
         if code == ErrorCode.MOVED:
             return Moved(message, epoch)
+        if code == ErrorCode.INDETERMINATE:
+            return Indeterminate(message, epoch)
         return RequestError(code, message, epoch)
 
 
@@ -111,6 +117,19 @@ class Moved(RequestError):
 
     def __init__(self, message: str, epoch: int | None = None) -> None:
         super().__init__(ErrorCode.MOVED, message, epoch)
+
+
+class Indeterminate(RequestError):
+    """A write that may or may not have been applied: its outcome is not known.
+
+    It was applied by the node, but a live replica did not confirm it
+    (``acks=all``), or a node it was passed on to did not answer, or the node
+    stopped before it finished. Read it back to know; a gradient push sent
+    again under its request id folds once.
+    """
+
+    def __init__(self, message: str, epoch: int | None = None) -> None:
+        super().__init__(ErrorCode.INDETERMINATE, message, epoch)
 
 
 class ServerError(ParamSyncError):

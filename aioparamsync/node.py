@@ -343,6 +343,9 @@ class Node:
                 raise
             self.metrics = metrics
         self._writer = asyncio.create_task(self.store.run(), name="aioparamsync-store-writer")
+        # (it listens first, for its address is its id: until it is in its cluster,
+        # it serves nothing but ping and info, or alone it would take every key)
+        self.service.starting = "starting"
         try:
             await self.server.start()
         except BaseException:
@@ -364,6 +367,7 @@ class Node:
         self.table.origin = f"{self.node_id}@{time.time_ns() // 1_000_000:013d}"
         self.cluster.me = thrift.Member(node_id=self.node_id, host=adv_host, port=adv_port)
         if self.coordinator is not None:
+            self.service.starting = f"registering with the coordinator ({self.coordinator.address})"
             try:
                 record = Record(self.node_id, adv_host, adv_port, JOINING)
                 await self.coordinator.start(record, self.cluster.replication_factor)
@@ -382,6 +386,7 @@ class Node:
         if self.discovery is not None:
             seeds += [a for a in await self.discovery.seeds() if a not in seeds]
         self.cluster.start(seeds)
+        self.service.starting = None
         if self.discovery is not None:
             self.discovery.start()
         if self.cluster.state == JOINING:

@@ -163,6 +163,12 @@ enum ErrorCode {
     // hold: its topology is stale. ParameterError.epoch is the node's epoch;
     // ask a node for the topology again.
     MOVED = 7,
+    // A write that may or may not have been applied: the node applied it but a
+    // live replica did not confirm it (acks=all), or a node it was passed on to
+    // did not answer, or the node stopped first. Every other code of a write
+    // means nothing of it was applied. Read it back, or send a gradient push
+    // again under its request id (it folds once).
+    INDETERMINATE = 8,
 }
 
 exception ParameterError {

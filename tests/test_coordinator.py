@@ -45,6 +45,7 @@ from aioparamsync import (
     ParameterClient,
     ParamSyncError,
     RequestError,
+    ServerError,
 )
 from aioparamsync.cluster.coordinator import Record, parse_coordinator
 from aioparamsync.placement import PLACED, Placement
@@ -552,9 +553,24 @@ async def test_a_second_process_under_one_id_waits_for_the_first_lease(
     prefix = new_prefix()
     flags = [*coordinated(etcd.endpoint, prefix), "--node-id", "same"]
     first = await procs.spawn(extra=flags)
-    pending = asyncio.ensure_future(procs.spawn(extra=flags))
+    port = free_port()
+    pending = asyncio.ensure_future(procs.spawn(port=port, extra=flags))
     await asyncio.sleep(TTL)
     assert not pending.done(), "a second process took the id while the first held it"
+    # It listens meanwhile (its address is its id), and serves nothing but ping and
+    # info: alone, it would take every key as its own (writes a routed client sends to
+    # the address of a node restarting there, from a topology before it failed).
+    async with ParameterClient((LOOPBACK, port), route=False) as waiting:
+        assert await waiting.ping()
+        for call in (
+            waiting.update_arrays({"w": np.ones(4, np.float32)}),
+            waiting.get_arrays(["w"]),
+        ):
+            with pytest.raises(RequestError, match="registering with the coordinator") as info:
+                await call
+            assert info.value.code == ErrorCode.UNAVAILABLE
+        with pytest.raises(ServerError, match=r"UNAVAILABLE: .* registering with the coordinator"):
+            await waiting.topology()  # (no typed errors: a routed client asks another node)
     await first.kill()  # (no leave: its lease expires TTL later)
     killed = time.monotonic()
     second = await asyncio.wait_for(pending, 3 * TTL + 10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import thriftpy2
 
-from aioparamsync.errors import ErrorCode
+from aioparamsync.errors import ErrorCode, Indeterminate, Moved, RequestError
 from aioparamsync.wire import IDL_PATH, METHODS, SEED_IDL_PATH, Methods, method, thrift
 
 seed = thriftpy2.load(str(SEED_IDL_PATH), module_name="seed_idl_thrift")
@@ -81,6 +81,18 @@ def test_the_idl_file_is_the_one_loaded() -> None:
 def test_error_codes_are_the_idls() -> None:
     # errors.py sits below the wire (it imports nothing of ours): its copy must match.
     assert {c.name: c.value for c in ErrorCode} == dict(thrift.ErrorCode._NAMES_TO_VALUES)
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [(ErrorCode.MOVED, Moved), (ErrorCode.INDETERMINATE, Indeterminate)],
+)
+def test_a_code_from_the_wire_is_its_own_error_type(code: ErrorCode, kind: type) -> None:
+    error = RequestError.of(int(code), "said", 7)
+    assert type(error) is kind and error.code == code and error.epoch == 7
+    assert isinstance(error, RequestError)  # (an except RequestError still catches it)
+    plain = RequestError.of(int(ErrorCode.UNAVAILABLE), "said")
+    assert type(plain) is RequestError and not isinstance(plain, Indeterminate)
 
 
 def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:

@@ -433,6 +433,11 @@ class EtcdCoordinator:
                 log.info("coordinator: could not revoke this node's lease (%s): it expires", exc)
         await self._drop_client()
 
+    @property
+    def written_revision(self) -> int:
+        """etcd's revision of this node's last write of its own key (0: none yet)."""
+        return self._key_revision
+
     # -- this node's state ----------------------------------------------------------
 
     async def set_state(self, state: str) -> bool:

@@ -126,8 +126,8 @@ class Cluster:
         self.coordinator = coordinator
         #: this node's own state (one of placement's SELF_STATES)
         self.state = UP
-        #: the members, their states and placement at this epoch (see :mod:`.view`)
-        self.view = View.empty(replication_factor)
+        self._view = View.empty(replication_factor)
+        self._epoch_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (see caught_up)
         #: the links to the members of the view, by member id
         self.by_id: dict[str, PeerLink] = {}
         #: set at every new epoch (the rebalancer clears it)
@@ -171,8 +171,53 @@ class Cluster:
     # -- the view, as the server and the links read it ----------------------------
 
     @property
+    def view(self) -> View:
+        """The members, their states and placement at this epoch (see :mod:`.view`)."""
+        return self._view
+
+    @view.setter
+    def view(self, view: View) -> None:
+        self._view = view
+        if self._epoch_waiters:
+            waiting, self._epoch_waiters = self._epoch_waiters, []
+            for epoch, waiter in waiting:
+                if waiter.done():
+                    continue  # (its wait ended)
+                if epoch <= view.epoch:
+                    waiter.set_result(None)
+                else:
+                    self._epoch_waiters.append((epoch, waiter))
+
+    @property
     def epoch(self) -> int:
         return self.view.epoch
+
+    async def caught_up(self, epoch: int | None, timeout: float | None = None) -> bool:
+        """With a coordinator: wait until this node's view is at ``epoch`` or later (up to
+        ``timeout`` s; default: the failure timeout). Answers whether it is.
+
+        Every node follows etcd's members on its own watch, so a member that wrote its
+        new state has seen it before another node may have: what that node does
+        as the primary of a key until it has seen it (see :meth:`.Transitions.take_over`)
+        is what this wait orders. Without a coordinator a member's announce is its
+        news (see :mod:`.announces`): nothing to wait for.
+        """
+        if self.coordinator is None or epoch is None or self.view.epoch >= epoch:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._epoch_waiters.append((epoch, waiter))
+        try:
+            await asyncio.wait_for(waiter, self.failure_timeout if timeout is None else timeout)
+        except TimeoutError:
+            log.warning(
+                "this node's view is at epoch %d, not yet at %d, after %.1f s: the "
+                "coordinator's watch is behind",
+                self.view.epoch,
+                epoch,
+                self.failure_timeout if timeout is None else timeout,
+            )
+            return False
+        return True
 
     @property
     def placement(self) -> Placement:

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import ErrorCode, RequestError
+from ..errors import Indeterminate, RequestError
 from ..placement import JOINING, UP
 from ..store.table import Entry
 from .links import PEER_CALL_TIMEOUT, LinkState, PeerLink
@@ -99,7 +99,8 @@ class Replication:
         goes down meanwhile is no longer waited for (it is not live).
 
         Raises:
-            RequestError: (UNAVAILABLE) a live replica did not confirm in time.
+            Indeterminate: a live replica did not confirm it (in time): it is applied
+                here, and may be lost if this node fails before the replica has it.
         """
         names = list(names)
         fencing = self.cluster.fencing
@@ -116,8 +117,7 @@ class Replication:
         if coordinated:
             cut = cluster.fencing.unreachable(names)
             if cut:
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
+                raise Indeterminate(
                     f"applied by {me}, but replicas {', '.join(sorted(cut))} cannot "
                     "be reached to confirm it (acks=all)",
                 )
@@ -130,8 +130,7 @@ class Replication:
             for wait in late:
                 wait.cancel()
             names_late = [link.name for link, wait in waits.items() if wait in late]
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
+            raise Indeterminate(
                 f"applied by {me}, but replicas {', '.join(names_late)} did not "
                 f"confirm within {timeout:.0f} s (acks=all)",
             )
@@ -139,8 +138,7 @@ class Replication:
             # (a link that went down meanwhile: its member is live until etcd says not)
             lost = [link.name for link, wait in waits.items() if not wait.result()]
             if lost:
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
+                raise Indeterminate(
                     f"applied by {me}, but the links to replicas "
                     f"{', '.join(lost)} broke before they confirmed it (acks=all)",
                 )

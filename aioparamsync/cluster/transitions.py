@@ -67,11 +67,19 @@ class Transitions:
     async def _publish(self, state: str, before: asyncio.Future[bool] | None) -> bool:
         if before is not None:
             await asyncio.wait({before})
-        coordinator = self.cluster.coordinator
+        cluster = self.cluster
+        coordinator = cluster.coordinator
         assert coordinator is not None
-        if not await coordinator.set_state(state):
-            log.warning("could not write this node's state (%s) to the coordinator", state)
-            return False
+        warned = False
+        # Written again while etcd cannot be reached and the state still holds: a node
+        # whose "up" was never written stays "joining" for the others (placed nowhere).
+        while not await coordinator.set_state(state):
+            if not warned:
+                log.warning("could not write this node's state (%s) to the coordinator", state)
+                warned = True
+            if cluster.state != state or state == LEFT:
+                return False  # (superseded, or gone: its lease ends it)
+            await asyncio.sleep(PUBLISH_RETRY)
         return True
 
     async def published(self) -> bool:
@@ -83,16 +91,14 @@ class Transitions:
         await asyncio.wait({published})
         return not published.cancelled() and published.exception() is None and published.result()
 
-    async def _said(self, state: str, timeout: float) -> bool:
-        """Wait until ``state`` is written to the coordinator, writing it again every
-        ``PUBLISH_RETRY`` seconds while it cannot be, up to ``timeout`` seconds."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not await self.published():
-            if asyncio.get_running_loop().time() >= deadline:
-                return False
-            await asyncio.sleep(PUBLISH_RETRY)
-            self.publish(state)
-        return True
+    async def _said(self, timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until this node's last state is written to the
+        coordinator (it is written again while it cannot be: see ``_publish``)."""
+        published = self._published
+        if published is None:
+            return True
+        await asyncio.wait({published}, timeout=timeout)
+        return published.done() and await self.published()
 
     # -- the lease ------------------------------------------------------------------
 
@@ -157,16 +163,20 @@ class Transitions:
         """Say this node is up, and become the primary of its keys once no one else is.
 
         Until every member up has answered that it knows (each answers once
-        what it folded as their primary is applied: see the announce handler)
-        and this node has pulled what they folded, it folds nothing
-        (:attr:`settling`): two primaries of one key at once would each make
-        its next version, and last-writer-wins would drop one of the two.
+        it sees the epoch this node is up at, and what it folded as their
+        primary before is applied: see the announce handler) and this node has
+        pulled what they folded, it folds nothing (:attr:`settling`): two
+        primaries of one key at once would each make its next version, and
+        last-writer-wins would drop one of the two. With a coordinator the
+        epoch is etcd's revision of this node's write: each member sees it on
+        its own watch, this node first (it announces that epoch).
         """
         cluster = self.cluster
         settling = self.settling = asyncio.get_running_loop().create_future()
         try:
             cluster.set_state(UP)
-            await self.published()
+            if await self.published() and cluster.coordinator is not None:
+                await cluster.caught_up(cluster.coordinator.written_revision)
             if any(link.state == LinkState.UP for link in cluster.links.values()):
                 await self.tell_all()
                 await self._pull_all()
@@ -198,7 +208,7 @@ class Transitions:
             cluster.set_state(LEFT)  # (no one to hand anything to)
             return 0
         cluster.set_state(LEAVING)
-        if not await self._said(LEAVING, timeout):
+        if not await self._said(timeout):
             # The others never saw it leave (placement is etcd's): it hands nothing
             # off, so it keeps its keys, and stays.
             cluster.set_state(UP)

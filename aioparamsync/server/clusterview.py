@@ -171,3 +171,8 @@ class ClusterView(Protocol):
     def announced(self, member: Any) -> list[Any]:
         """A peer announced itself; answer the members this node knows."""
         ...
+
+    async def caught_up(self, epoch: int | None) -> bool:
+        """Wait (bounded) until this node's view is at ``epoch`` or later, where a
+        coordinator's watch brings it; whether it is."""
+        ...

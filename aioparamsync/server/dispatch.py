@@ -262,7 +262,7 @@ class CallDispatch(CallOrder):
         if call.reply is None:
             self._counters["timeouts"] += 1
             error = RequestError(
-                ErrorCode.UNAVAILABLE,
+                ErrorCode.INDETERMINATE if call.method.writes else ErrorCode.UNAVAILABLE,
                 f"{call.method.name} not done within {deadline} s; it may still complete",
             )
             self._settle(call, None, error)
@@ -300,7 +300,7 @@ class CallDispatch(CallOrder):
             if self.server.stopping and m.typed_errors and m.result is not None:
                 # (the node stops with the call unfinished: another node may take it)
                 unfinished = RequestError(
-                    ErrorCode.UNAVAILABLE,
+                    ErrorCode.INDETERMINATE if m.writes else ErrorCode.UNAVAILABLE,
                     f"the node is shutting down: {m.name} was not finished (a write may "
                     "have been applied); try again, at another node",
                 )

@@ -21,8 +21,8 @@ to send a part to a node (``send``) and how to serve it here (``here``).
   does not hold its key, where it would start the key anew.
 * The call broke in flight or timed out (``ConnectionLostError``,
   ``CallTimeout``): the outcome there is unknown, so a write is not sent
-  elsewhere (it could apply twice); it fails ``UNAVAILABLE``, saying it may
-  have been applied (a push sent again with its request id folds once). A
+  elsewhere (it could apply twice); it fails ``INDETERMINATE`` (a push sent
+  again with its request id folds once). A
   read (``idempotent``) goes on to the next replica, as if not reached.
 * Any other refusal is the caller's answer, as it is.
 
@@ -43,6 +43,7 @@ from ..errors import (
     ConnectError,
     ConnectionLostError,
     ErrorCode,
+    Indeterminate,
     Moved,
     RequestError,
 )
@@ -225,8 +226,9 @@ async def pass_on(
             unknown (a read).
 
     Raises:
-        RequestError: UNAVAILABLE when a key's part could be applied nowhere
-            (or may have been, see the module); a node's refusal as it is.
+        RequestError: UNAVAILABLE when a key's part could be applied nowhere,
+            ``Indeterminate`` when it may have been (see the module); a node's
+            refusal as it is.
     """
     link = cluster.by_id.get(target)
     try:
@@ -249,8 +251,7 @@ async def pass_on(
         last = exc
     except (ConnectionLostError, CallTimeout) as exc:
         if not idempotent:
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
+            raise Indeterminate(
                 f"{what} passed on to {link.name if link else target} ended without an answer "
                 f"({exc}): it may or may not have been applied there; try again",
                 cluster.epoch,

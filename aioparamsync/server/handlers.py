@@ -32,6 +32,9 @@ from .rows import RowService
 
 __all__ = ["ParameterService"]
 
+# What a node answers while it starts (see ParameterService.starting): health and info.
+_WHILE_STARTING = frozenset({METHODS.ping.name, METHODS.info.name})
+
 log = logging.getLogger(__name__)
 
 
@@ -140,6 +143,10 @@ class ParameterService:
         self.on_drain: Callable[[float | None], asyncio.Future] | None = None
         #: what answers a shutdown (the node's: see Node.shutdown)
         self.on_shutdown: Callable[[Any], asyncio.Future] | None = None
+        #: why this node serves no call yet but ping and info (None: it serves): a node
+        #: listens before it is in its cluster (its id is its address), and alone it
+        #: would serve every key as its own (the node's: see Node.start)
+        self.starting: str | None = None
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -185,6 +192,12 @@ class ParameterService:
         return self.gradients.forward_failures
 
     def handle(self, method: Method, args: Any) -> Any:
+        if self.starting is not None and method.name not in _WHILE_STARTING:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"node {self.node_id or '(starting)'} is {self.starting}: nothing was "
+                "done; try again, or another node",
+            )
         return self._handlers[method.name](method, args)
 
     # -- the founding methods ----------------------------------------------------
@@ -579,13 +592,19 @@ class ParameterService:
     def _announce(self, method: Method, args: Any) -> Any:
         if self.cluster is None or args.member is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "announce needs a member")
-        members = self.cluster.announced(args.member)
-        # Answered once what this node folded as the primary of keys that the
-        # announcement may have moved is applied: a member that says it is up
-        # takes them over after every answer (see Cluster.join).
-        return _then(
-            asyncio.ensure_future(self.store.applied()), lambda _: method.result(success=members)
-        )
+        cluster = self.cluster
+        members = cluster.announced(args.member)
+        epoch = args.member.epoch
+
+        # Answered once this node sees the epoch of the announcement (with a
+        # coordinator, from its own watch) and what it folded as the primary of
+        # keys that the announcement may have moved is applied: a member that
+        # says it is up takes them over after every answer (see take_over).
+        async def settled() -> None:
+            await cluster.caught_up(epoch)
+            await self.store.applied()
+
+        return _then(asyncio.ensure_future(settled()), lambda _: method.result(success=members))
 
     def _digest(self, method: Method, args: Any) -> Any:
         table = self.store.table

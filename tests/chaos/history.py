@@ -7,7 +7,8 @@ completed, and its outcome, one of
 - ``ok``: answered; its effect is applied (acknowledged);
 - ``failed``: refused (:class:`~aioparamsync.RequestError`) by a call of one part (one key,
   one bucket): known not applied;
-- ``indeterminate``: a timeout, a broken connection, a node's failure, or a refusal of a call
+- ``indeterminate``: a timeout, a broken connection, a node's failure, an
+  :class:`~aioparamsync.Indeterminate` (applied, but not confirmed), or a refusal of a call
   cut in parts (the other parts may have been folded: see ``push_gradients``): applied or not;
 - ``hung``: no answer within its deadline (``OP_DEADLINE``): indeterminate for what it did,
   and a failure of the run by itself.
@@ -25,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from aioparamsync import CallTimeout, NetworkError, RequestError, ServerError
+from aioparamsync import CallTimeout, Indeterminate, NetworkError, RequestError, ServerError
 
 __all__ = ["OUTCOMES", "Fault", "History", "Op", "merge_outcomes", "outcome_of"]
 
@@ -96,6 +97,8 @@ def outcome_of(exc: BaseException, parts: int) -> tuple[str, str]:
             the harness must not pass for the cluster's).
     """
     text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, Indeterminate):
+        return "indeterminate", text  # (applied, or not: the node cannot know)
     if isinstance(exc, RequestError):
         return ("failed" if parts == 1 else "indeterminate"), text
     if isinstance(exc, (CallTimeout, NetworkError, ServerError)):
