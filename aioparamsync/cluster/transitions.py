@@ -51,6 +51,7 @@ class Transitions:
         #: while this node takes over as the primary of its keys (see join): done then
         self.settling: asyncio.Future[None] | None = None
         self._published: asyncio.Future[bool] | None = None  # the last state written to etcd
+        self._given_up = False  # (the last state is not written again: see _said)
         self._rejoining: asyncio.Future[None] | None = None  # joining again, its lease lost
 
     async def stop(self) -> None:
@@ -61,7 +62,12 @@ class Transitions:
     # -- to the coordinator -------------------------------------------------------
 
     def publish(self, state: str) -> None:
-        """Write this node's new state to the coordinator, after the one before it."""
+        """Write this node's new state to the coordinator, after the one before it.
+
+        While etcd cannot be reached it is written again, as long as it is this
+        node's state and not given up on (see :meth:`_said`).
+        """
+        self._given_up = False
         self._published = asyncio.ensure_future(self._publish(state, self._published))
 
     async def _publish(self, state: str, before: asyncio.Future[bool] | None) -> bool:
@@ -77,8 +83,8 @@ class Transitions:
             if not warned:
                 log.warning("could not write this node's state (%s) to the coordinator", state)
                 warned = True
-            if cluster.state != state or state == LEFT:
-                return False  # (superseded, or gone: its lease ends it)
+            if cluster.state != state or state == LEFT or self._given_up:
+                return False  # (superseded, given up on, or gone: its lease ends it)
             await asyncio.sleep(PUBLISH_RETRY)
         return True
 
@@ -92,13 +98,21 @@ class Transitions:
         return not published.cancelled() and published.exception() is None and published.result()
 
     async def _said(self, timeout: float) -> bool:
-        """Wait (up to ``timeout`` s) until this node's last state is written to the
-        coordinator (it is written again while it cannot be: see ``_publish``)."""
+        """Whether this node's last state is written to the coordinator within
+        ``timeout`` s (it is written again while it cannot be: see ``_publish``).
+
+        Past the timeout, it is given up on: no write of it starts again, and the
+        one under way, which may still land (etcd back within its call's
+        timeout), is waited for: so the answer holds, and no late write says
+        what the node no longer is.
+        """
         published = self._published
         if published is None:
             return True
         await asyncio.wait({published}, timeout=timeout)
-        return published.done() and await self.published()
+        if not published.done():
+            self._given_up = True
+        return await self.published()
 
     # -- the lease ------------------------------------------------------------------
 
@@ -211,14 +225,15 @@ class Transitions:
         if not await self._said(timeout):
             # The others never saw it leave (placement is etcd's): it hands nothing
             # off, so it keeps its keys, and stays.
-            cluster.set_state(UP)
-            await self.published()
+            cluster.set_state(UP)  # (written to etcd once it answers: see _publish)
             raise RequestError(
                 ErrorCode.UNAVAILABLE,
                 f"node {cluster.me.node_id} could not tell the coordinator it leaves within "
                 f"{timeout:.0f} s: it stays, holding its keys (leaving now could lose the only "
                 "copies of them); drain it again once the coordinator answers",
             )
+        if cluster.coordinator is not None:  # (its own view says it leaves: what it hands off)
+            await cluster.caught_up(cluster.coordinator.written_revision)
         await self.tell_all()  # (they must know before what it hands them)
         handed = await cluster.rebalancer.drain(timeout)
         cluster.set_state(LEFT)
