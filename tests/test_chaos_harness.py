@@ -26,7 +26,7 @@ from chaos.history import Fault, History, Op, merge_outcomes, outcome_of
 from chaos.plan import ClientPlan, Key, Plan, TableSpec, make_plan
 from test_randomized_cluster import CI_SEEDS
 
-from aioparamsync import CallTimeout, ConnectionLostError, ErrorCode, RequestError
+from aioparamsync import CallTimeout, ConnectionLostError, ErrorCode, Indeterminate, RequestError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(200)  # plans drawn to see what the generator makes (25 ms each)
@@ -95,6 +95,8 @@ def test_the_ci_seeds_cover_everything_the_generator_draws() -> None:
 def test_outcomes_say_what_is_known_of_a_call() -> None:
     refused = RequestError(ErrorCode.UNAVAILABLE, "no")
     assert outcome_of(refused, 1)[0] == "failed"
+    # (applied by the node, not confirmed by a replica: it may stay or be lost)
+    assert outcome_of(Indeterminate("applied by n0, but ..."), 1)[0] == "indeterminate"
     assert outcome_of(refused, 2)[0] == "indeterminate"  # (another part may be folded)
     assert outcome_of(CallTimeout("late"), 1)[0] == "indeterminate"
     assert outcome_of(ConnectionLostError("gone"), 1)[0] == "indeterminate"
@@ -260,6 +262,12 @@ def test_reads_of_what_was_never_written_or_not_yet_are_named() -> None:
     assert "below its min_version 3" in _violations(_plan(), _history(below), _final())
     rows = _op("row_pull", 1.0, ids=(3,), seen={"3": (0, -0.5)})
     assert "1 folds, 0 pushed by then" in _violations(_plan(), _history(rows), _final())
+    # A pull may see a push folded twice where a gap allows it (as the final rows may).
+    twice = _op("row_pull", 2.5, ids=(3,), seen={"3": (0, -1.0)})
+    assert "2 folds, 1 pushed by then" in _violations(_plan(), _history(twice), _final(rows=2))
+    killed = _history(twice)
+    killed.faults.append(Fault("kill", ("n1",), 1.9, 2.2))
+    assert check(_plan(), killed, _final(rows=2)) == []
 
 
 def test_a_barrier_passed_before_every_worker_came_is_named() -> None:

@@ -12,6 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from cluster_helpers import LocalCluster, node_client
+
 from aioparamsync import Node, ParameterClient, adagrad, adam, sgd
 from aioparamsync.errors import ErrorCode, RequestError
 from aioparamsync.values.rowwire import encode_ids, encode_rows
@@ -74,6 +76,28 @@ async def test_a_push_sent_again_under_its_request_id_folds_once(client: Paramet
     await client.push_row_gradients("t", ids, grads, request_id="step-1")
     await client.push_row_gradients("t", ids, grads, request_id="step-1")
     np.testing.assert_array_equal(await client.pull_rows("t", ids), -np.ones((2, 2)))
+
+
+async def test_a_push_sent_again_while_the_first_is_under_way_folds_once() -> None:
+    """A routed client whose push failed in one part sends it all again at once, under
+    its request id, while a part of the first try may still be on its way at another
+    node: there the two meet, and the second folds only what the first did not."""
+    cluster = LocalCluster(replication_factor=2)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        await cluster.formed([a, b])
+        ids = np.arange(64, dtype=np.int64)  # (every bucket: parts for both nodes)
+        grads = np.ones((len(ids), 2), np.float32)
+        async with node_client(a.address) as client:
+            await client.create_table("t", 2, rule=sgd(1.0), buckets=8)
+            # Both tries are in flight together (pipelined, or on two connections).
+            await asyncio.gather(
+                *(client.push_row_gradients("t", ids, grads, request_id="step-1") for _ in "12")
+            )
+            np.testing.assert_array_equal(await client.pull_rows("t", ids), -grads)
+    finally:
+        await cluster.close()
 
 
 def _torch_reference(kind: str, steps: list[tuple[np.ndarray, np.ndarray]], dim: int, n: int):

@@ -20,7 +20,7 @@ from ..errors import ErrorCode, RequestError
 from ..values.pieces import PIECE_BYTES
 from ..wire import METHODS, thrift
 
-__all__ = ["fetch", "gather_or_stop"]
+__all__ = ["fetch", "gather_all", "gather_or_stop"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,21 @@ T = TypeVar("T")
 # that keeps changing while it reads.
 FETCH_CONCURRENCY = 4
 FETCH_TRIES = 3
+
+
+async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` of ``calls``, except that the first failure is raised only
+    once every call has ended.
+
+    For the parts of one write: a caller told it failed sends it again, and a
+    part still under way when it does (at a node that has not remembered yet
+    what it applied under the write's id) could be applied twice.
+    """
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return answers  # type: ignore[return-value]
 
 
 async def gather_or_stop(calls: Iterable[Awaitable[T]]) -> list[T]:

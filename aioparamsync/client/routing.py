@@ -56,6 +56,7 @@ from ..routing.merge import merge_responses, merge_results, read_part
 from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
+from .fetch import gather_all
 from .pool import ConnectionPool
 
 if TYPE_CHECKING:
@@ -398,12 +399,7 @@ class Routes:
         if len(parts) == 1:
             ((target, sub),) = parts.items()
             return await part(target, sub)
-        answers = await asyncio.gather(
-            *(part(t, sub) for t, sub in parts.items()), return_exceptions=True
-        )
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
+        answers = await gather_all(part(t, sub) for t, sub in parts.items())
         return _merge(m, answers)
 
     def target(self, key: str, read_from: str) -> str | None:

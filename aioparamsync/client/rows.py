@@ -12,7 +12,6 @@ count is what the cut needs: the client keeps the tables it created or read.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from types import EllipsisType
@@ -25,6 +24,7 @@ from ..placement import bucket_key, bucket_of
 from ..values.arrays import is_bfloat16, parse_dtype, wire_dtype
 from ..values.rowwire import ROW_ENCODINGS, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, thrift
+from .fetch import gather_all
 from .pool import ConnectionPool
 from .routing import MAX_MOVES
 
@@ -322,7 +322,7 @@ class TableClient:
                 )
             return [(where, answer)]
 
-        answers = await asyncio.gather(*(part(t, w) for t, w in cuts.items()))
+        answers = await gather_all(part(t, w) for t, w in cuts.items())
         return [p for answer in answers for p in answer]
 
 

@@ -81,6 +81,9 @@ class RowService:
         #: called with the deltas a fold or merge made, before it is answered
         #: (the node's data directory logs them), or None
         self.log: Any = None
+        # The pushes under way, by (request id, table): one sent again meanwhile waits
+        # for it, then folds only what it did not (see _push).
+        self._pushing: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     def handlers(self) -> dict[Method, Any]:
         return {
@@ -246,6 +249,24 @@ class RowService:
         table = await self._table(push.table)
         grads = decode_rows(push.grads, count=len(ids), dim=table.spec.dim)
         table.check(ids, grads)
+        if push.request_id is None:
+            return await self._push_once(method, push, table, ids, grads)
+        # A push sent again while the first is under way here (its caller saw another
+        # part fail, and sent it all again): it waits, for what the first folds is
+        # remembered only once it is folded, and would be folded twice.
+        key = (push.request_id, table.spec.name)
+        while (first := self._pushing.get(key)) is not None:
+            await asyncio.wait({first})
+        pushing = self._pushing[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._push_once(method, push, table, ids, grads)
+        finally:
+            del self._pushing[key]
+            pushing.set_result(None)
+
+    async def _push_once(
+        self, method: Method, push: Any, table: RowTable, ids: np.ndarray, grads: np.ndarray
+    ) -> Any:
         name = table.spec.name
         done = self.tables.ledger.folded(push.request_id, name)
         rows = created = 0
