@@ -11,7 +11,6 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from cluster_helpers import LocalCluster, node_client
 
 from aioparamsync import Node, ParameterClient, adagrad, adam, sgd
