@@ -152,7 +152,7 @@ async def test_a_bad_gradient_passed_on_to_its_owner_is_refused_there() -> None:
         a = await cluster.start()
         b = await cluster.start(peers=[a])
         await cluster.formed([a, b])
-        names = [f"p{i}" for i in range(8)]
+        names = [f"p{i}" for i in range(64)]  # (all 64 at a: once in 2**64 runs; 8 failed)
         async with ParameterClient(a.address, route=False, timeout=10) as client:
             await client.update_arrays({n: np.zeros(4, np.float32) for n in names}, rules=sgd(1.0))
             elsewhere = next(n for n in names if primary_of([a, b], n) is b)

@@ -17,13 +17,14 @@ from typing import Any
 from .._ext import fast_path
 from .._version import __version__
 from ..errors import ErrorCode, RequestError
-from ..placement import Placement, barrier_key, manifest_key
+from ..placement import barrier_key, manifest_key
 from ..store.table import Entry, lww_key
 from ..store.writer import ParameterStore
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .clusterview import ClusterView
+from .digests import digest, digest_for
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest
@@ -551,31 +552,7 @@ class ParameterService:
         return method.result(success=self._topology_now())
 
     def _digest_for(self, method: Method, args: Any) -> Any:
-        request = args.request
-        if request is None:
-            raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
-        table = self.store.table
-        if request.names is not None:
-            self.store.read(request.names)  # (checks the request's size)
-            names = [n for n in dict.fromkeys(request.names) if n in table]
-        else:
-            names = table.names()
-        if request.for_node is not None:
-            if not request.members or request.for_node not in request.members:
-                raise RequestError(
-                    ErrorCode.BAD_REQUEST, "digest_for: for_node must be one of members"
-                )
-            r = request.replication_factor or None
-            if r is not None and r < 0:
-                raise RequestError(ErrorCode.BAD_REQUEST, "replication_factor must not be negative")
-            placement = Placement(request.members, r)
-            names = [n for n in names if placement.holds(request.for_node, n)]
-        return method.result(success=[self._digest_entry(n) for n in names])
-
-    def _digest_entry(self, name: str) -> Any:
-        e = self.store.table.entry(name)
-        assert e is not None
-        return thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
+        return method.result(success=digest_for(self.store, args.request))
 
     def _drain(self, method: Method, args: Any) -> asyncio.Future:
         if self.on_drain is None:
@@ -607,12 +584,4 @@ class ParameterService:
         return _then(asyncio.ensure_future(settled()), lambda _: method.result(success=members))
 
     def _digest(self, method: Method, args: Any) -> Any:
-        table = self.store.table
-        digest = []
-        for name in table.names():
-            e = table.entry(name)
-            assert e is not None
-            digest.append(
-                thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
-            )
-        return method.result(success=digest)
+        return method.result(success=digest(self.store.table))

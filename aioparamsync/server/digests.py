@@ -1,0 +1,57 @@
+"""Digests: what a node holds, name -> (version, origin, size), for anti-entropy.
+
+A peer compares a digest with what it holds and pulls what is newer (see
+:mod:`aioparamsync.cluster.repair`); ``digest_for`` answers only the keys a
+given member holds by a given placement (the one it will have, while it
+joins), or only the names asked for (a hand-off checking what its target has).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ErrorCode, RequestError
+from ..placement import Placement
+from ..store.table import ParameterTable
+from ..store.writer import ParameterStore
+from ..wire import thrift
+
+__all__ = ["digest", "digest_for"]
+
+
+def _entry(table: ParameterTable, name: str) -> Any:
+    e = table.entry(name)
+    assert e is not None
+    return thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
+
+
+def digest(table: ParameterTable) -> list[Any]:
+    """Every key held (the IDL's ``digest``)."""
+    return [_entry(table, name) for name in table.names()]
+
+
+def digest_for(store: ParameterStore, request: Any) -> list[Any]:
+    """The keys ``request`` asks of (the IDL's ``DigestRequest``): those named, or
+    those its ``for_node`` holds by its ``members`` and ``replication_factor``.
+
+    Raises:
+        RequestError: (BAD_REQUEST) a request that is missing or does not hold together,
+            (LIMIT_EXCEEDED) too many names.
+    """
+    if request is None:
+        raise RequestError(ErrorCode.BAD_REQUEST, "the request is missing")
+    table = store.table
+    if request.names is not None:
+        store.read(request.names)  # (checks the request's size)
+        names = [n for n in dict.fromkeys(request.names) if n in table]
+    else:
+        names = table.names()
+    if request.for_node is not None:
+        if not request.members or request.for_node not in request.members:
+            raise RequestError(ErrorCode.BAD_REQUEST, "digest_for: for_node must be one of members")
+        r = request.replication_factor or None
+        if r is not None and r < 0:
+            raise RequestError(ErrorCode.BAD_REQUEST, "replication_factor must not be negative")
+        placement = Placement(request.members, r)
+        names = [n for n in names if placement.holds(request.for_node, n)]
+    return [_entry(table, n) for n in names]
