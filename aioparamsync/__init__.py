@@ -46,6 +46,7 @@ from .errors import (
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .client.api import ParameterClient
     from .client.blocking import SyncParameterClient
+    from .client.loop import run
     from .node import Node
     from .values.arrays import from_parameter, to_parameter
     from .values.rules import adagrad, adam, sgd, sum_rule
@@ -89,6 +90,7 @@ __all__ = [
     "adam",
     "from_parameter",
     "has_extension",
+    "run",
     "sgd",
     "sum_rule",
     "thrift",
@@ -104,6 +106,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "SyncParameterClient": (".client.blocking", "SyncParameterClient"),
     "from_parameter": (".values.arrays", "from_parameter"),
     "to_parameter": (".values.arrays", "to_parameter"),
+    "run": (".client.loop", "run"),
     "adagrad": (".values.rules", "adagrad"),
     "adam": (".values.rules", "adam"),
     "sgd": (".values.rules", "sgd"),

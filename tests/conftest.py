@@ -74,11 +74,11 @@ async def spawn() -> AsyncIterator[Spawn]:
 # -- which tests start processes -------------------------------------------------------------
 #
 # The suite runs twice (.ci/run): on the compiled fast path, then (the tests of the wire and of
-# calls) on the pure-Python one. The second pass need not run again what starts processes (node processes, the CLI, examples):
-# those run the same code as the in-process tests, from another process, and take most of
-# the time. So the first pass notes each test that started a process (every child is made by
-# subprocess.Popen: asyncio's, multiprocessing's spawn and Ray's too), and the second leaves
-# those out:
+# calls) on the pure-Python one. The second pass need not run again what starts processes
+# (node processes, the CLI, examples): those run the same code as the in-process tests, from
+# another process, and take most of the time. So the first pass notes each test that started
+# a process (every child is made by subprocess.Popen: asyncio's, multiprocessing's spawn and
+# Ray's too), and the second leaves those out:
 #   AIOPARAMSYNC_NOTE_SPAWNING=FILE  the ids of the tests that started a process go to FILE;
 #   AIOPARAMSYNC_SKIP_SPAWNING=FILE  the tests FILE names are deselected.
 

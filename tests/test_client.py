@@ -470,3 +470,41 @@ async def test_sending_back_what_a_get_answered_is_a_plain_update(client) -> Non
     await client.broadcast_update([param])  # ...and a client's update is applied anew
     assert (await client.get_parameters(["w"])).params[0].version == 2
     assert await client.update_parameters([param]) == {"w": 3}
+
+
+# -- aioparamsync.run --------------------------------------------------------------------------
+
+
+def test_run_is_asyncio_run_on_uvloop() -> None:
+    """``aioparamsync.run(main())`` runs ``main`` on a new uvloop loop and answers its
+    result, as ``asyncio.run`` would; a client works there, and an error comes out as is."""
+    import uvloop
+
+    import aioparamsync
+
+    async def main() -> tuple[type, list[float]]:
+        async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+            await client.update_arrays({"w": np.arange(3, dtype=np.float32)})
+            got = (await client.get_arrays(["w"]))["w"]
+        return type(asyncio.get_running_loop()), got.tolist()
+
+    loop_type, got = aioparamsync.run(main())
+    assert loop_type is uvloop.Loop and got == [0.0, 1.0, 2.0]
+
+    async def fails() -> None:
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError, match="inside"):
+        aioparamsync.run(fails())
+
+
+async def test_run_refuses_a_thread_that_runs_a_loop() -> None:
+    import aioparamsync
+
+    async def nothing() -> None:
+        return None
+
+    coroutine = nothing()
+    with pytest.raises(RuntimeError, match="running event loop"):
+        aioparamsync.run(coroutine)
+    coroutine.close()

@@ -1,8 +1,8 @@
 """The compiled fast path and the pure-Python one: which runs, and that they answer the same.
 
 The suite runs on each path in ``.ci/run`` (the whole of it compiled, then the tests
-of the wire and of calls with ``AIOPARAMSYNC_NO_EXT=1``). Here, in one process, the compiled struct codec
-(``aioparamsync.wire._cbinary``) and the pure one (the code
+of the wire and of calls with ``AIOPARAMSYNC_NO_EXT=1``). Here, in one process, the
+compiled struct codec (``aioparamsync.wire._cbinary``) and the pure one (the code
 :mod:`aioparamsync.wire.binary_codegen` makes) are run on the same messages,
 valid and hostile, and must give the same bytes, the same values and the same
 errors, word for word.

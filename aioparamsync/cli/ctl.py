@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
+from ..client import loop
 from ..client.api import ParameterClient
 from ..cluster.links import LinkState
 from ..errors import ParamSyncError, ProtocolError, RequestError, ServerError
@@ -431,11 +432,7 @@ async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None
 
 def _run(coroutine: Coroutine[Any, Any, int]) -> int:
     """Run on uvloop when it is installed, else on asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
+    return loop.run(coroutine)
 
 
 def _error(exc: BaseException) -> str:

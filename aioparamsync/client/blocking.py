@@ -44,6 +44,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from ..errors import ClientClosedError, RunningLoopError
 from .api import ParameterClient
+from .loop import new_event_loop
 
 __all__ = ["SyncParameterClient", "also_blocking", "on_client"]
 
@@ -56,15 +57,6 @@ OWN = frozenset({"close", "from_env"})
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new uvloop loop where uvloop is installed, else one of asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def refuse_running_loop(what: str) -> None:
