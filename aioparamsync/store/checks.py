@@ -90,6 +90,11 @@ def cast_to(p: Any, current: Entry) -> Any:
     return cast.reshape(-1).view(np.uint8)
 
 
+# The casts check_cast found allowed (a few pairs of numeric dtypes), bounded.
+MAX_CASTS = 256
+_CASTS: set[tuple[np.dtype, np.dtype, bool]] = set()
+
+
 def check_cast(name: str, source: np.dtype, target: np.dtype, *, lossy: bool) -> None:
     """Check that a gradient of dtype ``source`` folds into a parameter of ``target``.
 
@@ -98,7 +103,12 @@ def check_cast(name: str, source: np.dtype, target: np.dtype, *, lossy: bool) ->
     a gradient the caller sent in a lossy encoding may lose precision but
     not its kind ("same_kind": floats into narrower floats).
     """
+    key = (source, target, lossy)
+    if key in _CASTS:
+        return
     if lossless_cast(source, target) or (lossy and same_kind_cast(source, target)):
+        if len(_CASTS) < MAX_CASTS:
+            _CASTS.add(key)
         return
     what, given = dtype_name(target), dtype_name(source)
     kind_lost = not same_kind_cast(source, target)

@@ -26,7 +26,7 @@ other's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,8 @@ class Entry:
         shape: its shape, or None.
         origin: the id of the node where this version was first applied.
         rule: the rule gradients are folded in by (the IDL's ``Rule``), or None.
+        array: its data as the array it is (a view; None until a fold needs it),
+            kept for the next fold (making it again takes as long as a small fold).
     """
 
     name: str
@@ -88,6 +90,7 @@ class Entry:
     shape: tuple[int, ...] | None
     origin: str
     rule: Any = None
+    array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class Entry:
         shape: tuple[int, ...] | None,
         origin: str,
         rule: Any = None,
+        array: np.ndarray | None = None,
     ) -> None:
         # A frozen dataclass's own __init__ sets each field by object.__setattr__;
         # setting the slots directly takes half the time (one Entry per update).
@@ -108,6 +112,7 @@ class Entry:
         _set_entry_shape(self, shape)
         _set_entry_origin(self, origin)
         _set_entry_rule(self, rule)
+        _set_entry_array(self, array)
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +138,7 @@ _set_entry_dtype = vars(Entry)["dtype"].__set__
 _set_entry_shape = vars(Entry)["shape"].__set__
 _set_entry_origin = vars(Entry)["origin"].__set__
 _set_entry_rule = vars(Entry)["rule"].__set__
+_set_entry_array = vars(Entry)["array"].__set__
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -410,21 +416,23 @@ class ParameterTable:
         # Every check passed: compute all, then store all.
         made = []
         states = {}
-        for current, weights, grad in work:
-            value, state = rules.fold(current.rule, weights, grad, self._states.get(current.name))
-            states[current.name] = state
-            value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
-            made.append(
-                Entry(
-                    current.name,
-                    _readonly(value.reshape(-1).view(np.uint8)),
-                    current.version + 1,
-                    current.dtype,
-                    current.shape,
-                    self.origin,
-                    current.rule,
+        with np.errstate(all="ignore"):  # (once for all: see rules.fold_into)
+            for current, weights, grad in work:
+                state = self._states.get(current.name)
+                value, states[current.name] = rules.fold_into(current.rule, weights, grad, state)
+                value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
+                made.append(
+                    Entry(
+                        current.name,
+                        _readonly(value.reshape(-1).view(np.uint8)),
+                        current.version + 1,
+                        current.dtype,
+                        current.shape,
+                        self.origin,
+                        current.rule,
+                        value,
+                    )
                 )
-            )
         self._states.update(states)
         return self._store(made, timestamp)
 
@@ -462,7 +470,10 @@ class ParameterTable:
                     ErrorCode.SHAPE_MISMATCH,
                     f"gradient {g.name!r} of {dtype_name(grad.dtype)} is not a real number type",
                 )
-            weights = from_parameter(current)
+            weights = current.array
+            if weights is None:
+                weights = from_parameter(current)
+                _set_entry_array(current, weights)  # (a cache, not a change: see Entry)
             if grad.shape != weights.shape:
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,

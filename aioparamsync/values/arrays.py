@@ -100,6 +100,9 @@ def parse_dtype(dtype: str) -> np.dtype:
     """
     if dtype == BFLOAT16:
         return _bfloat16()
+    parsed = _PARSED.get(dtype)
+    if parsed is not None:
+        return parsed
     try:
         dt = np.dtype(dtype)
     except Exception:  # noqa: BLE001 - numpy raises SyntaxError, warnings... on odd strings
@@ -107,7 +110,15 @@ def parse_dtype(dtype: str) -> np.dtype:
     # ml_dtypes' types are kind "V": only the exact string "bfloat16" names one.
     if dt.kind not in NUMERIC_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise RequestError(ErrorCode.SHAPE_MISMATCH, f"dtype {dtype!r} is not a numeric dtype")
+    if len(_PARSED) < MAX_PARSED:  # (numeric dtype strings are few: "<f4", "float32", ...)
+        _PARSED[dtype] = dt
     return dt
+
+
+# The numeric dtypes parsed, by their string (np.dtype of a string takes a microsecond,
+# a gradient a fraction of one): as many as there are ways to write them, bounded.
+MAX_PARSED = 256
+_PARSED: dict[str, np.dtype] = {}
 
 
 def check_shape(name: str, shape: Sequence[int]) -> None:

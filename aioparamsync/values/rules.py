@@ -213,47 +213,55 @@ def fold(rule: Any, w: np.ndarray, g: np.ndarray, state: State | None) -> tuple[
     negation is exact, and so is subtracting ``b`` as adding ``-b``), into one
     new array and no other.
     """
+    with np.errstate(all="ignore"):  # an overflow gives inf, as torch does
+        return fold_into(rule, w, g, state)
+
+
+def fold_into(
+    rule: Any, w: np.ndarray, g: np.ndarray, state: State | None
+) -> tuple[np.ndarray, State]:
+    """:func:`fold`, for a caller that holds ``np.errstate(all="ignore")`` already (the
+    store, around a push's gradients: entering it costs as much as a small fold)."""
     state = state or State()
     work = _working_dtype(w.dtype)
-    with np.errstate(all="ignore"):  # an overflow gives inf, as torch does
-        grad = g.astype(work, copy=False)
-        kind = rule.kind
-        if kind == "sum":
-            x = np.add(w, grad, dtype=work)
-            new = State(state.step + 1)
-        elif kind == "sgd":
-            if rule.weight_decay:
-                grad = grad + rule.weight_decay * w.astype(work, copy=False)
-            if rule.momentum:
-                if state.momentum is None:
-                    buf = np.array(grad, dtype=work)
-                else:
-                    buf = rule.momentum * state.momentum + grad
-                x = _stepped(w, buf, rule.lr, work)
-                new = State(state.step + 1, buf)
+    grad = g.astype(work, copy=False)
+    kind = rule.kind
+    if kind == "sum":
+        x = np.add(w, grad, dtype=work)
+        new = State(state.step + 1)
+    elif kind == "sgd":
+        if rule.weight_decay:
+            grad = grad + rule.weight_decay * w.astype(work, copy=False)
+        if rule.momentum:
+            if state.momentum is None:
+                buf = np.array(grad, dtype=work)
             else:
-                x = _stepped(w, grad, rule.lr, work)
-                new = State(state.step + 1)
-        elif kind == "adam":
-            if rule.weight_decay:
-                grad = grad + rule.weight_decay * w.astype(work, copy=False)
-            b1, b2 = rule.beta1, rule.beta2
-            m = state.momentum if state.momentum is not None else np.zeros_like(grad)
-            v = state.variance if state.variance is not None else np.zeros_like(grad)
-            m = b1 * m + (1 - b1) * grad
-            v = b2 * v + (1 - b2) * (grad * grad)
-            step = state.step + 1
-            bias1 = 1 - b1**step
-            bias2 = 1 - b2**step
-            denom = np.sqrt(v)
-            denom /= math.sqrt(bias2)
-            denom += rule.eps
-            update = np.divide(m, denom, out=denom)  # (denom is ours: reused)
-            x = _stepped(w, update, rule.lr / bias1, work)
-            new = State(step, m, v)
-        else:  # check_rule keeps other kinds out
-            raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")
-        return x.astype(w.dtype, copy=False), new
+                buf = rule.momentum * state.momentum + grad
+            x = _stepped(w, buf, rule.lr, work)
+            new = State(state.step + 1, buf)
+        else:
+            x = _stepped(w, grad, rule.lr, work)
+            new = State(state.step + 1)
+    elif kind == "adam":
+        if rule.weight_decay:
+            grad = grad + rule.weight_decay * w.astype(work, copy=False)
+        b1, b2 = rule.beta1, rule.beta2
+        m = state.momentum if state.momentum is not None else np.zeros_like(grad)
+        v = state.variance if state.variance is not None else np.zeros_like(grad)
+        m = b1 * m + (1 - b1) * grad
+        v = b2 * v + (1 - b2) * (grad * grad)
+        step = state.step + 1
+        bias1 = 1 - b1**step
+        bias2 = 1 - b2**step
+        denom = np.sqrt(v)
+        denom /= math.sqrt(bias2)
+        denom += rule.eps
+        update = np.divide(m, denom, out=denom)  # (denom is ours: reused)
+        x = _stepped(w, update, rule.lr / bias1, work)
+        new = State(step, m, v)
+    else:  # check_rule keeps other kinds out
+        raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")
+    return x.astype(w.dtype, copy=False), new
 
 
 def _stepped(w: np.ndarray, d: np.ndarray, lr: float, work: np.dtype) -> np.ndarray:
