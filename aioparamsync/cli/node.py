@@ -39,6 +39,7 @@ from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from ..wire.protocol import MAX_I32
 from .environ import env_name, from_environment
+from .memory import keep_freed_memory
 from .options import (
     TLS_ERRORS,
     address,
@@ -554,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import uvloop
 
+    keep_freed_memory()  # (see cli/memory.py)
     return uvloop.run(serve(args))
 
 
