@@ -85,6 +85,14 @@ SIGKILL): the nodes, redis-server, the gRPC server, the workers, the torch ranks
 Ray subprocess (which shuts Ray down in its own ``finally``). glibc's malloc is left at
 its defaults everywhere.
 
+Printed (and in ``--json``, with every rep, the specs and the machine: CPUs, Python, every
+package's version, the commit, and a note if the checkout changed during the run): the
+medians, a column per system; the ratios aioparamsync / peer (A, B: steps/s; C: the lost
+counts side by side; D: time and final loss); and the cores each side kept busy over the
+measured phase (the server's process, Ray's server actor or torch's rank 0, from
+/proc/PID/stat or process_time; the workers' process_time summed), read from the workers'
+start to their last answer.
+
 A system whose package or binary is missing is skipped, with the reason, in the table
 and the JSON. ``--smoke``: tiny sizes, 1 rep, short deadlines (CI).
 """
@@ -738,7 +746,7 @@ def summarize_workload(
     prepared: list[dict],
     runs: list[dict],
     final: dict,
-    server_cpu: float | None,
+    server_cpu: float | None,  # (cores busy)
 ) -> dict[str, Any]:
     span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     steps = sum(r["steps"] for r in runs)
@@ -749,7 +757,7 @@ def summarize_workload(
         "per_worker_steps": [r["steps"] for r in runs],
         "step_ms_p50": statistics.median(p50s) if p50s else None,
         # CPU seconds over the span (1.0: one core busy): the server, all workers together
-        "server_cpu": server_cpu / span if server_cpu is not None and span > 0 else None,
+        "server_cpu": server_cpu,
         "workers_cpu": sum(r["cpu"] for r in runs) / span if span > 0 else None,
         # C and D run to a count: this says whether every worker got there
         "complete": all(r["steps"] == spec["max_steps"] for r in runs),
@@ -776,12 +784,17 @@ def session(fleet: Any, specs: list[dict[str, Any]], log: Callable[[str], None])
         t0 = time.monotonic() + START_DELAY
         run = {"cmd": "run", "t0": t0, "deadline": t0 + spec["seconds"]}
         run["max_steps"] = spec["max_steps"]
-        cpu0 = fleet.server_cpu()
-        runs = fleet.all(run, spec["seconds"] + START_DELAY + CALL_GUARD)
-        cpu1 = fleet.server_cpu()
+        collect = fleet.start(run, spec["seconds"] + START_DELAY + CALL_GUARD)
+        # The server's CPU from the workers' start to their last answer (over that time).
+        time.sleep(max(0.0, t0 - time.monotonic()))
+        cpu0, w0 = fleet.server_cpu(), time.monotonic()
+        runs = collect()
+        cpu1, w1 = fleet.server_cpu(), time.monotonic()
         final = fleet.one({"cmd": "final"}, CALL_GUARD)
         fleet.drop(spec)
-        cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+        cpu = None
+        if cpu0 is not None and cpu1 is not None and w1 > w0:
+            cpu = (cpu1 - cpu0) / (w1 - w0)
         results[spec["workload"]] = r = summarize_workload(spec, prepared, runs, final, cpu)
         log(f"  {spec['workload']}: {_brief(spec['workload'], r)}")
     return results
@@ -812,9 +825,13 @@ class RayFleet:
     def server_cpu(self) -> float | None:
         return cpu_seconds(self.ps_pid)
 
-    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+    def start(self, cmd: dict[str, Any], timeout: float) -> Callable[[], list[dict]]:
         refs = [w.command.remote(cmd, self.ps) for w in self.workers]
-        return self.ray.get(refs, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        return lambda: self.ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+
+    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+        return self.start(cmd, timeout)()
 
     def one(self, cmd: dict[str, Any], timeout: float) -> dict:
         return self.ray.get(self.workers[0].command.remote(cmd, self.ps), timeout=timeout)
@@ -840,12 +857,16 @@ class TorchFleet:
     def server_cpu(self) -> float | None:
         return time.process_time()  # (rank 0: the PS's RPC threads, and this driving loop)
 
-    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+    def start(self, cmd: dict[str, Any], timeout: float) -> Callable[[], list[dict]]:
+        # (the RPCs' own timeout is the guard: they fail past it)
         futures = [
             self.rpc.rpc_async(name, torch_command, args=(self.rref, cmd), timeout=timeout)
             for name in self.names
         ]
-        return [f.wait() for f in futures]
+        return lambda: [f.wait() for f in futures]
+
+    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+        return self.start(cmd, timeout)()
 
     def one(self, cmd: dict[str, Any], timeout: float) -> dict:
         return self.rpc.rpc_sync(
@@ -870,11 +891,16 @@ class ProcFleet:
     def create(self, spec: dict[str, Any]) -> None:
         self.one({"cmd": "create", "spec": spec}, CALL_GUARD)
 
-    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+    def start(self, cmd: dict[str, Any], timeout: float) -> Callable[[], list[dict]]:
         for a in self.agents:
             a.send(cmd)
         deadline = time.monotonic() + timeout
-        return [_reply_ok(a.reply(deadline - time.monotonic()), a.name) for a in self.agents]
+        return lambda: [
+            _reply_ok(a.reply(deadline - time.monotonic()), a.name) for a in self.agents
+        ]
+
+    def all(self, cmd: dict[str, Any], timeout: float) -> list[dict]:
+        return self.start(cmd, timeout)()
 
     def one(self, cmd: dict[str, Any], timeout: float) -> dict:
         self.agents[0].send(cmd)
@@ -1198,6 +1224,7 @@ def session_ray(ctx: Context) -> dict:
                     "workers": args.workers,
                     "object_store": args.ray_object_store,
                     "cpus": args.ray_cpus,
+                    "temp_dir": str(Path(tmp) / "ray"),  # (its logs and sockets: removed after)
                 }
             )
         )
@@ -1367,6 +1394,7 @@ def ray_main(config_path: str) -> int:
         dashboard_host=HOST,
         _node_ip_address=HOST,
         object_store_memory=cfg["object_store"],
+        _temp_dir=cfg["temp_dir"],
         logging_level=logging.WARNING,
         log_to_driver=False,
     )
@@ -1459,8 +1487,11 @@ def availability(args: argparse.Namespace) -> dict[str, str | None]:
         elif system == "redis":
             if not _has("redis"):
                 reason = "redis-py is not installed (pip install 'redis>=5')"
-            elif not args.redis_server_path:
-                reason = "no redis-server binary (apt install redis-server, or --redis-server)"
+            elif not args.redis_server_path or not os.access(args.redis_server_path, os.X_OK):
+                reason = (
+                    f"no redis-server binary ({args.redis_server_path or 'none on PATH'}; "
+                    "apt install redis-server, or --redis-server PATH)"
+                )
         elif system == "torch-rpc" and not _has("torch"):
             reason = "torch is not installed"
         elif system == "ray" and not _has("ray"):
@@ -1919,6 +1950,12 @@ def driver(args: argparse.Namespace) -> int:
             systems[s]["client_loop"] = loops
     meta["load1_after"] = load_average()
     meta["total_seconds"] = round(time.monotonic() - t_start, 1)
+    meta["git_after"] = git_state()
+    if meta["git_after"] != meta["git"]:
+        notes.append(
+            f"note: the checkout changed during the run: {meta['git']} at the start, "
+            f"{meta['git_after']} at the end (each session imports the package as it starts)"
+        )
     rows, ratios = summarize(runs, specs, systems, args.workers)
     print()
     print(header(meta, args, notes))
