@@ -41,3 +41,44 @@ def test_a_node_process_takes_large_blocks_from_the_heap_and_keeps_them() -> Non
     assert int(mapped) == 0 and in_heap == "True"  # (kept: from the heap, reused)
     mapped, _ = run("default")
     assert int(mapped) >= 16 << 20  # (glibc's default: a block of its own, mapped)
+
+
+# -- the buffer of a large frame, kept for the next -----------------------------------------
+
+
+def test_a_frame_buffer_is_reused_only_once_no_one_holds_it() -> None:
+    from aioparamsync.wire.framing import _Kept
+
+    kept = _Kept()
+    first = kept.take(1000)
+    assert first.base is None  # (new)
+    held = kept.take(1000)
+    assert held.base is None and held is not first  # (the first is held: a new one)
+    del first, held
+    again = kept.take(900)
+    assert again.base is not None and len(again) == 900  # (a view of the one kept)
+    assert kept.take(900).base is None  # (that one is held again)
+    small = kept.take(100)  # (kept, but it would waste over half of it: a new one)
+    assert small.base is None
+
+
+async def test_a_push_lets_its_frame_go_once_folded() -> None:
+    """The node keeps nothing of a push once it has answered it: not its frame through the
+    store's writer (its last batch), nor through the reply the push ledger keeps. So the
+    next push is received into the same buffer (not into new memory the kernel zeroes)."""
+    import numpy as np
+
+    from aioparamsync import Node, ParameterClient, sgd
+    from aioparamsync.wire import framing
+
+    names = [f"w{i}" for i in range(4)]
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await client.update_arrays({n: np.zeros(1 << 20, np.float32) for n in names}, rules=sgd(1))
+        grads = {n: np.ones(1 << 20, np.float32) for n in names}
+        for _ in range(3):
+            await client.push_gradients(grads)
+            buffer = framing._kept.buffer
+            assert buffer is not None and len(buffer) > 16 << 20
+            assert sys.getrefcount(buffer) == 3  # (kept, here, and the call's argument)
+            del buffer
+        assert (await client.get_arrays(["w0"]))["w0"][0] == -3

@@ -71,7 +71,7 @@ class Call:
         self.conn = conn
         self.method = method_
         self.seqid = seqid
-        self.frame = frame
+        self.frame: Frame | None = frame  # (None once its reply is made: see CallOrder)
         self.reply: tuple[int, Any] | None = None  # (message type, struct) once known
         self.started = 0.0  # time.perf_counter() at dispatch, when calls are observed
 

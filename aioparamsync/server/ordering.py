@@ -124,7 +124,11 @@ class CallOrder:
             if transport is None or transport.is_closing():
                 continue
             mtype, body = call.reply  # type: ignore[misc]
-            parts = self._encode(call.method.name, mtype, call.seqid, body, call.frame)
+            frame, call.frame = call.frame, None
+            assert frame is not None  # (a call's reply is made once)
+            # (the request's bytes are not needed once its reply is made: a call kept
+            # after it, by a future it observed, keeps no frame of up to 256 MiB)
+            parts = self._encode(call.method.name, mtype, call.seqid, body, frame)
             if out is None:
                 out = parts
             else:

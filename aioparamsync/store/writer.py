@@ -281,6 +281,9 @@ class ParameterStore:
             if self.data_dir is not None and (fed[0] or fed[1]):
                 await self._log(done, fed)
             self._finish_batch(done, fed)
+            # (not kept while the writer waits for the next: a batch holds its updates'
+            # buffers, a push's whole frame, which the next large frame would reuse)
+            done = fed = None  # type: ignore[assignment]
             if self._queue:
                 # Let readers and the network run between batches (with
                 # nothing queued, waiting for the next update does that).

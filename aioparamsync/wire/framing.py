@@ -26,6 +26,11 @@ it, so a 64 MiB parameter is never copied between the kernel and the store.
 That buffer is allocated but not written (``numpy.empty``): its memory is
 taken as the bytes arrive, so a header that promises 256 MiB and sends
 nothing costs nothing, and no time is spent zeroing what the socket fills.
+But a new buffer's pages are new to the process: the kernel zeroes each
+before the socket fills it (a third of a 64 MiB push's time, in profiles).
+So the buffer of a frame that no one holds any more (a push's gradients,
+folded; a read's answer, dropped) is kept, one (:class:`_Kept`), and the
+next large frame it fits is received into it.
 Receivers may share a :class:`ReceiveBudget`, which bounds the bytes that
 large frames being received hold at once, all connections together.
 
@@ -38,6 +43,8 @@ from __future__ import annotations
 
 import collections
 import struct
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +74,9 @@ DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_RECEIVING_BYTES = 128 * 1024 * 1024
 # Bytes the socket reads at once into the scratch buffer.
 SCRATCH_BYTES = 256 * 1024
+# The largest buffer of a frame kept for the next one when no one holds it (see the
+# module): a 64 MiB tensor's, with its message around it.
+KEPT_BUFFER_BYTES = 65 * 1024 * 1024
 # Frames larger than this are received into a buffer of their own.
 LARGE_FRAME_BYTES = 64 * 1024
 
@@ -392,7 +402,7 @@ class Receiver:
                 elif self.waiting_for_budget:
                     break
                 # Give the socket a buffer of the frame's exact size.
-                self._large = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]
+                self._large = memoryview(_kept.take(size))  # type: ignore[arg-type]
                 self._large[:available] = scratch[start + 4 : self._end]  # one copy
                 self._large_filled = available
                 self._start = self._end = 0
@@ -501,3 +511,39 @@ class Receiver:
                 payload = bytes(view[:size])  # one copy
             del stream[:size]
             frames.append(Frame(memoryview(payload), self.protocol, False))
+
+
+class _Kept:
+    """The buffer of a large frame, kept for the next one once no one holds it.
+
+    One buffer, of at most ``KEPT_BUFFER_BYTES``: a frame's views (and their
+    parameters') hold it while they live; then only this does, and a frame of
+    at most its size and at least half of it is received into it (its pages
+    are the process's already: see the module). Process-wide, not per
+    connection: a node's pushes come on many, one after another.
+    """
+
+    __slots__ = ("buffer", "lock")
+
+    def __init__(self) -> None:
+        self.buffer: np.ndarray | None = None
+        # (event loops in other threads receive too: the blocking client's, a node's)
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self.lock:
+            buffer = self.buffer
+            # (held here, by self and by getrefcount's argument: no one else holds it)
+            if (
+                buffer is not None
+                and sys.getrefcount(buffer) == 3
+                and size <= len(buffer) < 2 * size
+            ):
+                return buffer[:size]  # (a view: it holds the buffer while it lives)
+            new = np.empty(size, np.uint8)
+            if size <= KEPT_BUFFER_BYTES:
+                self.buffer = new  # (held by the frame now: kept once it is let go)
+            return new
+
+
+_kept = _Kept()
