@@ -366,3 +366,27 @@ async def test_a_cluster_resizes_with_the_founding_client_at_any_node(three: lis
         await client.update_parameters(update)
     holders = {n.node_id for n in nodes if placement.holds(n.node_id, "blob")}
     await eventually(lambda: assert_whole(nodes, "blob", 5, holders))
+
+
+async def test_a_parameter_stored_whole_takes_gradients_after_a_smaller_partition_size(
+    tmp_path: Path,
+) -> None:
+    """A parameter made whole (``--partition-bytes`` was 0 or larger) stays whole after a
+    restart with a smaller one (see the module), and its gradients fold into it whole: cut
+    by the new size, they named partitions it has not (UNKNOWN_PARAMETER)."""
+    big = np.zeros(2 << 20, np.float32)  # 8 MiB: two partitions of 4 MiB
+    async with (
+        Node("127.0.0.1", 0, partition_bytes=0, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        await client.update_arrays({"w": big, "b": np.zeros(4, np.float32)}, rules=sgd(1.0))
+    async with (
+        Node("127.0.0.1", 0, partition_bytes=DEFAULT_PARTITION_BYTES, data_dir=tmp_path) as node,
+        ParameterClient(node.address) as client,
+    ):
+        assert sorted(node.table.names()) == ["b", "w"]  # (whole, as made)
+        grads = {"w": np.ones(2 << 20, np.float32), "b": np.ones(4, np.float32)}
+        assert await client.push_gradients(grads) == {"w": 2, "b": 2}
+        got = await client.get_arrays(["w", "b"])
+        assert got["w"].min() == got["w"].max() == -1 and got["b"].tolist() == [-1] * 4
+        assert sorted(node.table.names()) == ["b", "w"]

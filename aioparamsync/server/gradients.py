@@ -314,22 +314,36 @@ class GradientPushes:
             )
 
     def _cut(self, push: Any) -> tuple[Any, dict[str, Any]]:
-        """``push`` with the gradients of large parameters cut as their partitions are."""
+        """``push`` with the gradients of large parameters cut as their partitions are.
+
+        A parameter this node holds whole (made when ``--partition-bytes`` was larger,
+        or 0) takes its gradient whole: cut, it would name partitions it has not.
+        """
         per = per_partition(self.partition_bytes)
-        if not any((n := elements_of(g)) is None or n > per for g in push.grads):
-            return push, {}
-        grads = [
-            decode_parameter(g, self.max_decoded_bytes) if g.encoding == "zlib" else g
+        table = self.store.table
+        large = [
+            g
             for g in push.grads
+            if ((n := elements_of(g)) is None or n > per) and table.entry(g.name) is None
         ]
+        if not large:
+            return push, {}
+        whole = {id(g) for g in push.grads} - {id(g) for g in large}
         try:
-            grads, _, chosen = cut(grads, self.partition_bytes, max_nbytes=self.max_decoded_bytes)
+            items, _, chosen = cut(
+                [
+                    decode_parameter(g, self.max_decoded_bytes) if g.encoding == "zlib" else g
+                    for g in large
+                ],
+                self.partition_bytes,
+                max_nbytes=self.max_decoded_bytes,
+            )
         except ValueError as exc:
             raise RequestError(ErrorCode.SHAPE_MISMATCH, str(exc)) from None
         if not chosen:
             return push, {}
         cut_push = copy.copy(push)
-        cut_push.grads = grads
+        cut_push.grads = [g for g in push.grads if id(g) in whole] + items
         return cut_push, chosen
 
     def _fold(
