@@ -127,8 +127,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_node import REPO, git_state, load_average
 
-REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 HOST = "127.0.0.1"
 SYSTEMS = ("aioparamsync", "redis", "torch-rpc", "ray", "grpc")
@@ -1723,36 +1723,6 @@ def _table(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
     for line in lines:
         text.append(" | ".join(f(str(c), w) for f, c, w in zip(fmt, line, widths, strict=True)))
     return "\n".join(text)
-
-
-def git_state() -> str:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "aioparamsync"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    changed = [line[3:] for line in dirty if line.strip()]
-    return commit + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
-
-
-def load_average() -> float:
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return -1.0
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
