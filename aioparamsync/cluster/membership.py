@@ -204,17 +204,18 @@ class Cluster:
         """
         if self.coordinator is None or epoch is None or self.view.epoch >= epoch:
             return True
+        timeout = self.failure_timeout if timeout is None else timeout
         waiter = asyncio.get_running_loop().create_future()
         self._epoch_waiters.append((epoch, waiter))
         try:
-            await asyncio.wait_for(waiter, self.failure_timeout if timeout is None else timeout)
+            await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
             log.warning(
                 "this node's view is at epoch %d, not yet at %d, after %.1f s: the "
                 "coordinator's watch is behind",
                 self.view.epoch,
                 epoch,
-                self.failure_timeout if timeout is None else timeout,
+                timeout,
             )
             return False
         return True
