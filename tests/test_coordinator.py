@@ -783,6 +783,37 @@ async def test_a_node_in_this_process_is_not_ready_while_it_cannot_renew_its_lea
         )
 
 
+async def test_a_node_waits_until_its_own_watch_shows_an_epoch(etcd: Etcd) -> None:
+    """``Cluster.caught_up``: what a member taking over as primary is answered after
+    (see ``Transitions.take_over``). A node's view reaches an epoch by its own watch of
+    etcd: a wait for a later one ends when a change comes (another node registers), or
+    after its timeout, answering False."""
+    from aioparamsync import Node
+
+    options: dict[str, Any] = {
+        "port": 0,
+        "coordinator": etcd.endpoint,
+        "coordinator_prefix": new_prefix(),
+        "failure_timeout": TTL,
+    }
+    async with Node(**options) as a:
+        # (its own "up" seen on its watch: no change of the members comes by itself now)
+        await eventually(
+            lambda: assert_(a.cluster.view.states.get(a.node_id) == "up"),
+            timeout=SETTLE_TIMEOUT,
+            interval=POLL,
+        )
+        now = a.cluster.epoch
+        assert await a.cluster.caught_up(now) and await a.cluster.caught_up(None)
+        assert not await a.cluster.caught_up(now + 1, timeout=0.3)  # (nothing changed)
+        waiting = asyncio.ensure_future(a.cluster.caught_up(now + 1, timeout=SETTLE_TIMEOUT))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        async with Node(**options) as b:  # (its registration: a new revision of the members)
+            assert await asyncio.wait_for(waiting, SETTLE_TIMEOUT)
+            assert a.cluster.epoch > now and b.cluster.epoch >= now + 1
+
+
 async def test_a_drain_the_coordinator_cannot_hear_of_keeps_the_node_and_its_keys(
     etcd: Etcd,
 ) -> None:
