@@ -131,14 +131,15 @@ def check_shape(name: str, shape: Sequence[int]) -> None:
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH, f"{name!r}: {len(shape)} dimensions; at most {MAX_DIMS}"
         )
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH, f"{name!r}: negative dimension in {tuple(shape)}"
         )
     # (A zero dimension makes the size 0 whatever the others are, so no size
     # limit catches a huge one; numpy refuses any array whose other dimensions'
     # product, in bytes, passes its index type.)
-    if math.prod(d for d in shape if d) * 16 > _MAX_INTP:
+    size = math.prod(shape) or math.prod(d for d in shape if d)
+    if size * 16 > _MAX_INTP:
         raise RequestError(
             ErrorCode.SHAPE_MISMATCH, f"{name!r}: the shape {tuple(shape)} is too large for numpy"
         )

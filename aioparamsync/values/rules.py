@@ -128,7 +128,7 @@ def check_finite(what: str, grad: np.ndarray, rule: Any) -> None:
     if grad.dtype.kind in "iub" or (rule is not None and rule.allow_nonfinite):
         return
     finite = np.isfinite(grad)
-    if finite.all():
+    if _all(finite.reshape(-1)):  # (the ufunc's own reduce: ndarray.all wraps it in Python)
         return
     bad = finite.size - int(np.count_nonzero(finite))
     raise RequestError(
@@ -190,6 +190,9 @@ class State:
     step: int = 0
     momentum: np.ndarray | None = None
     variance: np.ndarray | None = None
+
+
+_all = np.logical_and.reduce
 
 
 def _working_dtype(dtype: np.dtype) -> np.dtype:
