@@ -399,6 +399,11 @@ struct Topology {
     // caller (epoch set) the manifest, any other the whole parameter; its
     // version is its oldest partition's. 0: every parameter stored whole.
     4: optional i64 partition_bytes,
+    // The answering node's --acks ("1" or "all"): what a write it
+    // acknowledges waits for, when the write names none. With "all", a write
+    // acknowledged is at every live replica of its keys, so a routed client
+    // reads from any of them by default (aioparamsync/client/routing.py).
+    5: optional string acks,
 }
 
 // Which digest entries to answer: with for_node, those of the keys whose

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_helpers import CONVERGE_TIMEOUT, LocalCluster, eventually
+from cluster_helpers import CONVERGE_TIMEOUT, LocalCluster, assert_, eventually, free_port
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sgd, sum_rule, thrift
 from aioparamsync.client.routing import CHANGING_REFRESH_SECONDS, REFRESH_SECONDS, Topology
@@ -544,3 +544,111 @@ async def test_a_write_no_live_replica_can_take_is_refused_and_applies_nothing()
         assert name not in a.table
     finally:
         await cluster.close()
+
+
+# -- where reads go ------------------------------------------------------------------------
+
+
+async def _bytes_out(nodes: list[Node]) -> dict[str, int]:
+    return {n.node_id: n.server.counters["bytes_out"] for n in nodes}
+
+
+@pytest.mark.parametrize("acks", ["1", "all"])
+async def test_reads_spread_over_the_replicas_by_default_where_writes_wait_for_every_one(
+    acks: str,
+) -> None:
+    cluster = LocalCluster(replication_factor=R)
+    try:
+        a = await cluster.start(acks=acks)
+        nodes = [
+            a,
+            await cluster.start(peers=[a], acks=acks),
+            await cluster.start(peers=[a], acks=acks),
+        ]
+        await cluster.formed(nodes)
+        ids = sorted(n.node_id for n in nodes)
+        placement = Placement(ids, R)
+        live = frozenset(ids)
+        # 20 names whose primary is node a: read from their primary alone, only a answers
+        names = [
+            n for n in (f"q{i}" for i in range(400)) if placement.primary(n, live) == a.node_id
+        ]
+        names = names[:20]
+        value = np.zeros(64 * 1024, np.float32)  # 256 KiB each
+        async with ParameterClient(a.address, timeout=10) as client:
+            assert (await client.topology()).acks == acks
+            await client.update_arrays({n: value for n in names})
+            await client.get_arrays(names)  # (the topology known: routed from here on)
+            before = await _bytes_out(nodes)
+            for _ in range(3):
+                got = await client.get_arrays(names)
+                assert set(got) == set(names)
+            after = await _bytes_out(nodes)
+        others = sum(after[n.node_id] - before[n.node_id] for n in nodes if n is not a)
+        if acks == "all":
+            # (each name read from one of its 2 replicas, chosen by the client's own hash)
+            assert others > 256 * 1024, (before, after)
+        else:
+            assert others < 64 * 1024, (before, after)
+    finally:
+        await cluster.close()
+
+
+async def test_a_replica_behind_is_not_read_past_what_the_client_wrote() -> None:
+    """A read from a replica that has not yet received this client's write is read
+    again from the primary: the client reads its own writes, and never older."""
+    throttle = _load_throttle()
+    cluster = LocalCluster(replication_factor=R)
+    try:
+        a = await cluster.start()
+        port = free_port()
+        # (everything sent to b, from a or from the client, crosses a slow link of its own:
+        # 2 MiB of replication takes ~2 s, a read of a few bytes is answered at once)
+        async with throttle.Throttle(("127.0.0.1", port), mbit=8, rtt_ms=0) as link:
+            b = await cluster.start(peers=[a], port=port, advertise=link.address)
+            ids = {a.node_id, b.node_id}
+            await eventually(lambda: assert_(a.cluster.live == b.cluster.live == ids))
+            async with ParameterClient(a.address, timeout=30, read_from="any") as client:
+                await client.topology()
+                routes = client.routes
+                assert routes is not None
+                await routes.learn()
+                # a name whose primary is a, and which this client reads from b
+                name = next(
+                    n
+                    for n in (f"r{i}" for i in range(1000))
+                    if Placement(ids, R).primary(n, frozenset(ids)) == a.node_id
+                    and routes.target(n, "any") == b.node_id
+                )
+                big = np.arange(512 * 1024, dtype=np.float32)  # 2 MiB
+                await client.update_arrays({name: np.zeros_like(big)})
+                await eventually(lambda: assert_(b.table.entry(name) is not None), timeout=30)
+                (version,) = (await client.update_arrays({name: big})).values()
+                assert b.table.entry(name).version < version  # (still on its way to b)
+                got = await client.get_parameters([name])
+                assert [p.version for p in got.params] == [version]
+                np.testing.assert_array_equal((await client.get_arrays([name]))[name], big)
+                assert routes.reread >= 1
+                # once b has it, b answers it
+                await eventually(
+                    lambda: assert_(b.table.entry(name).version == version), timeout=30
+                )
+                reread = routes.reread
+                np.testing.assert_array_equal((await client.get_arrays([name]))[name], big)
+                assert routes.reread == reread
+    finally:
+        await cluster.close()
+
+
+def _load_throttle() -> Any:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "throttle.py"
+    spec = importlib.util.spec_from_file_location("throttle", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("throttle", module)
+    spec.loader.exec_module(module)
+    return module

@@ -78,8 +78,12 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             the cluster's topology (see :mod:`.routing`); False: every call
             to this client's node, which passes on what it does not hold.
         read_from: where reads go: ``"primary"`` (each name's primary: reads
-            see every acknowledged write) or ``"any"`` (any live replica:
-            spreads reads, may lag the primary by a replication message).
+            see every acknowledged write), ``"any"`` (any live replica:
+            spreads reads; they see this client's own writes, but may lag
+            another's by a replication message) or ``"auto"`` (``"any"``
+            where the cluster acknowledges a write once every live replica
+            holds it, ``--acks all``; else ``"primary"``). See
+            :mod:`.routing`.
 
     Every timeout, here and per call, is None or a finite number of seconds
     above 0; anything else (0, a negative number, NaN, infinity, a bool) is a
@@ -101,7 +105,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         piece_bytes: int = pieces.PIECE_BYTES,
         ssl: ssl_module.SSLContext | None = None,
         route: bool = True,
-        read_from: str = "primary",
+        read_from: str = "auto",
     ) -> None:
         super().__init__(
             address,

@@ -5,11 +5,23 @@ Theory of operation. A client learns the cluster's topology (the IDL's
 its node at its first call, and computes placement from it with the very
 function the nodes use (:mod:`aioparamsync.placement`). A call naming
 parameters (a read, an update, a gradient push) is cut by the node each name
-goes to, its primary (reads with ``read_from="any"``: one live replica,
-the same for a name as long as the topology holds, so the pieces of a large
-parameter come from one node), each part sent with the topology's epoch on
-its own pool of connections to that node, concurrently, and the answers
-merged. A barrier goes to the primary of its group's key.
+goes to, each part sent with the topology's epoch on its own pool of
+connections to that node, concurrently, and the answers merged. A write goes
+to each name's primary; a barrier to the primary of its group's key.
+
+Where reads go (``read_from``). ``"primary"``: each name's primary, which has
+every write acknowledged. ``"any"``: one live replica of each name, the same
+for a name as long as the topology holds (so the pieces of a large parameter
+come from one node), so reads spread over the replicas and R = 2 adds read
+bandwidth. A replica may lag its primary by a replication message, but never
+behind this client's own reads and writes: the client remembers the newest
+version of each name it wrote or read, and a name a replica answers older
+than that (or leaves out) is read again from its primary. So a client reads
+its own writes, and never goes back in time. ``"auto"`` (the default) is
+``"any"`` where the cluster answers writes once every live replica holds them
+(``--acks all``, which the topology says): then a replica has every write
+acknowledged, by anyone, as the primary does (a barrier's "everyone pushed"
+holds there too); with ``--acks 1``, ``"primary"``.
 
 When the topology is stale: a node answers ``MOVED`` for what it does not
 hold (with its epoch); the client asks that node for the topology and sends
@@ -66,8 +78,13 @@ __all__ = ["READ_FROM", "Routes"]
 
 log = logging.getLogger(__name__)
 
-#: where reads go: a name's primary, or any live replica of it
-READ_FROM = ("primary", "any")
+#: where reads go: a name's primary, any live replica of it (reading this
+#: client's own writes), or (auto) any where writes wait for every replica
+READ_FROM = ("auto", "primary", "any")
+# The most names whose newest version a client remembers (see the module);
+# past it, it reads from primaries (which every version it saw came from, or
+# reached).
+MAX_FLOORS = 1 << 20
 # MOVED answers to one part before it goes to the client's node unrouted.
 MAX_MOVES = 2
 # How often a client asks for the topology again, at its next call (seconds).
@@ -101,6 +118,9 @@ class Topology:
         self.single = len(placed) <= 1
         #: parameters larger than this are stored as partitions (0: none is)
         self.partition_bytes: int = answer.partition_bytes or 0
+        #: where reads go by default (read_from="auto"): any replica where every
+        #: one holds each write acknowledged
+        self.auto_reads = "any" if answer.acks == "all" else "primary"
         #: seconds before asking for the topology again (soon while a member changes)
         self.refresh_after = (
             CHANGING_REFRESH_SECONDS
@@ -126,7 +146,7 @@ class Routes:
 
     Args:
         client: the client (its own pool is the way to its first node).
-        read_from: "primary" or "any" (see the module).
+        read_from: "auto", "primary" or "any" (see the module).
     """
 
     def __init__(self, client: ParameterClient, read_from: str) -> None:
@@ -142,6 +162,9 @@ class Routes:
         self._salt = os.urandom(8)
         #: the layouts of partitioned parameters, as last read or written
         self.layouts: dict[str, Layout] = {}
+        #: the newest version of each name this client wrote or read (see the module)
+        self.floors: dict[str, int] = {}
+        self.reread = 0  # names a replica answered older than their floor, read again
         self.refreshes = 0  # topologies asked for, so far
         self._background: asyncio.Future[None] | None = None
 
@@ -242,22 +265,83 @@ class Routes:
             self._background = asyncio.ensure_future(self._relearn())
         return topology is not None and not topology.single
 
+    def reads(self) -> str:
+        """Where reads go now: "primary" or "any" (``read_from``, "auto" as the topology says)."""
+        mode = self.read_from
+        if mode == "auto":
+            topology = self.topology
+            mode = "primary" if topology is None else topology.auto_reads
+        if mode == "any" and len(self.floors) >= MAX_FLOORS:
+            return "primary"  # (see MAX_FLOORS)
+        return mode
+
     async def invoke(self, m: Method, timeout: float | EllipsisType | None, args: dict) -> Any:
         """Send ``m`` routed (see the module); answer its (merged) result."""
         arg = ROUTED[m.name]
         value = args.get(arg)
         if value is None:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
+        reads = self.reads()
         if arg == "request" and m.name != "barrier":
 
             def send() -> Any:
-                return self._send(m, arg, value, timeout, args, moves=0)
+                return self._send(m, arg, value, timeout, args, moves=0, reads=reads)
 
-            return await self._gather(value, await send(), timeout, send)
+            response = await self._gather(value, await send(), timeout, send, reads)
+            if reads == "any":
+                response = await self._fresh(m, value, response, timeout)
+                self._saw({p.name: p.version for p in response.params})
+            return response
         topology = self.topology
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
-            return await self._cut(m, arg, value, timeout, topology.partition_bytes)
-        return await self._send(m, arg, value, timeout, args, moves=0)
+            result = await self._cut(m, arg, value, timeout, topology.partition_bytes)
+        else:
+            result = await self._send(m, arg, value, timeout, args, moves=0)
+        if reads == "any" and isinstance(result, thrift.UpdateResult) and result.versions:
+            self._saw(result.versions)
+        return result
+
+    def _saw(self, versions: dict[str, int]) -> None:
+        """This client wrote or read these versions: its reads see them, or newer."""
+        floors = self.floors
+        for name, version in versions.items():
+            if version > floors.get(name, -1):
+                floors[name] = version
+
+    async def _fresh(self, m: Method, request: Any, response: Any, timeout: Any) -> Any:
+        """``response`` (from replicas) with each name it has older than this client
+        saw it (or left out) read again from its primary (see the module)."""
+        floors = self.floors
+        if not floors or not request.param_names:
+            return response
+        answered = {p.name: p.version for p in response.params}
+        known = request.known_versions or {}
+        stale = []
+        for name in dict.fromkeys(request.param_names):
+            floor = floors.get(name)
+            if floor is None:
+                continue
+            version = answered.get(name)
+            # (left out of a delta pull: the caller holds that version or newer)
+            if (version is None and known.get(name, -1) < floor) or (
+                version is not None and version < floor
+            ):
+                stale.append(name)
+        if not stale:
+            return response
+        self.reread += len(stale)
+        sub = read_part(request, stale)
+
+        def send() -> Any:
+            return self._send(m, "request", sub, timeout, {"request": sub}, 0, "primary")
+
+        again = await self._gather(sub, await send(), timeout, send, "primary")
+        gone = set(stale)
+        kept = thrift.ParameterResponse(
+            params=[p for p in response.params if p.name not in gone],
+            timestamp=response.timestamp,
+        )
+        return merge_responses([kept, again])
 
     def cuts(self, p: Any) -> bool:
         """Whether a write of ``p`` is cut into partitions here (routed, and large)."""
@@ -266,9 +350,11 @@ class Routes:
             return False
         return "\x00" not in p.name and layout_for(p, topology.partition_bytes) is not None
 
-    async def _gather(self, request: Any, response: Any, timeout: Any, again: Any) -> Any:
-        """``response`` with the partitioned parameters in it read whole (routing.partitions);
-        ``again()`` reads it again, if one was replaced amid the read."""
+    async def _gather(
+        self, request: Any, response: Any, timeout: Any, again: Any, reads: str
+    ) -> Any:
+        """``response`` with the partitioned parameters in it read whole (routing.partitions),
+        where ``reads`` says; ``again()`` reads it again, if one was replaced amid the read."""
         if not any("\x00" in p.name for p in response.params):
             return response
         found = manifests_of(response.params)
@@ -279,7 +365,7 @@ class Routes:
 
         def read(sub: Any) -> Any:
             return self._send(
-                METHODS.pull_parameters, "request", sub, timeout, {"request": sub}, moves=0
+                METHODS.pull_parameters, "request", sub, timeout, {"request": sub}, 0, reads
             )
 
         # (no limits: the partitions are put together here, whatever their size)
@@ -341,8 +427,9 @@ class Routes:
             result.versions = collapse(result.versions, chosen)
         return result
 
-    def _parts(self, m: Method, value: Any) -> dict[str | None, Any] | None:
-        """The call's argument cut by target node (None: unrouted); None: send it as it is."""
+    def _parts(self, m: Method, value: Any, reads: str) -> dict[str | None, Any] | None:
+        """The call's argument cut by target node (None: unrouted); None: send it as it is.
+        (``reads``: where reads go, "primary" or "any".)"""
         topology = self.topology
         assert topology is not None
         name = m.name
@@ -353,10 +440,9 @@ class Routes:
         if name in ("get_parameters", "pull_parameters"):
             if value.all_names or not value.param_names:
                 return None
-            read_from = self.read_from
             groups: dict[str | None, list[str]] = {}
             for n in value.param_names:
-                groups.setdefault(topology.target(n, read_from, self._salt), []).append(n)
+                groups.setdefault(topology.target(n, reads, self._salt), []).append(n)
             return {t: read_part(value, names) for t, names in groups.items()}
         items = value.grads if name == "push_gradients" else value.params
         if not items:
@@ -380,9 +466,16 @@ class Routes:
         return parts
 
     async def _send(
-        self, m: Method, arg: str, value: Any, timeout: Any, args: dict, moves: int
+        self,
+        m: Method,
+        arg: str,
+        value: Any,
+        timeout: Any,
+        args: dict,
+        moves: int,
+        reads: str = "primary",
     ) -> Any:
-        parts = self._parts(m, value)
+        parts = self._parts(m, value, reads)
         if parts is None or (len(parts) == 1 and None in parts):
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
 
@@ -394,7 +487,7 @@ class Routes:
             done, result = await self.call_at(target, m, timeout, arg, sub)
             if done:
                 return result
-            return await self._send(m, arg, sub, timeout, {**args, arg: sub}, moves + 1)
+            return await self._send(m, arg, sub, timeout, {**args, arg: sub}, moves + 1, reads)
 
         if len(parts) == 1:
             ((target, sub),) = parts.items()

@@ -2,7 +2,8 @@
 
 A table's rows are placed by bucket (``placement.bucket_of`` of the id, then
 ``placement.bucket_key``): a routed client cuts a pull or a push by the node
-each bucket goes to (a push to its primary, a pull as ``read_from`` says),
+each bucket goes to (a push to its primary, a pull as ``read_from`` says:
+with ``"any"``, a row pull may lag a push by a replication message),
 sends the parts concurrently and puts the answers back in the order of the
 ids. A part answered MOVED, or sent to a node that cannot be reached, is cut
 again by the topology asked for anew; after ``MAX_MOVES`` it goes unrouted to
@@ -291,7 +292,7 @@ class TableClient:
         assert topology is not None
         here = ids if positions is None else ids[positions]
         buckets = bucket_of(here, spec.buckets)
-        mode = "primary" if write else routes.read_from
+        mode = "primary" if write else routes.reads()
         targets = {
             int(b): routes.target(bucket_key(spec.name, int(b)), mode) for b in np.unique(buckets)
         }

@@ -116,6 +116,7 @@ class Announces:
             members=members,
             replication_factor=cluster.replication_factor or 0,
             partition_bytes=0,  # (the node's service answers its own: see server.handlers)
+            acks=cluster.acks,
         )
 
     def announced(self, member: Any) -> list[Any]:
