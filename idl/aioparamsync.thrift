@@ -334,6 +334,35 @@ struct BarrierResult {
     3: required list<string> workers,
 }
 
+// A watch: which keys, and the version of each the caller has seen. A name is
+// reported by its own key when it is stored whole, by its manifest's key
+// (name, NUL, "#m") when it is stored as partitions; a partition's key
+// (name, NUL, "#", index) may be watched too, so a client that learned the
+// partitions from the manifest watches them where they are.
+struct WatchRequest {
+    // The keys to watch (names, or a partitioned parameter's keys) ...
+    1: optional list<string> names,
+    // ... or every key held here whose parameter's name starts with this
+    // ("": every one). One of the two.
+    2: optional string prefix,
+    // The version of each key the caller has seen: a key is answered when the
+    // node holds another version of it (or the caller has seen none).
+    3: optional map<string, i32> known_versions,
+    // Hold the call up to this long for a change, then answer what changed
+    // (nothing: an empty map). 0: answer at once. Absent: the node's default.
+    4: optional i32 wait_ms,
+    // The epoch of the topology the caller routed by (see Topology): names
+    // this node does not hold are answered MOVED. In a cluster whose nodes
+    // hold a share of the keys each, a watch is routed.
+    5: optional i64 epoch,
+}
+
+// What changed: each key watched whose version differs from known_versions
+// (or is not in it), with the version held here.
+struct WatchResult {
+    1: required map<string, i32> versions,
+}
+
 // A caller the node is holding: a long poll or a barrier, and who it waits for.
 struct Waiter {
     // "pull" or "barrier"
@@ -524,6 +553,9 @@ service ParameterSyncService {
     // Wait until world_size workers of the group reach the step.
     BarrierResult barrier(1: BarrierRequest request)
         throws (1: ParameterError error),
+    // Answer the versions of the keys watched that changed (see WatchRequest),
+    // held until one does, up to wait_ms.
+    WatchResult watch(1: WatchRequest request) throws (1: ParameterError error),
 
     // The cluster as this node sees it: clients route by it.
     Topology topology(),

@@ -113,6 +113,7 @@ def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
         "get_parameters": "wait_ms",
         "pull_parameters": "wait_ms",
         "barrier": "always",
+        "watch": "wait_ms",
         "drain": "always",
         "shutdown": "always",
     }

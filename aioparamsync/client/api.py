@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl as ssl_module
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
 from types import EllipsisType
 from typing import Any
 
@@ -34,6 +34,7 @@ from .pool import ConnectionPool
 from .routing import ROUTED, Routes
 from .rows import TableClient
 from .updates import make_update, push_in_pieces
+from .watch import WATCH_WAIT, Watcher
 
 __all__ = ["ParameterClient", "parse_address"]
 
@@ -356,6 +357,44 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         # Larger than one message: each such parameter in pieces, applied once
         # whole; the others together, as one update.
         return await push_in_pieces(self, update, large, params, timeout=timeout)
+
+    async def watch(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        prefix: str | None = None,
+        wait: float = WATCH_WAIT,
+    ) -> AsyncGenerator[dict[str, int], None]:
+        """Yield ``{name: version}`` as the names watched change, without polling each.
+
+        ``async for changed in client.watch(["w", "b"]):`` (or ``prefix="layer."``;
+        ``""``: every name). The first yield has every name watched that exists,
+        with its version; each next one the names whose version changed since
+        the one before. Writes between two yields are coalesced: a consumer
+        slower than the writes sees the newest version of each name, never a
+        backlog. Read the values with :meth:`get_arrays` (``min_version`` the
+        version yielded). Works on a node alone and in a cluster (each node
+        watched where it holds the keys), partitioned parameters too (see
+        :mod:`aioparamsync.client.watch`); it ends when the loop does.
+
+        Args:
+            names: the names to watch; or
+            prefix: every name that starts with it.
+            wait: how long each node holds a watch call before it is sent again
+                (seconds; no change is missed meanwhile).
+
+        Raises:
+            ValueError: neither or both of ``names`` and ``prefix``; a bad ``wait``.
+            TypeError: ``names`` is one string (give a list).
+            RequestError: a node refused the watch (e.g. ``LIMIT_EXCEEDED``).
+        """
+        if isinstance(names, str):
+            raise TypeError(f"names is a list of names, not one string ({names!r}): [{names!r}]")
+        if (names is None) == (prefix is None):
+            raise ValueError("watch names, or a prefix: one of the two")
+        check_seconds(wait, "wait")
+        async for changed in Watcher(self, None if names is None else list(names), prefix, wait):
+            yield changed
 
     async def barrier(
         self,

@@ -23,8 +23,10 @@ bounded by ``CLOSE_TIMEOUT``; a client that is dropped, or still open when
 the interpreter exits, is closed so (``weakref.finalize``). Calls made after
 ``close()`` raise :class:`~aioparamsync.errors.ClientClosedError`.
 
-The async client has no async iterators, and its one async context manager
-is the client itself: ``with SyncParameterClient(...)`` is its twin.
+The async client's one async iterator, ``watch``, has a generator as its
+twin here (each step waits on the loop as a call does); its one async
+context manager is the client itself: ``with SyncParameterClient(...)`` is
+its twin.
 
 Async helpers that take a client (``aioparamsync.torch``'s, your own) run
 on the loop with :meth:`SyncParameterClient.run`; :func:`also_blocking` and
@@ -39,12 +41,13 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from ..errors import ClientClosedError, RunningLoopError
 from .api import ParameterClient
 from .loop import new_event_loop
+from .watch import WATCH_WAIT
 
 __all__ = ["SyncParameterClient", "also_blocking", "on_client"]
 
@@ -52,7 +55,7 @@ __all__ = ["SyncParameterClient", "also_blocking", "on_client"]
 # close, the calls left to cancel, the loop's thread to end (seconds).
 CLOSE_TIMEOUT = 5.0
 # ParameterClient's public methods written here rather than generated: they differ.
-OWN = frozenset({"close", "from_env"})
+OWN = frozenset({"close", "from_env", "watch"})
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -252,6 +255,29 @@ class SyncParameterClient:
     def closed(self) -> bool:
         """Whether :meth:`close` was called (or the client was finalized)."""
         return self._thread.closed
+
+    def watch(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        prefix: str | None = None,
+        wait: float = WATCH_WAIT,
+    ) -> Iterator[dict[str, int]]:
+        """:meth:`ParameterClient.watch`, blocking: ``for changed in client.watch([...]):``.
+
+        Each step waits for the next change; ending the loop (``break``, the
+        generator closed) ends the watch on the client's loop.
+        """
+        changes = self.aio.watch(names, prefix=prefix, wait=wait)
+        try:
+            while True:
+                try:
+                    yield self._wait("watch", changes.__anext__, (), {})
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self.closed:
+                self._wait("watch", changes.aclose, (), {})
 
     def run(
         self,

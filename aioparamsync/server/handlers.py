@@ -30,6 +30,7 @@ from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest
 from .routing import Router
 from .rows import RowService
+from .watches import Watches
 
 __all__ = ["ParameterService"]
 
@@ -138,6 +139,8 @@ class ParameterService:
             store, cluster, self.waiting, max_decoded_bytes, partition_bytes=partition_bytes
         )
         self.router = Router(cluster)
+        #: the watches held (see .watches)
+        self.watches = Watches(store, self.router)
         #: the embedding tables (see .rows)
         self.rows = RowService(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)
@@ -157,6 +160,7 @@ class ParameterService:
             METHODS.push_parameters: self._push_parameters,
             METHODS.push_gradients: self.gradients.push,
             METHODS.barrier: self._barrier,
+            METHODS.watch: self.watches.handle,
             METHODS.ping: self._ping,
             METHODS.info: self._info,
             METHODS.announce: self._announce,

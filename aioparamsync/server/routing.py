@@ -78,6 +78,18 @@ class Router:
         cluster = self.cluster
         return cluster is None or not cluster.links
 
+    def serves_all(self) -> bool:
+        """Whether this node holds every key of its cluster (alone, or every node holds all)."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return True
+        placement = cluster.placement
+        return (
+            cluster.state in LIVE
+            and placement.everywhere
+            and cluster.me.node_id in placement.members
+        )
+
     def check_routed(self, names: Sequence[str]) -> None:
         """Refuse (MOVED) a routed request naming keys this node does not hold."""
         cluster = self.cluster

@@ -76,6 +76,7 @@ _TRAITS: dict[str, dict[str, Any]] = {
     "get_parameters": {"held": "wait_ms"},
     "pull_parameters": {"held": "wait_ms"},
     "barrier": {"held": "always"},
+    "watch": {"held": "wait_ms"},
     "drain": {"held": "always", "writes": True, "idempotent": False},
     "shutdown": {"held": "always", "writes": True, "idempotent": False},
     "create_table": {"writes": True},  # the same table again is no change
@@ -126,6 +127,7 @@ class Methods:
     digest: Method
     push_gradients: Method
     barrier: Method
+    watch: Method
     topology: Method
     digest_for: Method
     drain: Method
