@@ -278,6 +278,20 @@ async def test_a_long_poll_of_a_partitioned_parameter_waits_for_every_partition(
         assert "\\x00" not in info.value.message
 
 
+async def test_a_long_poll_of_a_name_that_comes_as_partitions_is_answered_when_it_comes(
+    lone: Node,
+) -> None:
+    w = weights()
+    async with ParameterClient(lone.address, timeout=10) as client:
+        poll = asyncio.ensure_future(client.get_parameters(["w"], 1, wait=5.0))
+        await asyncio.sleep(0.2)
+        assert not poll.done()
+        await client.update_arrays({"w": w})  # (its manifest, written last, answers the poll)
+        answer = await asyncio.wait_for(poll, 5)
+        assert answer.params[0].version == 1
+        assert np.array_equal(from_parameter(answer.params[0]), w)
+
+
 async def test_gradients_fold_per_partition_by_the_parameters_rule(lone: Node) -> None:
     w = weights()
     g = np.random.default_rng(1).standard_normal(w.shape).astype(np.float32)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ErrorCode, RequestError
+from ..placement import parse_key
 from ..store.table import Entry
 from ..store.writer import ParameterStore
 from ..wire import thrift
@@ -153,18 +154,28 @@ class Waiting:
     def _applied(self, entries: Sequence[Entry], replicated: bool) -> None:
         if not self._polls:
             return
+        version: int | None
         for entry in entries:
-            polls = self._polls.get(entry.name)
+            name, version = entry.name, entry.version  # (version None: any)
+            polls = self._polls.get(name)
+            if not polls and "\x00" in name:
+                # (a name waited for that comes as partitions: its manifest, written
+                # after them, answers the poll; the read puts them together)
+                parsed = parse_key(name)
+                if parsed is not None and parsed[1] is None:
+                    name = parsed[0]
+                    polls = self._polls.get(name)
+                    version = None
             if not polls:
                 continue
             for poll in list(polls):
-                if entry.version >= poll.min_version:
-                    poll.missing.discard(entry.name)
+                if version is None or version >= poll.min_version:
+                    poll.missing.discard(name)
                     polls.discard(poll)
                     if not poll.missing and not poll.future.done():
                         poll.future.set_result(None)
             if not polls:
-                self._polls.pop(entry.name, None)
+                self._polls.pop(name, None)
 
     # -- barriers -----------------------------------------------------------------------
 
