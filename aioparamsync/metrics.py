@@ -385,6 +385,27 @@ class _NodeCollector:
             service.forward_failures,
         )
 
+        # -- following another cluster (see aioparamsync.follower) ---------------------
+        if service.following is not None:
+            f: dict[str, int] = {}
+            for hook in service.statistics_hooks:
+                f.update(hook())
+            yield gauge(
+                "follow_lag_seconds",
+                "How long the oldest change heard of from the cluster followed has waited.",
+                f["follow_lag_ms"] / 1000,
+            )
+            yield gauge(
+                "follow_versions_behind",
+                "Versions heard of from the cluster followed and not held here yet.",
+                f["follow_versions_behind"],
+            )
+            yield counter(
+                "follow_keys_pulled",
+                "Keys read from the cluster followed and merged here.",
+                f["follow_keys_pulled"],
+            )
+
         # -- the cluster: topology, placement, moves -----------------------------------
         cluster = node.cluster
         yield gauge(

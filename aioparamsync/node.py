@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import ssl as ssl_module
@@ -11,6 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from .client.addresses import is_loopback, unspecified_host
 from .client.api import Address, parse_address, parse_addresses
 from .cluster.coordinator import DEFAULT_PREFIX, EtcdCoordinator, Record, parse_coordinator
 from .cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
@@ -18,6 +18,7 @@ from .cluster.discovery import DnsDiscovery, Resolver
 from .cluster.links import DEFAULT_REPAIR_INTERVAL, member_name
 from .cluster.membership import DEFAULT_FAILURE_TIMEOUT, UNREACHABLE_WARNING, Cluster
 from .errors import ErrorCode, RequestError
+from .follower import Follower
 from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
 from .persistence.rows import RowStore
@@ -33,30 +34,6 @@ from .wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES, METHODS,
 __all__ = ["Node", "unspecified_host"]
 
 log = logging.getLogger(__name__)
-
-
-def unspecified_host(host: str) -> bool:
-    """Whether ``host`` means every interface (``0.0.0.0``, ``::``, or empty).
-
-    A node may listen there, but it is no address to give peers: told
-    ``0.0.0.0:PORT``, a peer on another machine reaches itself, or nothing.
-    """
-    host = host.strip()
-    if not host:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False  # a name
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
 
 
 class Node:
@@ -131,10 +108,13 @@ class Node:
             clusters share one etcd under different prefixes).
         coordinator_tls: (ca, cert, key) files to reach etcd over TLS (cert and
             key may be None); None: plain.
+        follow: nodes of another cluster (any one will do) to mirror, read-only:
+            this node takes no writes (see :mod:`aioparamsync.follower`). Not
+            with ``peers``, ``peers_dns`` or ``coordinator``.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
-            ``peers`` are given without ``advertise``.
+            ``peers`` are given without ``advertise``; ``follow`` with ``peers``.
     """
 
     def __init__(
@@ -173,6 +153,7 @@ class Node:
         coordinator: str | None = None,
         coordinator_prefix: str = DEFAULT_PREFIX,
         coordinator_tls: tuple[str, str | None, str | None] | None = None,
+        follow: Iterable[Address] | str = (),
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -271,6 +252,14 @@ class Node:
         self._writer: asyncio.Task[None] | None = None
         self.metrics_port = metrics_port
         self.metrics: NodeMetrics | None = None
+        if follow and (self.seeds or self._dns or coordinator):
+            raise ValueError("a follower has no peers, DNS or coordinator (not yet)")
+        #: what mirrors the cluster this node follows (None: it follows none)
+        self.follower = (
+            Follower(self.service, self.store, parse_addresses(follow), ssl=peer_ssl)
+            if follow
+            else None
+        )
 
     def __repr__(self) -> str:
         state = f"listening on {self.host}:{self.port}" if self._writer else "stopped"
@@ -387,6 +376,8 @@ class Node:
             seeds += [a for a in await self.discovery.seeds() if a not in seeds]
         self.cluster.start(seeds)
         self.service.starting = None
+        if self.follower is not None:
+            self.follower.start()
         if self.discovery is not None:
             self.discovery.start()
         if self.cluster.state == JOINING:
@@ -415,8 +406,8 @@ class Node:
                 host or "0.0.0.0",
                 port,
             )
-        elif _loopback(host):
-            remote = [f"{h}:{p}" for h, p in self.seeds if not _loopback(h)]
+        elif is_loopback(host.strip("[]")):
+            remote = [f"{h}:{p}" for h, p in self.seeds if not is_loopback(h.strip("[]"))]
             if remote:
                 log.warning(
                     "node %s tells its peers it is at %s:%d, a loopback address, but %s may "
@@ -563,6 +554,8 @@ class Node:
                 await asyncio.wait({self._joining})
             if self.discovery is not None:
                 await self.discovery.stop()
+            if self.follower is not None:
+                await self.follower.stop()
             await self.server.close(grace)
             self.service.close()
             await self.cluster.replication.drain(

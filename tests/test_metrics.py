@@ -227,6 +227,25 @@ async def test_a_scrape_shows_the_embedding_tables(cluster: LocalCluster) -> Non
         assert 100 * 8 * 4 <= value(samples, "table_bytes") < 100 * 8 * 4 * 10
 
 
+async def test_a_follower_scrape_shows_its_lag(cluster: LocalCluster) -> None:
+    leader = await cluster.start(metrics_port=0)
+    follower = await cluster.start(follow=[leader.address], metrics_port=0)
+    async with ParameterClient(leader.address, timeout=15) as client:
+        samples = await scrape(follower.metrics_address)  # type: ignore[arg-type]
+        assert value(samples, "follow_keys_pulled_total") == 0
+        await client.update_arrays({"w": np.zeros(4, np.float32)})
+
+        async def pulled() -> None:
+            samples = await scrape(follower.metrics_address)  # type: ignore[arg-type]
+            assert value(samples, "follow_keys_pulled_total") == 1
+            assert value(samples, "follow_versions_behind") == 0
+            assert value(samples, "follow_lag_seconds") == 0
+
+        await eventually(pulled)
+    samples = await scrape(leader.metrics_address)  # type: ignore[arg-type]
+    assert not any("follow" in name for name, _ in samples)  # (a node that follows none)
+
+
 async def test_a_scrape_shows_the_receive_budget(cluster: LocalCluster) -> None:
     mib = 1024 * 1024
     node = await cluster.start(metrics_port=0, max_receiving_bytes=mib)

@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="members of the cluster to join; any one live member will do",
     )
     parser.add_argument(
+        "--follow",
+        type=addresses,
+        default=[],
+        metavar="HOST:PORT,...",
+        help="mirror the cluster of these nodes (any one live node will do), read-only: "
+        "this node takes every change of every parameter there, within about a second, and "
+        "serves reads, long polls and watches of them; writes are refused, naming the "
+        "cluster followed. Not with --peers, --peers-dns, --coordinator or --processes",
+    )
+    parser.add_argument(
         "--peers-dns",
         type=address,
         metavar="NAME:PORT",
@@ -454,6 +464,7 @@ async def serve(args: argparse.Namespace) -> int:
             coordinator=args.coordinator,
             coordinator_prefix=args.coordinator_prefix,
             coordinator_tls=coordinator_tls,
+            follow=args.follow,
         )
     except CoordinatorError as exc:
         print(f"aioparamsync-node: --coordinator: {exc}", file=sys.stderr)
@@ -534,6 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--host {args.host} listens on every interface, which is no address to give "
             f"peers: with {given}, pass --advertise HOST:PORT with an address the peers can "
             "reach"
+        )
+    if args.follow and (args.peers or args.peers_dns or args.coordinator or args.processes > 1):
+        parser.error(
+            "--follow makes a read-only mirror of another cluster, alone: not with --peers, "
+            "--peers-dns, --coordinator or --processes (a cluster of followers is not supported "
+            "yet)"
         )
     args.fsync = args.fsync or "batch"
     if "replication_factor" not in vars(args):

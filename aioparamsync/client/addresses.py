@@ -22,6 +22,7 @@ __all__ = [
     "UNIX",
     "check_seconds",
     "is_loopback",
+    "unspecified_host",
     "parse_address",
     "parse_addresses",
     "unix_path",
@@ -43,6 +44,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def unspecified_host(host: str) -> bool:
+    """Whether ``host`` means every interface (``0.0.0.0``, ``::``, or empty).
+
+    A node may listen there, but it is no address to give peers: told
+    ``0.0.0.0:PORT``, a peer on another machine reaches itself, or nothing.
+    """
+    host = host.strip()
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name
 
 
 def unix_path(host: str) -> str | None:

@@ -63,6 +63,11 @@ class Watcher:
         names: the names to watch; or
         prefix: every name that starts with it ("": every one).
         wait: how long each call is held at a node (seconds).
+        keys: yield the keys themselves (``{key: version}``: names, manifests'
+            and partitions' keys, as stored), not names: for a mirror of the
+            cluster (a follower), which reads and stores keys as they are.
+        seen: versions already held of some keys: only newer ones are yielded
+            (the first yield too).
     """
 
     def __init__(
@@ -71,13 +76,18 @@ class Watcher:
         names: Sequence[str] | None,
         prefix: str | None,
         wait: float = WATCH_WAIT,
+        *,
+        keys: bool = False,
+        seen: dict[str, int] | None = None,
     ) -> None:
         self.client = client
+        self.raw = keys
+        self._seen = dict(seen or {})
         self.names = None if names is None else list(dict.fromkeys(names))
         self.prefix = prefix
         self.wait_ms = round(wait * 1000)
         #: each key's newest version heard of (a name, a manifest's, a partition's)
-        self.keys: dict[str, int] = {}
+        self.keys: dict[str, int] = dict(self._seen)
         #: partitioned names: how many partitions, by the manifest's version read
         self.partitions: dict[str, tuple[int, int]] = {}
         self._changed = asyncio.Event()
@@ -123,7 +133,14 @@ class Watcher:
     async def _call(self, target: Any, keys: list[str] | None, wait_ms: int) -> Any:
         """One watch call at ``target``; None when it must be cut anew (MOVED, unreachable)."""
         client = self.client
-        known = self.keys if keys is None else {k: self.keys[k] for k in keys if k in self.keys}
+        if keys is not None:
+            known = {k: self.keys[k] for k in keys if k in self.keys}
+        else:
+            known = self.keys
+            topology = client.routes.topology if client.routes is not None else None
+            if target is not None and topology is not None:
+                held = topology.placement.holds  # (by prefix: what that node holds)
+                known = {k: v for k, v in known.items() if held(target, k)}
         request = thrift.WatchRequest(
             names=keys, prefix=self.prefix if keys is None else None,
             known_versions=dict(known), wait_ms=wait_ms,
@@ -151,6 +168,8 @@ class Watcher:
     async def _layouts(self) -> bool:
         """Read the manifests of partitioned names not read at their version; whether
         the partitions watched changed (then the watch is cut anew)."""
+        if self.raw:
+            return False  # (keys as they are: partitions come by the prefix)
         stale = []
         for key, version in self.keys.items():
             parsed = parse_key(key)
@@ -177,7 +196,9 @@ class Watcher:
 
     def versions(self) -> dict[str, int]:
         """Each name watched that exists: its version (a partitioned one's: its oldest
-        partition's, once every partition was heard of)."""
+        partition's, once every partition was heard of); with ``keys``, each key's."""
+        if self.raw:
+            return dict(self.keys)
         found: dict[str, int] = {}
         parts: dict[str, dict[int, int]] = {}
         for key, version in self.keys.items():
@@ -261,7 +282,8 @@ class Watcher:
         try:
             plan = await self._snapshot()
             reported = self.versions()
-            yield dict(reported)
+            seen = self._seen
+            yield {n: v for n, v in reported.items() if seen.get(n) != v}
             self._start(plan)
             while True:
                 await self._changed.wait()

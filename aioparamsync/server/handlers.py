@@ -36,6 +36,8 @@ __all__ = ["ParameterService"]
 
 # What a node answers while it starts (see ParameterService.starting): health and info.
 _WHILE_STARTING = frozenset({METHODS.ping.name, METHODS.info.name})
+# What a follower refuses (see ParameterService.following): the writes of data.
+_FOLLOWER_REFUSES = frozenset(m.name for m in METHODS if m.writes) - {"drain", "shutdown"}
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,6 @@ class ParameterService:
             store, cluster, self.waiting, max_decoded_bytes, partition_bytes=partition_bytes
         )
         self.router = Router(cluster)
-        #: the watches held (see .watches)
         self.watches = Watches(store, self.router)
         #: the embedding tables (see .rows)
         self.rows = RowService(cluster)
@@ -151,6 +152,10 @@ class ParameterService:
         #: listens before it is in its cluster (its id is its address), and alone it
         #: would serve every key as its own (the node's: see Node.start)
         self.starting: str | None = None
+        #: why this node takes no writes (None: it does): it follows another cluster
+        self.following: str | None = None
+        #: more of info's counters: each answers some (a follower's lag)
+        self.statistics_hooks: list[Callable[[], Mapping[str, int]]] = []
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -203,6 +208,8 @@ class ParameterService:
                 f"node {self.node_id or '(starting)'} is {self.starting}: nothing was "
                 "done; try again, or another node",
             )
+        if self.following is not None and method.name in _FOLLOWER_REFUSES:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"node {self.node_id} {self.following}")
         return self._handlers[method.name](method, args)
 
     # -- the founding methods ----------------------------------------------------
@@ -516,6 +523,8 @@ class ParameterService:
         counters["gradient_pushes_repeated"] = self.pushes_repeated
         counters["gradient_pushes_forwarded"] = self.pushes_forwarded
         counters["gradient_forward_failures"] = self.forward_failures
+        for hook in self.statistics_hooks:
+            counters.update(hook())
         info = thrift.NodeInfo(
             node_id=self.node_id,
             version=__version__,
