@@ -22,8 +22,16 @@ the oldest change heard of and not yet merged has waited (0: none);
 ``follow_versions_behind``, the sum over keys of the versions heard of and
 not merged; ``follow_keys_pulled`` and ``follow_batches``.
 
-Not yet: embedding tables' rows (a follower holds parameters only), and a
-cluster of followers (``--follow`` with ``--peers``).
+Embedding tables' rows are followed by bucket: every ``ROWS_INTERVAL`` the
+follower asks each bucket's primary for the rows touched since it last
+asked (``bucket_rows`` with ``touched_since``, by the holder's own clock,
+less ``CLOCK_MARGIN``), in pages, and merges them as a replica does (a row
+kept at its newer version); every ``FULL_EVERY`` rounds it asks for every
+row, which mends what a change of primary (another clock) or an eviction
+between two pages may have skipped. Rows are a second or so behind, and a
+row read at the leader counts as touched (it comes again).
+
+Not yet: a cluster of followers (``--follow`` with ``--peers``).
 """
 
 from __future__ import annotations
@@ -32,14 +40,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from .client.api import Address, ParameterClient
+from .client.pool import ConnectionPool
 from .client.watch import Watcher
 from .errors import ClientClosedError, ParamSyncError
+from .placement import bucket_key
 from .server.handlers import ParameterService
+from .store.rows import table_spec
 from .store.writer import ParameterStore
+from .wire import METHODS, thrift
 
 __all__ = ["Follower"]
 
@@ -51,6 +63,12 @@ BATCH_KEYS = 256
 RETRY_AFTER = 1.0
 # How long each watch call is held at a leader node (seconds).
 WATCH_WAIT = 10.0
+# Rows: how often the buckets are asked (seconds), the rows in one page, the margin
+# taken off the holder's clock, and every how many rounds every row is asked for.
+ROWS_INTERVAL = 1.0
+ROWS_PAGE = 65_536
+CLOCK_MARGIN = 2.0
+FULL_EVERY = 60
 
 
 class Follower:
@@ -81,6 +99,7 @@ class Follower:
         self._waiting_since: float | None = None  # (a change heard of and not merged)
         self.keys_pulled = 0
         self.batches = 0
+        self.rows_pulled = 0
         service.following = f"is a read-only follower of {shown}: nothing was written; write there"
         service.statistics_hooks.append(self.statistics)
 
@@ -112,13 +131,14 @@ class Follower:
             "follow_versions_behind": behind,
             "follow_keys_pulled": self.keys_pulled,
             "follow_batches": self.batches,
+            "follow_rows_pulled": self.rows_pulled,
         }
 
     async def _run(self) -> None:
         while True:
             try:
                 async with ParameterClient(self.addresses, **self._options) as client:
-                    await self._follow(client)
+                    await _both(self._follow(client), self._follow_rows(client))
             except asyncio.CancelledError:
                 raise
             except (ParamSyncError, OSError) as exc:
@@ -149,3 +169,61 @@ class Follower:
         self.batches += 1
         self.keys_pulled += len(params)
         await self.store.submit(params, response.timestamp or 0, replicated=True)
+
+    # -- rows -----------------------------------------------------------------------------
+
+    async def _follow_rows(self, client: ParameterClient) -> None:
+        """Every ``ROWS_INTERVAL``: each bucket of each table, what changed (see the module)."""
+        marks: dict[tuple[str, int], float] = {}
+        rounds = 0
+        while True:
+            if rounds % FULL_EVERY == 0:
+                marks.clear()
+            rounds += 1
+            for spec in await client.invoke(METHODS.tables):
+                self.service.rows.tables.create(table_spec(spec))
+                for bucket in range(table_spec(spec).buckets):
+                    await self._pull_bucket(client, spec.name, bucket, marks)
+            await asyncio.sleep(ROWS_INTERVAL)
+
+    async def _pull_bucket(
+        self, client: ParameterClient, table: str, bucket: int, marks: dict[tuple[str, int], float]
+    ) -> None:
+        since = marks.get((table, bucket))
+        routes = client.routes
+        pool = routes.pool_of(bucket_key(table, bucket)) if routes is not None else None
+        offset, as_of = 0, None
+        while True:
+            request = thrift.BucketRequest(
+                table=table, bucket=bucket, offset=offset, limit=ROWS_PAGE,
+                touched_since=None if since is None else since - CLOCK_MARGIN,
+            )  # fmt: skip
+            if pool is None:
+                delta = await client.invoke(METHODS.bucket_rows, request=request)
+            else:
+                delta = await ConnectionPool.invoke(pool, METHODS.bucket_rows, request=request)
+            as_of = delta.as_of if as_of is None else as_of
+            count = len(delta.ids) // 8
+            if count:
+                merged = self.service.rows.merge([delta])
+                if not isinstance(merged, int):
+                    await merged
+                self.rows_pulled += count
+            if count < ROWS_PAGE:
+                break
+            offset += count
+        if as_of is not None:
+            marks[(table, bucket)] = as_of
+
+
+async def _both(*coroutines: Coroutine[Any, Any, None]) -> None:
+    """Run ``coroutines`` until one fails (its error raised), the others then cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

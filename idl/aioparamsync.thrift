@@ -299,6 +299,9 @@ struct RowDelta {
     7: required string from_peer,
     // Answering bucket_rows: the rows the bucket holds in all.
     8: optional i64 total,
+    // Answering bucket_rows: the holder's clock when it answered (seconds since
+    // the epoch): a caller asks for what was touched since, next time.
+    9: optional double as_of,
 }
 
 // Ask a node for every row it holds of one bucket (a node that takes a bucket
@@ -310,6 +313,10 @@ struct BucketRequest {
     // them (absent: every one). RowDelta.total says how many the bucket holds.
     3: optional i64 offset,
     4: optional i64 limit,
+    // Only the rows touched (made, folded, merged or read) at or after this time of
+    // the holder's clock (seconds since the epoch; see RowDelta.as_of): what
+    // changed since the caller last asked. Pages are of those rows.
+    5: optional double touched_since,
 }
 
 // A worker arriving at a barrier (bulk-synchronous training).

@@ -22,7 +22,8 @@ from cluster_helpers import (
     wait_formed,
 )
 
-from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sum_rule
+from aioparamsync import ErrorCode, Node, ParameterClient, RequestError, sgd, sum_rule
+from aioparamsync.wire import METHODS, thrift
 
 pytestmark = pytest.mark.asyncio
 
@@ -108,11 +109,29 @@ async def test_a_follower_and_its_follower_mirror_a_cluster_and_refuse_writes() 
             got = await follower.get_arrays(["g"])
             assert got["g"].tolist() == [50.0] * 8  # (every fold: the leader's value)
 
+        # Rows of an embedding table too (by bucket, what changed since the last ask).
+        await writer.create_table("emb", 8, rule=sgd(0.5), buckets=8)
+        ids = np.arange(200, dtype=np.int64) * 7919
+        for _ in range(3):
+            await writer.push_row_gradients("emb", ids, np.ones((200, 8), np.float32))
+        want = await writer.pull_rows("emb", ids)
+        assert want.tolist() == [[-1.5] * 8] * 200
+        for follower in (first, second):
+
+            async def rows_here(f: ParameterClient = follower) -> None:
+                np.testing.assert_array_equal(await f.pull_rows("emb", ids), want)
+
+            await eventually(rows_here, timeout=CONVERGE, retry_on=(AssertionError, RequestError))
+        await writer.push_row_gradients("emb", ids[:10], np.ones((10, 8), np.float32))
+        want = await writer.pull_rows("emb", ids)
+        await eventually(lambda: _rows_equal(second, ids, want), timeout=CONVERGE)
+
         # A write at a follower is refused, names the cluster it follows, and changes nothing.
         for call in (
             first.update_arrays({NAMES[0]: np.full(64, -1, np.float32)}),
             first.push_gradients({"g": np.ones(8, np.float32)}),
             second.update_arrays({"new": np.zeros(2, np.float32)}),
+            first.push_row_gradients("emb", ids[:1], np.ones((1, 8), np.float32)),
         ):
             with pytest.raises(RequestError, match="read-only follower of") as info:
                 await call
@@ -185,6 +204,33 @@ async def test_a_follower_of_a_node_not_yet_up_serves_and_catches_up_once_it_is(
         await writer.update_arrays(step_arrays(3))
         await eventually(lambda: converged(writer, client), timeout=CONVERGE)
         assert_(follower.proc.returncode is None)
+
+
+async def _rows_equal(client: ParameterClient, ids: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_array_equal(await client.pull_rows("emb", ids), want)
+
+
+async def test_a_bucket_answers_the_rows_touched_since_a_time_of_its_clock() -> None:
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await client.create_table("t", 4, rule=sgd(1.0), buckets=1)
+        ask = thrift.BucketRequest
+        first = await client.invoke(METHODS.bucket_rows, request=ask(table="t", bucket=0))
+        assert first.total == 0 and first.as_of > 0
+        await client.push_row_gradients("t", np.arange(5, dtype=np.int64), np.ones((5, 4)))
+        since = await client.invoke(
+            METHODS.bucket_rows, request=ask(table="t", bucket=0, touched_since=first.as_of)
+        )
+        assert len(since.ids) == 5 * 8 and since.total == 5
+        later = await client.invoke(
+            METHODS.bucket_rows, request=ask(table="t", bucket=0, touched_since=since.as_of + 60)
+        )
+        assert later.ids == b"" and later.total == 5
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(RequestError, match="touched_since") as info:
+                await client.invoke(
+                    METHODS.bucket_rows, request=ask(table="t", bucket=0, touched_since=bad)
+                )
+            assert info.value.code == ErrorCode.BAD_REQUEST
 
 
 def _free_port() -> int:

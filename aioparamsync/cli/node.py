@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST:PORT,...",
         help="mirror the cluster of these nodes (any one live node will do), read-only: "
-        "this node takes every change of every parameter there, within about a second, and "
+        "this node takes every change of every parameter and table row there, within about a second, and "
         "serves reads, long polls and watches of them; writes are refused, naming the "
         "cluster followed. Not with --peers, --peers-dns, --coordinator or --processes",
     )

@@ -495,6 +495,15 @@ class Routes:
         answers = await gather_all(part(t, sub) for t, sub in parts.items())
         return _merge(m, answers)
 
+    def pool_of(self, key: str) -> ConnectionPool | None:
+        """The connections to ``key``'s primary by the topology known (None: not routed,
+        or no replica of it live): for calls the routing does not cut (a bucket's rows)."""
+        topology = self.topology
+        if not self.wanted() or topology is None or topology.single:
+            return None
+        target = topology.target(key, "primary", self._salt)
+        return None if target is None else self._pool(topology.addresses[target])
+
     def target(self, key: str, read_from: str) -> str | None:
         """Where a call for ``key`` goes by the topology known (see :meth:`Topology.target`)."""
         topology = self.topology

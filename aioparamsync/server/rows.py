@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -399,6 +400,20 @@ class RowService:
         deltas = args.deltas
         if not deltas or any(d is None or d.table is None for d in deltas):
             raise RequestError(ErrorCode.BAD_REQUEST, "the deltas are missing, or their table")
+        outcome = self.merge(deltas)
+        if isinstance(outcome, int):
+            return method.result(success=outcome)
+        merged = outcome
+
+        async def logged() -> Any:
+            return method.result(success=await merged)
+
+        return asyncio.ensure_future(logged())
+
+    def merge(self, deltas: list[Any]) -> int | asyncio.Future[int]:
+        """Keep the rows of ``deltas`` newer than those held (making their tables);
+        answer how many were kept, or (with a data directory) a future of it, once
+        they are logged."""
         kept_deltas, kept = [], 0
         now = time.time()
         cluster = self.cluster
@@ -414,11 +429,12 @@ class RowService:
                 kept += n
                 kept_deltas.append(delta)
         if self.log is None or not kept:
-            return method.result(success=kept)
+            return kept
+        log_rows = self.log
 
-        async def logged() -> Any:
-            await self.log(kept_deltas)
-            return method.result(success=kept)
+        async def logged() -> int:
+            await log_rows(kept_deltas)
+            return kept
 
         return asyncio.ensure_future(logged())
 
@@ -437,8 +453,13 @@ class RowService:
         offset, limit = request.offset or 0, request.limit
         if offset < 0 or (limit is not None and limit < 1):
             raise RequestError(ErrorCode.BAD_REQUEST, "a page has an offset >= 0 and a limit >= 1")
+        since = request.touched_since
+        if since is not None and not math.isfinite(since):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"touched_since is a time, not {since}")
         span = slice(offset, None if limit is None else offset + limit)
-        delta = table.delta(bucket, None, self._me, span)
+        as_of = time.time()  # (before the rows are read: a row touched meanwhile comes again)
+        delta = table.delta(bucket, None, self._me, span, since)
         block = table.blocks.get(bucket)
         delta.total = len(block) if block is not None else 0
+        delta.as_of = as_of
         return method.result(success=delta)

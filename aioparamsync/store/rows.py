@@ -225,13 +225,20 @@ class RowTable:
             created += len(block) - before
         return changed, created
 
-    def delta(self, bucket: int, ids: np.ndarray | None, me: str, span: slice | None = None) -> Any:
+    def delta(
+        self,
+        bucket: int,
+        ids: np.ndarray | None,
+        me: str,
+        span: slice | None = None,
+        touched_since: float | None = None,
+    ) -> Any:
         """The IDL's ``RowDelta`` of the rows ``ids`` of ``bucket`` (None: every row, or
-        those of ``span``, in the block's order)."""
+        those of ``span``, in the block's order; of those touched since ``touched_since``)."""
         block = self.blocks.get(bucket)
         if block is None:
             block = RowBlock(self.spec.rows)  # (not kept: an empty bucket stays absent)
-        got = block.rows_of(ids, span)
+        got = block.rows_of(ids, span, touched_since)
         return thrift.RowDelta(
             table=self.spec.wire,
             bucket=bucket,

@@ -238,11 +238,20 @@ class RowBlock:
         out[where[found]] = self._rows[slots[found]]
         out[where[~found]] = self._initial(ids[~found])
 
-    def rows_of(self, ids: np.ndarray | None = None, span: slice | None = None) -> RowData:
+    def rows_of(
+        self,
+        ids: np.ndarray | None = None,
+        span: slice | None = None,
+        touched_since: float | None = None,
+    ) -> RowData:
         """The ids of ``ids`` that have rows (None: every row, in slot order, or those of
-        ``span`` of the slots), in that order, with copies of their rows, state and versions."""
+        ``span`` of the slots; with ``touched_since``, of the rows touched at or after
+        it), in that order, with copies of their rows, state and versions."""
         if ids is None:
-            slots = np.arange(len(self))[span or slice(None)]
+            slots = np.arange(len(self))
+            if touched_since is not None:
+                slots = slots[self._touched[: len(self)] >= touched_since]
+            slots = slots[span or slice(None)]
             ids = self._index.ids(slots)
         else:
             ids = _check_ids(ids)
