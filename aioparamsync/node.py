@@ -12,6 +12,7 @@ from typing import Any
 
 from .client.addresses import is_loopback, unspecified_host
 from .client.api import Address, parse_address, parse_addresses
+from .cluster.balance import DEFAULT_BALANCE_INTERVAL
 from .cluster.coordinator import DEFAULT_PREFIX, EtcdCoordinator, Record, parse_coordinator
 from .cluster.discovery import DEFAULT_INTERVAL as DNS_INTERVAL
 from .cluster.discovery import DnsDiscovery, Resolver
@@ -111,6 +112,8 @@ class Node:
         follow: nodes of another cluster (any one will do) to mirror, read-only:
             this node takes no writes (see :mod:`aioparamsync.follower`). Not
             with ``peers``, ``peers_dns`` or ``coordinator``.
+        balance_interval: seconds between this member's rounds of balancing by
+            bytes (see :mod:`aioparamsync.cluster.balance`); 0: never.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
@@ -154,6 +157,7 @@ class Node:
         coordinator_prefix: str = DEFAULT_PREFIX,
         coordinator_tls: tuple[str, str | None, str | None] | None = None,
         follow: Iterable[Address] | str = (),
+        balance_interval: float = DEFAULT_BALANCE_INTERVAL,
     ) -> None:
         self.config = ServerConfig(
             host=host,
@@ -223,6 +227,7 @@ class Node:
             failure_timeout=failure_timeout,
             acks=acks,
             coordinator=self.coordinator,
+            balance_interval=balance_interval,
         )
         self.drain_timeout = drain_timeout
         #: the members found by DNS (``peers_dns``), or None

@@ -17,16 +17,29 @@ with K keys over N members, a member's share is binomial, about ``K*R/N``
 give or take ``sqrt(K*R/N)`` (``benchmarks/bench_placement.py`` measures the
 balance and the moves).
 
-Pure functions of the member ids given (no I/O, no asyncio): the nodes of a
-cluster, and the clients that route to them, compute the same placement
-from the same topology. :class:`Placement` caches the ranking of each key
-for one set of members (a topology's epoch).
+Balanced by bytes: **claims**. Hashing spreads keys, not bytes: a model has
+few, unequal tensors (32 keys over 4 members landed 13/9/6/4), and the
+busiest member sets every step's pace. So a member may *claim* a key: it is
+then the key's first replica (its primary), the others the first ``R - 1`` of
+the key's ranking without it. A claim is the claimer's own, told with its
+state (the IDL's ``Member.claims``: key -> the epoch it claimed it at); of two
+claims of one key the later wins, then the smaller member id
+(:func:`claims_of`). Claims of members not placed count for nothing. Since a
+claim makes only the claimer a new replica of its key (the others were
+replicas already), a member takes a key over as a joining one does: it pulls
+it first, then says so (see :mod:`aioparamsync.cluster.balance`). The claims
+of the members placed are part of the topology: clients route by them too.
+
+Pure functions of the member ids (and claims) given (no I/O, no asyncio): the
+nodes of a cluster, and the clients that route to them, compute the same
+placement from the same topology. :class:`Placement` caches the replicas of
+each key for one set of members and claims (a topology's epoch).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,6 +49,7 @@ __all__ = [
     "barrier_key",
     "bucket_key",
     "bucket_of",
+    "claims_of",
     "mix64",
     "is_reserved",
     "manifest_key",
@@ -169,6 +183,19 @@ def primary(key: str, members: Collection[str], r: int | None, live: Container[s
     return next((m for m in replicas(key, members, r) if m in live), None)
 
 
+def claims_of(claims: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
+    """Each key claimed, and the member whose claim wins: ``claims`` are each member's
+    (key -> the epoch it claimed the key at); the latest claim wins, then the
+    smaller member id (see the module)."""
+    won: dict[str, tuple[int, str]] = {}
+    for member, keys in claims.items():
+        for key, epoch in keys.items():
+            best = won.get(key)
+            if best is None or (epoch, best[1]) > (best[0], member):
+                won[key] = (epoch, member)
+    return {key: member for key, (_, member) in won.items()}
+
+
 class Placement:
     """The replicas of every key for one set of members and one replication factor.
 
@@ -176,29 +203,38 @@ class Placement:
         members: the ids of the members that hold keys (not those joining,
             leaving or failed).
         r: the replication factor; None or more than the members: every member.
+        claims: key -> the member that claimed it (see :func:`claims_of`); claims
+            of members not among ``members`` count for nothing.
     """
 
-    __slots__ = ("_cache", "everywhere", "members", "r")
+    __slots__ = ("_cache", "claims", "everywhere", "members", "r")
 
-    def __init__(self, members: Iterable[str], r: int | None) -> None:
+    def __init__(
+        self, members: Iterable[str], r: int | None, claims: Mapping[str, str] | None = None
+    ) -> None:
         self.members: tuple[str, ...] = tuple(sorted(set(members)))
         r = None if r is None else max(1, r)
         self.r = None if r is None or r >= len(self.members) else r
-        #: every member holds every key (R >= N): no key needs routing
+        #: every member holds every key (R >= N): no key needs routing (but claims
+        #: still name its primary)
         self.everywhere = self.r is None
+        placed = set(self.members)
+        #: key -> the member that claimed it, of the members placed
+        self.claims: dict[str, str] = {k: m for k, m in (claims or {}).items() if m in placed}
         self._cache: dict[str, tuple[str, ...]] = {}
 
     def __repr__(self) -> str:
         r = "all" if self.r is None else self.r
-        return f"<Placement R={r} over {len(self.members)} members>"
+        claimed = f", {len(self.claims)} keys claimed" if self.claims else ""
+        return f"<Placement R={r} over {len(self.members)} members{claimed}>"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
-        return (self.members, self.r) == (other.members, other.r)
+        return (self.members, self.r, self.claims) == (other.members, other.r, other.claims)
 
     def __hash__(self) -> int:
-        return hash((self.members, self.r))
+        return hash((self.members, self.r, len(self.claims)))
 
     def replicas(self, key: str) -> tuple[str, ...]:
         """The members holding ``key``, in order (cached)."""
@@ -206,7 +242,15 @@ class Placement:
         if cached is None:
             if len(self._cache) >= CACHE_KEYS:
                 self._cache.clear()
-            cached = self._cache[key] = tuple(replicas(key, self.members, self.r))
+            claimer = self.claims.get(placed_by(key)) if self.claims else None
+            if claimer is None:
+                found = replicas(key, self.members, self.r)
+            else:
+                others = [m for m in rank(placed_by(key), self.members) if m != claimer]
+                found = [claimer, *others]
+                if self.r is not None:
+                    found = found[: self.r]
+            cached = self._cache[key] = tuple(found)
         return cached
 
     def holds(self, member: str, key: str) -> bool:

@@ -203,7 +203,7 @@ def placement_report(topology: Any, shapes: dict[str, tuple[int, ...]]) -> dict[
 
     placed = [m.node_id for m in topology.members if m.state in PLACED]
     live = {m.node_id for m in topology.members if m.state in LIVE}
-    placement = Placement(placed, topology.replication_factor or None)
+    placement = Placement(placed, topology.replication_factor or None, topology.claims)
     cut = topology.partition_bytes or 0
     keys: dict[str, int] = {}
     for name, shape in shapes.items():
@@ -266,11 +266,24 @@ async def control(spec: dict[str, Any]) -> dict[str, Any]:
             await writer.update_arrays(arrays, acks="all")
         load_s = time.monotonic() - t0
 
+        # Settled: no node moving keys, and (balanced by bytes) the claims the same
+        # for a few balance rounds (``--balance-interval`` seconds each).
+        quiet = max(3.0, 3 * spec["balance_interval"])
+        seen: dict[str, Any] = {"claims": None, "since": time.monotonic()}
+
         async def settled() -> list[Any] | None:
             infos = await asyncio.gather(*(c.info() for c in direct))
-            return None if any(i.keys_moving for i in infos) else infos
+            claims = [sorted((t.claims or {}).items()) for t in (i.topology for i in infos)]
+            now = time.monotonic()
+            if claims != seen["claims"] or any(i.keys_moving for i in infos):
+                seen.update(claims=claims, since=now)
+                return None
+            return infos if now - seen["since"] >= quiet else None
 
-        infos = await _until(settled, SETTLE_TIMEOUT, "no node moving keys")
+        t0 = time.monotonic()
+        infos = await _until(settled, SETTLE_TIMEOUT, "no node moving keys, claims unchanged")
+        balance_s = time.monotonic() - t0
+        tops = await asyncio.gather(*(c.topology() for c in direct))
         report = placement_report(tops[0], {k: a.shape for k, a in arrays.items()})
         ids = [i.node_id for i in infos]
         return {
@@ -290,6 +303,8 @@ async def control(spec: dict[str, Any]) -> dict[str, Any]:
             "counters": [dict(i.counters) for i in infos],
             "formed_seconds": formed_s,
             "load_seconds": load_s,
+            "settle_seconds": balance_s,
+            "claims": len(tops[0].claims or {}),
         }
     finally:
         await asyncio.gather(*(c.close() for c in direct), return_exceptions=True)
@@ -440,6 +455,7 @@ def start_nodes(
             cmd += ["--replication-factor", str(r), "--log-level", "warning"]
             cmd += ["--repair-interval", "600", "--partition-bytes", str(args.partition_bytes)]
             cmd += ["--drain-timeout", str(DRAIN_TIMEOUT)]
+            cmd += ["--balance-interval", repr(args.balance_interval)]
             if i:
                 cmd += ["--peers", f"{hosts[0].ip}:{PORT}"]
             nodes.append(LabNode(host, i, [*cmd, *args.node_args], env))
@@ -571,7 +587,13 @@ def run_one(
         setup = inside(
             ctl,
             "control",
-            {"action": "setup", "addresses": addresses, "keyset": keyset, "scale": args.scale},
+            {
+                "action": "setup",
+                "addresses": addresses,
+                "keyset": keyset,
+                "scale": args.scale,
+                "balance_interval": args.balance_interval,
+            },
             env,
         )
         results, cpu = run_workers(lab_hosts["workers"], nodes, keyset, args, env)
@@ -754,6 +776,14 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
         action="store_true",
         help="a smoke: --nodes 2 --rs 1 --seconds 3 --warmup 0.5 --scale 0.01 --workers 2 "
         "(flags given win)",
+    )
+    p.add_argument(
+        "--balance-interval",
+        type=float,
+        default=1.0,
+        help="every node's --balance-interval (placement balanced by bytes; 0: hashing "
+        "alone); the run waits until the claims hold still for 3 such rounds "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--one-client",

@@ -403,6 +403,12 @@ struct Member {
     // differ), naming both sides' values. The caller's link is then
     // "refused" (see PeerInfo.state), and tries again now and then.
     7: optional string refused,
+    // The keys the member claims (key -> the epoch it claimed it at): it is
+    // their primary, placement balanced by bytes (see aioparamsync/placement.py).
+    8: optional map<string, i64> claims,
+    // The keys it is taking, not claimed yet: it pulls them, and they are
+    // replicated to it meanwhile, as to a member joining.
+    9: optional map<string, i64> claiming,
 }
 
 // One member of the cluster, as the node answering sees it.
@@ -440,6 +446,11 @@ struct Topology {
     // acknowledged is at every live replica of its keys, so a routed client
     // reads from any of them by default (aioparamsync/client/routing.py).
     5: optional string acks,
+    // Keys a member claims (key -> the member), of the members up or down:
+    // each is the primary of its key, the others the first
+    // replication_factor - 1 of the key's ranking without it. Placement
+    // balanced by bytes (see aioparamsync/placement.py).
+    6: optional map<string, string> claims,
 }
 
 // Which digest entries to answer: with for_node, those of the keys whose
@@ -450,6 +461,8 @@ struct DigestRequest {
     2: optional list<string> members,
     3: optional i32 replication_factor,
     4: optional list<string> names,
+    // With for_node: the claims placement counts (see Topology.claims).
+    5: optional map<string, string> claims,
 }
 
 // Stop nodes (so that a job's cluster ends with its workers).

@@ -534,6 +534,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
     assert result.stdout.startswith("usage: aioparamsync-node")
     flags = {
         "-h", "--help", "--host", "--port", "--node-id", "--peers", "--advertise", "--follow",
+        "--balance-interval",
         "--replication-factor", "--acks", "--failure-timeout", "--drain-timeout",
         "--partition-bytes", "--repair-interval", "--unreachable-warning", "--data-dir", "--fsync",
         "--ignore-corrupt-snapshot", "--ignore-corrupt-log",

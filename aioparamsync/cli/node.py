@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..client.environment import ENV_PREFIX
+from ..cluster.balance import DEFAULT_BALANCE_INTERVAL
 from ..cluster.coordinator import (
     DEFAULT_PREFIX,
     CoordinatorError,
@@ -155,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOST:PORT,...",
         help="mirror the cluster of these nodes (any one live node will do), read-only: "
-        "this node takes every change of every parameter and table row there, within about a second, and "
-        "serves reads, long polls and watches of them; writes are refused, naming the "
-        "cluster followed. Not with --peers, --peers-dns, --coordinator or --processes",
+        "this node takes every change of every parameter and table row there, within about "
+        "a second, and serves reads, long polls and watches of them; writes are refused, "
+        "naming the cluster followed. Not with --peers, --peers-dns, --coordinator or "
+        "--processes",
     )
     parser.add_argument(
         "--peers-dns",
@@ -250,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REPAIR_INTERVAL,
         metavar="SECONDS",
         help="seconds between anti-entropy rounds with each peer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--balance-interval",
+        type=seconds,
+        default=DEFAULT_BALANCE_INTERVAL,
+        metavar="SECONDS",
+        help="placement balanced by bytes: this often, a member that is primary of less than "
+        "its share of the bytes takes keys over from the fullest (pulled first, as at a join); "
+        f"0: never (keys placed by hashing alone) (default: {DEFAULT_BALANCE_INTERVAL:g})",
     )
     parser.add_argument(
         "--unreachable-warning",
@@ -465,6 +476,7 @@ async def serve(args: argparse.Namespace) -> int:
             coordinator_prefix=args.coordinator_prefix,
             coordinator_tls=coordinator_tls,
             follow=args.follow,
+            balance_interval=args.balance_interval or 0.0,
         )
     except CoordinatorError as exc:
         print(f"aioparamsync-node: --coordinator: {exc}", file=sys.stderr)

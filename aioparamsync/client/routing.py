@@ -112,7 +112,7 @@ class Topology:
         members = answer.members or []
         self.addresses = {m.node_id: (m.host, m.port) for m in members}
         placed = [m.node_id for m in members if m.state in PLACED]
-        self.placement = Placement(placed, answer.replication_factor or None)
+        self.placement = Placement(placed, answer.replication_factor or None, answer.claims)
         self.live = frozenset(m.node_id for m in members if m.state in LIVE)
         #: one member only: nothing to route
         self.single = len(placed) <= 1

@@ -48,6 +48,9 @@ class Announces:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self._departed: set[str] = set()  # ids of members that left (not learned again)
+        #: what each member says it claims, and is claiming (see aioparamsync.placement)
+        self.claims: dict[str, dict[str, int]] = {}
+        self.claiming: dict[str, dict[str, int]] = {}
 
     def announcement(self, refused: str | None = None) -> Any:
         """This node as it announces itself: where it is, its state, epoch and
@@ -62,6 +65,8 @@ class Announces:
             epoch=cluster.epoch,
             replication_factor=cluster.replication_factor or 0,
             refused=refused,
+            claims=dict(cluster.claims),
+            claiming=dict(cluster.claiming),
         )
 
     def refusal(self, member: Any) -> str | None:
@@ -86,6 +91,8 @@ class Announces:
                 host=link.host,
                 port=link.port,
                 state=link.member_state or UP,
+                claims=self.claims.get(link.node_id),
+                claiming=self.claiming.get(link.node_id),
             )
             for link in self.cluster.links.values()
             if link.node_id and link.state != LinkState.REFUSED
@@ -117,6 +124,7 @@ class Announces:
             replication_factor=cluster.replication_factor or 0,
             partition_bytes=0,  # (the node's service answers its own: see server.handlers)
             acks=cluster.acks,
+            claims=dict(cluster.placement.claims) or None,
         )
 
     def announced(self, member: Any) -> list[Any]:
@@ -169,6 +177,7 @@ class Announces:
                 if link is not None and link.member_state is None and member.state:
                     # (what it said of itself to the peer: until it tells this node)
                     link.member_state = member.state if member.state in SELF_STATES else UP
+                    self._claims_of(member)
         cluster.refresh()
 
     def said(self, link: PeerLink, member: Any) -> None:
@@ -189,6 +198,7 @@ class Announces:
                 return
             link.said_epoch = member.epoch
         state = member.state if member.state in SELF_STATES else UP  # (a node of old: up)
+        self._claims_of(member)
         if link.member_state != state:
             link.member_state = state
             if state == LEFT:
@@ -198,3 +208,12 @@ class Announces:
             self._departed.discard(member.node_id)
         if member.epoch is not None and member.epoch > cluster.epoch:
             cluster.view = cluster.view.at(member.epoch)
+
+    def _claims_of(self, member: Any) -> None:
+        """What ``member`` claims and is claiming, as it says (a node of old: nothing)."""
+        node_id = member.node_id
+        for said, known in ((member.claims, self.claims), (member.claiming, self.claiming)):
+            if said:
+                known[node_id] = {k: int(v) for k, v in said.items() if isinstance(k, str)}
+            else:
+                known.pop(node_id, None)

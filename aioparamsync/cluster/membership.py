@@ -45,6 +45,7 @@ from ..store.table import Limits
 from ..values import pieces
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 from .announces import Announces
+from .balance import DEFAULT_BALANCE_INTERVAL, Balancer
 from .fencing import Fencing
 from .links import BATCH_BYTES, BATCH_PARAMS, DEFAULT_REPAIR_INTERVAL, LinkState, PeerLink
 from .rebalance import Rebalancer
@@ -84,6 +85,8 @@ class Cluster:
         acks: "1" or "all": when a write is answered, unless it says.
         coordinator: an :class:`~.coordinator.EtcdCoordinator` (None: the
             members decide among themselves).
+        balance_interval: seconds between rounds of balancing by bytes (see
+            :mod:`.balance`); 0: never.
 
     The links' messages and pulls are cut to this node's limits and frame
     size: the members of a cluster are assumed to run with the same ones (a
@@ -111,6 +114,7 @@ class Cluster:
         failure_timeout: float = DEFAULT_FAILURE_TIMEOUT,
         acks: str = "1",
         coordinator: EtcdCoordinator | None = None,
+        balance_interval: float = DEFAULT_BALANCE_INTERVAL,
     ) -> None:
         if replication_factor is not None and replication_factor < 1:
             raise ValueError(f"replication_factor must be at least 1, not {replication_factor}")
@@ -126,6 +130,10 @@ class Cluster:
         self.coordinator = coordinator
         #: this node's own state (one of placement's SELF_STATES)
         self.state = UP
+        #: the keys this node claims, and is claiming (key -> the epoch it claimed
+        #: it at; see aioparamsync.placement and .balance)
+        self.claims: dict[str, int] = {}
+        self.claiming: dict[str, int] = {}
         self._view = View.empty(replication_factor)
         self._epoch_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (see caught_up)
         #: the links to the members of the view, by member id
@@ -157,6 +165,7 @@ class Cluster:
         self.replication = Replication(self)
         self.transitions = Transitions(self)
         self.rebalancer = Rebalancer(self)
+        self.balancer = Balancer(self, balance_interval)
         self.reports = LinkReports(self.links, unreachable_warning)
         if coordinator is not None:
             coordinator.on_change = self._coordinated
@@ -259,10 +268,12 @@ class Cluster:
         self.refresh()
         self._ticker = asyncio.create_task(self._tick(), name="aioparamsync-peer-failures")
         self.rebalancer.start()
+        self.balancer.start()
         self.reports.start()
 
     async def stop(self) -> None:
         self._started = False
+        await self.balancer.stop()
         await self.rebalancer.stop()
         await self.reports.stop()
         await self.transitions.stop()
@@ -391,8 +402,14 @@ class Cluster:
                 states[link.node_id] = self.seen_state(link)
                 by_id[link.node_id] = link
         self.by_id = by_id
+        claimed = self.announces.claims
+        claims = {m: claimed.get(m, {}) for m in by_id}
+        claims[me] = self.claims
+        taking = self.announces.claiming
+        claiming = {m: taking.get(m, {}) for m in by_id}
+        claiming[me] = self.claiming
         view = self.view
-        if view.same(states):
+        if view.same(states, claims, claiming):
             if coordinator is not None and coordinator.revision > view.epoch:
                 self.view = view.at(coordinator.revision)  # (a change, and its undoing)
             return
@@ -401,7 +418,7 @@ class Cluster:
         said[me] = states[me] if coordinator is not None else self.state
         leaving = [m for m, s in said.items() if s == LEAVING]
         epoch = max(view.epoch, coordinator.revision) if coordinator else view.epoch + 1
-        self.view = View.of(epoch, states, leaving, self.replication_factor, view)
+        self.view = View.of(epoch, states, leaving, self.replication_factor, view, claims, claiming)
         # (a member live before and down now, or down before and failed now: a WARNING)
         before = view.states
         lost = any(

@@ -38,6 +38,7 @@ async def repair(cluster: Cluster, client: ParameterClient, peer: str) -> int:
         for_node=cluster.me.node_id,
         members=list(placement.members),
         replication_factor=placement.r or 0,
+        claims=dict(placement.claims) or None,
     )
     digest = await client.invoke(METHODS.digest_for, request=request)
     table = cluster.store.table

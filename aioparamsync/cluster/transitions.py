@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from ..errors import ErrorCode, RequestError
@@ -146,10 +147,19 @@ class Transitions:
         A link that cannot connect is not waited for (it repairs once up);
         past ``timeout`` seconds the node serves anyway, with a warning.
         """
+        waiting = await self._pulling(timeout, JOINING)
+        if waiting:
+            log.warning("joined after %.0f s without pulling from %s", timeout, waiting)
+        await self.take_over()
+
+    async def _pulling(self, timeout: float, state: str) -> str:
+        """Wait (up to ``timeout`` s, while this node is in ``state``) until every link
+        that answers has pulled since its ``pulled`` was cleared; answer the links
+        still waited for then ("": none)."""
         cluster = self.cluster
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while cluster.state == JOINING:
+        while cluster.state == state:
             # (a link in backoff cannot be reached: not waited for; with a
             # coordinator, the link of a member live there is: it will answer)
             waiting = [
@@ -162,16 +172,11 @@ class Transitions:
                 )
             ]
             if not waiting:
-                break
+                return ""
             if loop.time() >= deadline:
-                log.warning(
-                    "joined after %.0f s without pulling from %s",
-                    timeout,
-                    ", ".join(link.name for link in waiting),
-                )
-                break
+                return ", ".join(link.name for link in waiting)
             await asyncio.sleep(0.05)
-        await self.take_over()
+        return ""
 
     async def take_over(self) -> None:
         """Say this node is up, and become the primary of its keys once no one else is.
@@ -191,21 +196,79 @@ class Transitions:
             cluster.set_state(UP)
             if await self.published() and cluster.coordinator is not None:
                 await cluster.caught_up(cluster.coordinator.written_revision)
-            if any(link.state == LinkState.UP for link in cluster.links.values()):
-                await self.tell_all()
-                await self._pull_all()
-                await cluster.rebalancer.other_rounds()
+            await self._settle()
         finally:
             self.settling = None
             settling.set_result(None)
 
-    async def _pull_all(self) -> None:
-        """Pull from every member up what it holds newer than this node, now."""
+    async def _settle(self) -> None:
+        """Tell every member up what this node now is, and pull what they folded."""
+        cluster = self.cluster
+        if any(link.state == LinkState.UP for link in cluster.links.values()):
+            await self.tell_all()
+            await self._pull_all()
+            await cluster.rebalancer.other_rounds()
+
+    # -- claiming (placement balanced by bytes: see .balance) ---------------------------
+
+    async def claim(self, keys: Collection[str], timeout: float = JOIN_TIMEOUT) -> bool:
+        """Take ``keys`` over as their primary; answer whether this node did.
+
+        As a member joining, for those keys alone: it says it is claiming them
+        (they are replicated to it from then on: they are its in the pending
+        placement), pulls from every member up what it will hold, then says it
+        claims them and takes over as their primary as :meth:`take_over` does
+        (folding nothing until every member up has answered, and it has pulled
+        what they folded). A change of membership meanwhile, or a pull that
+        fails or takes more than ``timeout`` s, gives the claim up (nothing
+        changed: the keys stay where they were).
+        """
+        cluster = self.cluster
+        if not keys or cluster.state != UP or self.settling is not None or cluster.claiming:
+            return False
+        epoch = cluster.epoch + 1
+        members = dict(cluster.view.states)
+        taking = cluster.claiming = dict.fromkeys(keys, epoch)
+        cluster.refresh()  # (its pending placement: the keys are this node's)
+        await self.tell_all()  # (they replicate to this node what they apply from now on)
+        try:
+            async with asyncio.timeout(timeout):
+                pulled = await self._pull_all()  # (by the pending placement: the keys too)
+        except TimeoutError:
+            pulled = False
+        changed = dict(cluster.view.states) != members
+        if not pulled or changed or cluster.claiming is not taking or cluster.state != UP:
+            if not pulled:
+                log.warning("claim of %d keys given up: not pulled from every member", len(keys))
+            if cluster.claiming is taking:
+                cluster.claiming = {}
+                cluster.refresh()
+                await self.tell_all()
+            return False
+        settling = self.settling = asyncio.get_running_loop().create_future()
+        try:
+            cluster.claims.update(taking)
+            cluster.claiming = {}
+            cluster.refresh()
+            log.info(
+                "node %s claims %d keys (%d in all), at epoch %d",
+                cluster.me.node_id, len(taking), len(cluster.claims), epoch,
+            )  # fmt: skip
+            await self._settle()
+        finally:
+            self.settling = None
+            settling.set_result(None)
+        return True
+
+    async def _pull_all(self) -> bool:
+        """Pull from every member up what it holds newer than this node, now; answer
+        whether every pull succeeded."""
         links = [link for link in self.cluster.links.values() if link.state == LinkState.UP]
         results = await asyncio.gather(*(link.pull() for link in links), return_exceptions=True)
         for link, result in zip(links, results, strict=True):
             if isinstance(result, Exception):
                 log.warning("could not pull from %s as this node took over: %s", link.name, result)
+        return all(result is True for result in results)
 
     # -- leaving ----------------------------------------------------------------------
 

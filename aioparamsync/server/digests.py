@@ -52,6 +52,6 @@ def digest_for(store: ParameterStore, request: Any) -> list[Any]:
         r = request.replication_factor or None
         if r is not None and r < 0:
             raise RequestError(ErrorCode.BAD_REQUEST, "replication_factor must not be negative")
-        placement = Placement(request.members, r)
+        placement = Placement(request.members, r, request.claims)
         names = [n for n in names if placement.holds(request.for_node, n)]
     return [_entry(table, n) for n in names]

@@ -29,6 +29,9 @@ from .plan import Plan
 __all__ = ["ChaosCluster", "LinkProxy", "Slot"]
 
 REPAIR_INTERVAL = 0.5  # --repair-interval of every node (seconds)
+# --balance-interval of every node (seconds): members claim keys (placement balanced by
+# bytes) while the workload runs and faults come, so claims are tested with the rest
+BALANCE_INTERVAL = 0.5
 DRAIN_TIMEOUT = 15.0  # --drain-timeout: the longest a drained node hands its keys off
 DRAIN_WAIT = DRAIN_TIMEOUT + 10.0  # the longest a drain call and the node's exit may take
 
@@ -131,6 +134,8 @@ class ChaosCluster:
             str(DRAIN_TIMEOUT),
             "--log-level",
             "warning",
+            "--balance-interval",
+            str(BALANCE_INTERVAL),
         ]
         if slot.proxy is not None:
             flags += ["--advertise", slot.node_id]

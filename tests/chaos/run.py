@@ -162,8 +162,10 @@ async def _agreed(plan: Plan, clients: Mapping[str, ParameterClient], strict: bo
     are the final state's problems, and each key is as its primary holds it)."""
     live = sorted(clients)
     problems: list[str] = []
+    claims: dict[str, dict[str, str]] = {}  # (each member's claims in its topology)
     for node_id, client in clients.items():
         info = await client.info()
+        claims[node_id] = dict(info.topology.claims or {})
         states = {m.node_id: m.state for m in info.topology.members}
         up = sorted(m for m, s in states.items() if s == "up")
         if info.state != "up" or up != live:
@@ -173,7 +175,11 @@ async def _agreed(plan: Plan, clients: Mapping[str, ParameterClient], strict: bo
                 f"{node_id}: {info.keys_moving} keys moving, {info.under_replicated} "
                 "under-replicated"
             )
-    placement = Placement(live, plan.replication)
+    # (placement balanced by bytes: the keys members claimed, the same seen from every member)
+    claimed = next(iter(claims.values()), {})
+    if any(c != claimed for c in claims.values()):
+        problems.append(f"members see other claims: {claims}")
+    placement = Placement(live, plan.replication, claimed)
     states = {node_id: await wire_state(client) for node_id, client in clients.items()}
     final = Final()
     for name in sorted({n for s in states.values() for n in s}):

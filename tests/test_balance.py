@@ -1,0 +1,184 @@
+"""Placement balanced by bytes: claims (pure), the plan of a round, and a cluster that
+balances itself while gradients are pushed, losing and doubling none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import LocalCluster, eventually
+
+from aioparamsync import Node, ParameterClient, sum_rule
+from aioparamsync.cluster.balance import SLACK, plan
+from aioparamsync.cluster.view import View
+from aioparamsync.placement import Placement, claims_of, partition_key, rank
+
+MEMBERS = [f"10.0.0.{i}:7000" for i in range(1, 5)]
+
+
+# -- claims, pure ---------------------------------------------------------------------------
+
+
+def test_the_latest_claim_wins_then_the_smaller_member_id() -> None:
+    a, b, c = MEMBERS[:3]
+    assert claims_of({a: {"k": 3}, b: {"k": 5}, c: {"j": 1}}) == {"k": b, "j": c}
+    assert claims_of({b: {"k": 5}, a: {"k": 5}}) == {"k": a}
+    assert claims_of({}) == {}
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, None])
+def test_a_claimer_is_first_the_others_follow_the_ranking_without_it(r: int | None) -> None:
+    for key in ["w", partition_key("emb", 3), "layer.0.weight"]:
+        ranked = rank(key, MEMBERS)
+        claimer = ranked[-1]  # (the member ranked last)
+        placement = Placement(MEMBERS, r, {key: claimer})
+        got = placement.replicas(key)
+        want = [claimer, *ranked[:-1]]
+        assert list(got) == (want if r is None else want[:r])
+        # only the claimer is new among them: the others were replicas already
+        before = set(Placement(MEMBERS, r).replicas(key))
+        assert set(got) - before <= {claimer}
+        assert placement.primary(key, set(MEMBERS)) == claimer
+        # a claimer that is no member counts for nothing
+        assert Placement(MEMBERS, r, {key: "10.9.9.9:1"}) == Placement(MEMBERS, r)
+
+
+def test_a_manifest_goes_with_its_name_and_equal_placements_have_equal_claims() -> None:
+    claimer = MEMBERS[0]
+    placement = Placement(MEMBERS, 1, {"emb": claimer})
+    assert placement.replicas("emb\x00#m") == (claimer,)
+    assert Placement(MEMBERS, 1, {"emb": claimer}) == placement
+    assert Placement(MEMBERS, 1, {"emb": MEMBERS[1]}) != placement
+
+
+def test_a_member_claiming_keys_has_them_in_the_pending_placement_only() -> None:
+    states = dict.fromkeys(MEMBERS, "up")
+    key = next(k for k in (f"k{i}" for i in range(100)) if rank(k, MEMBERS)[0] != MEMBERS[0])
+    view = View.of(7, states, [], 1, claiming={MEMBERS[0]: {key: 8}})
+    assert view.placement.primary(key, view.live) != MEMBERS[0]
+    assert view.pending is not None and view.pending.primary(key, view.live) == MEMBERS[0]
+    claimed = View.of(8, states, [], 1, before=view, claims={MEMBERS[0]: {key: 8}})
+    assert claimed.pending is None and claimed.placement.primary(key, view.live) == MEMBERS[0]
+    assert not claimed.same(states) and claimed.same(states, {MEMBERS[0]: {key: 8}})
+
+
+def balanced(sizes: dict[str, int], members: list[str], r: int = 1) -> tuple[float, int]:
+    """Rounds of every member (in a random order) until none claims: max/mean of the
+    primaries' bytes, and how many keys were claimed."""
+    claims: dict[str, dict[str, int]] = {}
+    moved, epoch = 0, 0
+    rng = random.Random(0)
+    while True:
+        progress = False
+        for me in rng.sample(members, len(members)):
+            placement = Placement(members, r, claims_of(claims))
+            primary_of = {k: placement.replicas(k)[0] for k in sizes}
+            chosen = plan(me, sizes, primary_of, members)
+            if chosen:
+                epoch += 1
+                claims.setdefault(me, {}).update(dict.fromkeys(chosen, epoch))
+                moved += len(chosen)
+                progress = True
+        if not progress:
+            break
+    placement = Placement(members, r, claims_of(claims))
+    load = dict.fromkeys(members, 0)
+    for k, size in sizes.items():
+        load[placement.replicas(k)[0]] += size
+    mean = sum(load.values()) / len(members)
+    return max(load.values()) / mean, moved
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_rounds_bring_few_equal_keys_within_the_slack(n: int) -> None:
+    members = [f"10.0.0.{i}:7000" for i in range(1, n + 1)]
+    sizes = {f"layer{i}.weight": 4 << 20 for i in range(32 * n // 4)}  # (8 keys a member)
+    worst, moved = balanced(sizes, members)
+    assert worst <= 1.0 + SLACK + 1e-9, worst
+    assert moved <= len(sizes)
+
+
+def test_rounds_balance_a_model_of_unequal_keys() -> None:
+    members = [f"10.0.0.{i}:7000" for i in range(1, 5)]
+    sizes = {partition_key("embedding", i): 4 << 20 for i in range(20)}  # 40% of the bytes
+    sizes |= {f"l{i}.w": 4 << 20 for i in range(24)} | {f"l{i}.b": 1 << 20 for i in range(24)}
+    sizes |= {f"norm{i}": 4096 for i in range(100)}
+    worst, _ = balanced(sizes, members)
+    assert worst <= 1.1, worst
+
+
+# -- a cluster ------------------------------------------------------------------------------
+
+
+async def _loads(client: ParameterClient, names: list[str], nbytes: int) -> list[int]:
+    """Each member's primary bytes of ``names``, by the topology the node answers."""
+    topology = await client.topology()
+    ids = [m.node_id for m in topology.members if m.state == "up"]
+    placement = Placement(ids, topology.replication_factor or None, topology.claims)
+    load = dict.fromkeys(ids, 0)
+    for name in names:
+        load[placement.primary(name, set(ids))] += nbytes
+    return sorted(load.values())
+
+
+@pytest.mark.parametrize(("r", "acks"), [(1, "1"), (2, "all")])
+async def test_a_cluster_balances_itself_under_pushes_and_loses_no_fold(r: int, acks: str) -> None:
+    cluster = LocalCluster(replication_factor=r)
+    nbytes = 64 * 1024
+    names = [f"layer{i}.weight" for i in range(32)]
+    try:
+        kw: dict[str, Any] = {"acks": acks, "balance_interval": 0.3}
+        first = await cluster.start(**kw)
+        nodes: list[Node] = [first]
+        for _ in range(3):
+            nodes.append(await cluster.start(peers=[first], **kw))
+        await cluster.formed(nodes)
+        async with ParameterClient(first.address, timeout=30) as client:
+            zeros = np.zeros(nbytes // 4, np.float32)
+            await client.update_arrays(dict.fromkeys(names, zeros), rules=sum_rule())
+            before = await _loads(client, names, nbytes)
+            # Gradients of ones to every name while the members claim keys: each
+            # acknowledged push is folded once, wherever its key is then.
+            pushes = 0
+            deadline = asyncio.get_running_loop().time() + 60
+
+            async def still_unbalanced() -> bool:
+                loads = await _loads(client, names, nbytes)
+                return max(loads) > (1 + SLACK) * sum(loads) / len(loads)
+
+            while (await still_unbalanced() or pushes < 20) and (
+                asyncio.get_running_loop().time() < deadline
+            ):
+                await client.push_gradients(dict.fromkeys(names, np.ones(nbytes // 4, np.float32)))
+                pushes += 1
+            after = await _loads(client, names, nbytes)
+            assert max(after) <= (1 + SLACK) * sum(after) / len(after), (before, after)
+            # every member's own view agrees, and every value holds every push
+            for node in nodes:
+                async with ParameterClient(node.address, route=False, timeout=30) as alone:
+                    got = await alone.get_arrays(names)
+                    for name in names:
+                        assert got[name].tolist() == [float(pushes)] * (nbytes // 4), name
+            claimed = sum(len(n.cluster.claims) for n in nodes)
+            assert claimed > 0, before
+
+            def holders_agree() -> None:
+                for node in nodes:
+                    assert node.cluster.placement == nodes[0].cluster.placement
+
+            await eventually(holders_agree)
+            # each key is held by its replicas alone, once the moves are done
+            placement = nodes[0].cluster.placement
+
+            def handed_off() -> None:
+                for name in names:
+                    have = {n.node_id for n in nodes if name in n.table}
+                    assert have == set(placement.replicas(name)), name
+
+            await eventually(handed_off, timeout=30)
+    finally:
+        await cluster.close()
