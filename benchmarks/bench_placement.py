@@ -48,6 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aioparamsync.cluster.balance import SLACK as BALANCE_SLACK
 from aioparamsync.placement import Placement, partition_key, replicas
 
 PARTITION_BYTES = 4_000_000
@@ -135,6 +136,36 @@ def within(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a[:, :, None] == b[:, None, :]).any(axis=2)
 
 
+def balance_rounds(sizes: np.ndarray, primary: np.ndarray, n: int, slack: float) -> int:
+    """Rounds of every member (in index order) claiming as ``plan`` does, until none
+    claims (``aioparamsync.cluster.balance``; vectorized here): ``primary`` (each key's
+    primary, an index < ``n``) is changed in place; answers how many keys were claimed."""
+    claimed = 0
+    while True:
+        progress = False
+        for me in range(n):
+            load = np.bincount(primary, weights=sizes, minlength=n)[:n]
+            mean = load.sum() / n
+            low, high = mean * (1 - slack), mean * (1 + slack)
+            if load[me] >= mean or (load[me] >= low and (load < low).any()):
+                continue
+            top = mean * (1 + 2 * slack)
+            over = (load > top) | ((load > mean) & (load[me] < low))
+            candidates = np.flatnonzero(over[primary] & (primary != me))
+            order = candidates[np.lexsort((candidates, -sizes[candidates]))]
+            for key in order.tolist():
+                size, donor = sizes[key], primary[key]
+                gives = load[donor] > top or (load[donor] > mean and load[me] < low)
+                if gives and load[me] + size <= high and load[donor] - size >= low:
+                    primary[key] = me
+                    load[me] += size
+                    load[donor] -= size
+                    claimed += 1
+                    progress = True
+        if not progress:
+            return claimed
+
+
 def summarize(counts: np.ndarray) -> tuple[float, float, float]:
     mean = float(counts.mean())
     return mean, float(counts.max()) / mean, float(counts.min()) / mean
@@ -171,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(flush=True)
 
     rows = []
+    balanced_rows = []
     for n in nodes:
         t0 = time.perf_counter()
         members = member_ids(n + 1)  # the last one is the one that joins
@@ -207,6 +239,30 @@ def main(argv: list[str] | None = None) -> int:
             # On a leave, every old replica but the one leaving stays, and a key it did not
             # hold keeps its replica set.
             leave_stray = ~(within(b, lv) | (b == left)).all(axis=1) | (leave_changed & ~held)
+            if r == 1:
+                sizes = key_bytes.astype(np.float64)
+                # Balanced by bytes (claims): rounds until stable, then a join and
+                # rounds again; what moved is measured against the joiner's share.
+                before = b[:, 0].copy()
+                claims = balance_rounds(sizes, before, n, BALANCE_SLACK)
+                balanced = np.bincount(before, weights=sizes, minlength=n)[:n]
+                claimed = before != b[:, 0]
+                after = np.where(claimed, before, j[:, 0])  # (claims keep their claimer)
+                balance_rounds(sizes, after, n + 1, BALANCE_SLACK)
+                moved = after != before
+                stray_moves = moved & (after != joined)
+                rebalanced = np.bincount(after, weights=sizes, minlength=n + 1)
+                balanced_rows.append(
+                    (
+                        n,
+                        float(node_bytes[:n].max() / node_bytes[:n].mean()),
+                        float(balanced.max() / balanced.mean()),
+                        claims,
+                        float(rebalanced.max() / rebalanced.mean()),
+                        float(sizes[moved].sum() / (total_bytes / (n + 1))),
+                        float(sizes[stray_moves].sum() / (total_bytes / (n + 1))),
+                    )
+                )
             rows.append(
                 (
                     n,
@@ -248,6 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(LEGEND)
+    if balanced_rows:
+        print()
+        print(
+            f"Balanced by bytes (claims, R=1 primaries; slack {BALANCE_SLACK:g}): rounds until "
+            "none claims, then a join, and rounds again"
+        )
+        head = "    N | hashed max/mean | balanced max/mean  claims | after a join: max/mean"
+        head += "  moved/share  of it not to the joiner"
+        print(head)
+        print("-" * len(head))
+        for n, hashed, bal, claims, rebal, moved_share, stray_share in balanced_rows:
+            print(
+                f"{n:5d} | {hashed:15.3f} | {bal:17.3f}  {claims:6d} | {rebal:22.3f}"
+                f"  {moved_share:11.2f}  {stray_share:22.2f}"
+            )
     print(f"\n{time.perf_counter() - start:.1f} s")
     return 0
 

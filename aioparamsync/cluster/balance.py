@@ -9,11 +9,11 @@ or claiming, no epoch change in the round), runs a round:
 1. it asks every member for its digest (each key it holds, with its bytes):
    together, the keys of the cluster and their sizes;
 2. it counts each member's load, the bytes of the keys it is primary of;
-3. if its own load is below the mean by more than ``SLACK``, it picks keys
-   whose primary is above the mean, largest first, each one only if it leaves
+3. if its own load is below the mean, it picks keys whose primary is above the
+   mean by more than twice ``SLACK`` (or above the mean at all, when this
+   member is below it by more than ``SLACK``), largest first, each one only if it leaves
    this member at most ``SLACK`` above the mean and the member it comes from
-   at most ``SLACK`` below (so no move makes another one needed back), until
-   its load is within ``SLACK`` of the mean;
+   at most ``SLACK`` below (so no move makes another one needed back);
 4. it claims them (:meth:`.Transitions.claim`: pulled first, then its own;
    nothing moves but toward the claimer, and a key moves as at a join).
 
@@ -74,22 +74,28 @@ def plan(
         if owner in load:
             load[owner] += size
     mean = sum(load.values()) / len(members)
-    low, high = mean * (1 - SLACK), mean * (1 + SLACK)
-    if not mean or load[me] >= low:
+    low, high, over = mean * (1 - SLACK), mean * (1 + SLACK), mean * (1 + 2 * SLACK)
+    if not mean or load[me] >= mean:
         return []
+    if load[me] >= low and any(load[m] < low for m in members):
+        return []  # (the members short by more than the slack take first: after a join, it)
+
+    def gives(donor: str) -> bool:
+        # (a member above twice the slack gives to any below the mean; one above the
+        # mean only to one below the slack: a join's smaller mean moves few keys)
+        return load[donor] > over or (load[donor] > mean and load[me] < low)
+
     candidates = sorted(
-        (k for k, owner in primary_of.items() if owner != me and load.get(owner, 0) > mean),
+        (k for k, owner in primary_of.items() if owner != me and gives(owner)),
         key=lambda k: (-sizes[k], k),
     )
     chosen = []
     for key in candidates:
         size, donor = sizes[key], primary_of[key]
-        if load[me] + size <= high and load[donor] - size >= low:
+        if gives(donor) and load[me] + size <= high and load[donor] - size >= low:
             chosen.append(key)
             load[me] += size
             load[donor] -= size
-            if load[me] >= low:
-                break
     return chosen
 
 
