@@ -704,6 +704,7 @@ async def test_topology_shows_the_epoch_r_and_each_member(pair, capsys) -> None:
         "NODE",
         "ADDRESS",
         "STATE",
+        "CLAIMS",
         "KEYS",
         "BYTES",
         "MOVING",
@@ -711,13 +712,14 @@ async def test_topology_shows_the_epoch_r_and_each_member(pair, capsys) -> None:
     ]
     got = {row.split()[0]: row.split() for row in rows}
     assert set(got) == {"a", "b"}
-    assert got["b"][1:4] == [text(b.address), "up", "1"]  # b holds w (R=3: every node)
+    assert got["b"][1:5] == [text(b.address), "up", "0", "1"]  # b holds w (R=3: every node)
     rc, out, err = await ctl(capsys, "--json", "topology", text(a.address))
     document = json.loads(out)
     assert document["replication_factor"] == 3
     assert document["partition_bytes"] == 4 * 1024 * 1024
     assert {m["node_id"]: m["state"] for m in document["members"]} == {"a": "up", "b": "up"}
     assert {m["node_id"]: m["keys"] for m in document["members"]} == {"a": 1, "b": 1}
+    assert {m["node_id"]: m["claims"] for m in document["members"]} == {"a": 0, "b": 0}
 
 
 async def test_drain_makes_a_node_leave_after_handing_its_keys_off(capsys) -> None:

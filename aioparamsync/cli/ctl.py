@@ -319,6 +319,9 @@ async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
 
     infos = await asyncio.gather(*(held(m) for m in members))
     r = answer.replication_factor or "all"
+    claimed: dict[str, int] = {}  # (placement balanced by bytes: keys each member claims)
+    for member in (answer.claims or {}).values():
+        claimed[member] = claimed.get(member, 0) + 1
     rows = []
     document = []
     for m, info in zip(members, infos, strict=True):
@@ -333,11 +336,13 @@ async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
             "epoch": info.topology.epoch if info and info.topology else None,
         }
         document.append(item)
+        item["claims"] = claimed.get(m.node_id, 0)
         rows.append(
             [
                 m.node_id,
                 item["address"],
                 m.state,
+                item["claims"],
                 "-" if info is None else info.parameter_count,
                 "-" if info is None else format_size(info.parameter_bytes),
                 "-" if info is None else info.keys_moving or 0,
@@ -357,8 +362,8 @@ async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
     cut = answer.partition_bytes
     partitions = f"partitions of {format_size(cut)} of float32" if cut else "no partitions"
     print(f"epoch {answer.epoch}, replication factor {r}, {len(members)} members, {partitions}")
-    header = ["NODE", "ADDRESS", "STATE", "KEYS", "BYTES", "MOVING", "UNDER-REPLICATED"]
-    print(format_table(header, rows, right={3, 4, 5, 6}))
+    header = ["NODE", "ADDRESS", "STATE", "CLAIMS", "KEYS", "BYTES", "MOVING", "UNDER-REPLICATED"]
+    print(format_table(header, rows, right={3, 4, 5, 6, 7}))
     return OK
 
 
