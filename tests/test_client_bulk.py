@@ -29,13 +29,16 @@ class HoldingProxy:
     """A TCP proxy to a node whose first connection stops passing bytes one way.
 
     ``direction`` is "down" (node to client: a reply) or "up" (client to node:
-    a request); after ``LET_THROUGH`` bytes that way, the first connection
+    a request); after ``let_through`` bytes that way, the first connection
     holds the rest until :meth:`release`. Other connections pass freely.
     """
 
-    def __init__(self, target: tuple[str, int], direction: str) -> None:
+    def __init__(
+        self, target: tuple[str, int], direction: str, let_through: int = LET_THROUGH
+    ) -> None:
         self.target = target
         self.direction = direction
+        self.let_through = let_through
         self.released = asyncio.Event()
         self.holding = asyncio.Event()  # set once the first connection holds bytes back
         self.connections = 0
@@ -84,7 +87,7 @@ class HoldingProxy:
     ) -> None:
         passed = 0
         while data := await reader.read(64 * 1024):
-            if held and passed >= LET_THROUGH and not self.released.is_set():
+            if held and passed >= self.let_through and not self.released.is_set():
                 self.holding.set()
                 await self.released.wait()
             passed += len(data)
@@ -141,3 +144,29 @@ async def test_a_read_does_not_wait_behind_a_large_write(
         assert not write.done(), "the large write ended before its upload was let through"
         assert (await write)["big"] == 2
         np.testing.assert_array_equal((await client.get_arrays(["big"]))["big"], big[::-1])
+
+
+async def test_a_write_sent_before_a_large_reply_starts_does_not_wait_for_it(
+    node_with_big: tuple[Node, np.ndarray],
+) -> None:
+    """A call made while another is in flight on the only connection, its large reply not
+    begun yet, goes on another connection: a node writes a large reply whole before it
+    reads the next call (it stops reading while its writes wait), so a call pipelined
+    behind it would wait for all of it (a training loop's push behind its pull)."""
+    node, big = node_with_big
+    async with (
+        HoldingProxy(node.address, "down", let_through=1024) as proxy,
+        ParameterClient(("127.0.0.1", proxy.port), timeout=None) as client,
+    ):
+        await client.get_arrays(["w"])  # the first connection, open (its small reply passes)
+        read = asyncio.ensure_future(client.get_arrays(["big"]))
+        await asyncio.sleep(0)  # (the read sent: in flight there, no byte of its reply back)
+        try:
+            versions = await asyncio.wait_for(
+                client.update_arrays({"w": np.ones(4, np.float32)}), DEADLINE
+            )
+        finally:
+            proxy.release()
+        assert versions["w"] == 2
+        assert proxy.connections >= 2
+        np.testing.assert_array_equal((await read)["big"], big)

@@ -251,11 +251,11 @@ class ConnectionPool:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)
-        if best is not None and best.moving_bulk:
-            # (a large read or write is under way on it: a call pipelined behind it
-            # would wait for all of it; the new connection is not long coming)
-            return None
-        return best  # a busy one: pipeline on it while another opens
+        # Not pipelined on a busy one while another opens (one round trip): what is in
+        # flight there may be a large reply, which a node writes whole before it reads
+        # the next call (it stops reading while its writes wait), so a call behind it
+        # would wait for all of it: an update behind a pull of the whole model.
+        return None
 
     def _move_on(self) -> None:
         """Use the next node: the one in use keeps breaking connections."""
