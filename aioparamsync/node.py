@@ -248,6 +248,7 @@ class Node:
         self.service.on_drain = self._drain_requested
         self.service.on_shutdown = self._shutdown_requested
         self.cluster.rebalancer.hooks.append(self.service.rows.moves.round)
+        self.service.statistics_hooks.append(self.cluster.balancer.statistics)
         #: set once the node has left its cluster (a drain): it is to be stopped
         self.left = asyncio.Event()
         #: set once the node was told to shut down: it is to be stopped, not leave

@@ -113,7 +113,7 @@ PORT = 7000
 KEYSETS = ("uniform", "model")
 CALL_TIMEOUT = 300.0  # one call; with one node and 200 MiB per call, calls take ~25 s
 FORM_TIMEOUT = 60.0
-SETTLE_TIMEOUT = 120.0
+SETTLE_TIMEOUT = 600.0
 READY_TIMEOUT = 120.0  # workers made their arrays and learnt the topology
 CONTROL_TIMEOUT = 600.0  # loading the key set (at 300 Mbit/s: seconds)
 START_MARGIN = 0.3  # the workers start this long after the go is sent
@@ -268,14 +268,26 @@ async def control(spec: dict[str, Any]) -> dict[str, Any]:
 
         # Settled: no node moving keys, and (balanced by bytes) the claims the same
         # for a few balance rounds (``--balance-interval`` seconds each).
+        # Every node has run two rounds since the load, none is claiming keys, and the
+        # claims held still for 3 rounds (with --balance-interval 0: none run).
         quiet = max(3.0, 3 * spec["balance_interval"])
         seen: dict[str, Any] = {"claims": None, "since": time.monotonic()}
+        rounds0 = [
+            i.counters.get("balance_rounds", 0)
+            for i in await asyncio.gather(*(c.info() for c in direct))
+        ]
 
         async def settled() -> list[Any] | None:
             infos = await asyncio.gather(*(c.info() for c in direct))
             claims = [sorted((t.claims or {}).items()) for t in (i.topology for i in infos)]
             now = time.monotonic()
-            if claims != seen["claims"] or any(i.keys_moving for i in infos):
+            busy = any(i.keys_moving or i.counters.get("keys_claiming", 0) for i in infos)
+            rounds = [i.counters.get("balance_rounds", 0) for i in infos]
+            if spec["balance_interval"] and any(
+                r < r0 + 2 for r, r0 in zip(rounds, rounds0, strict=True)
+            ):
+                busy = True
+            if claims != seen["claims"] or busy:
                 seen.update(claims=claims, since=now)
                 return None
             return infos if now - seen["since"] >= quiet else None
@@ -642,6 +654,8 @@ def run_one(
         "held_bytes": setup["held_bytes"],
         "held_count": setup["held_count"],
         "load_seconds": setup["load_seconds"],
+        "settle_seconds": setup["settle_seconds"],
+        "claims": setup["claims"],
         "aggregate_bytes_per_s": aggregate,
         "get_bytes_per_s": sum(w["get_bytes"] for w in results) / window,
         "update_bytes_per_s": sum(w["update_bytes"] for w in results) / window,
@@ -857,7 +871,8 @@ def drive(plan: list[tuple[str, int, int]], args: argparse.Namespace, env: dict[
                 f"{row['aggregate_bytes_per_s'] / 1e6:8.1f} MB/s (wire "
                 f"{row['wire_bytes_per_s'] / 1e6:.1f}), primary max/mean "
                 f"{row['primary_max_over_mean']:.2f}, node CPU {row['node_cpu']:.2f}, busy "
-                f"{row['machine_busy']:.2f}, loaded in {row['load_seconds']:.1f} s",
+                f"{row['machine_busy']:.2f}, loaded in {row['load_seconds']:.1f} s, balanced "
+                f"({row['claims']} keys claimed) in {row['settle_seconds']:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

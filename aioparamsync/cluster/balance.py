@@ -114,6 +114,17 @@ class Balancer:
         self.claimed = 0  # keys claimed, so far
         self._task: asyncio.Task[None] | None = None
 
+    def statistics(self) -> dict[str, int]:
+        """For ``info()``'s counters: rounds run, keys claimed so far, now claimed and
+        being claimed by this member."""
+        cluster = self.cluster
+        return {
+            "balance_rounds": self.rounds,
+            "keys_claimed": self.claimed,
+            "claims": len(cluster.claims),
+            "keys_claiming": len(cluster.claiming),
+        }
+
     def start(self) -> None:
         if self.interval > 0 and self.cluster.coordinator is None:
             self._task = asyncio.create_task(self._run(), name="aioparamsync-balance")
@@ -147,9 +158,9 @@ class Balancer:
     async def round(self) -> int:
         """One round (see the module); answers how many keys it claimed."""
         cluster = self.cluster
+        self.rounds += 1  # (a round that finds the cluster changing claims nothing)
         if not self._steady() or not cluster.by_id:
             return 0
-        self.rounds += 1
         epoch = cluster.epoch
         links = list(cluster.by_id.values())
         digests = await asyncio.gather(*(link.proxy().invoke(METHODS.digest) for link in links))

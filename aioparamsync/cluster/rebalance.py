@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # The shortest time between two rounds (seconds): epochs may change in bursts.
 MIN_ROUND_INTERVAL = 0.1
+# The longest time between two rounds while keys are left to move (seconds).
+AGAIN_WHILE_MOVING = 1.0
 
 
 class Rebalancer:
@@ -92,7 +94,12 @@ class Rebalancer:
     async def _run(self) -> None:
         cluster = self.cluster
         while True:
-            with_timeout = asyncio.timeout(cluster.repair_interval)
+            # (keys left to hand off to holders that are up: again soon, not a repair
+            # interval later; a round that a newer epoch cut short may have left them)
+            wait = cluster.repair_interval
+            if self.moving > self.stuck:
+                wait = min(wait, AGAIN_WHILE_MOVING)
+            with_timeout = asyncio.timeout(wait)
             try:
                 async with with_timeout:
                     await cluster.changed.wait()
