@@ -125,6 +125,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.receiver = Receiver(max_frame_bytes, framed=True, limit_name=CLIENT_LIMIT)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
+        self._reads: set[int] = set()  # (the seqids of the reads among them)
         self._seqids = itertools.count(FIRST_SEQID - 1)  # (see FIRST_SEQID)
         # The first bytes received, until they show a framed Thrift reply
         # (then None): a server that speaks something else is told apart from
@@ -161,6 +162,12 @@ class _Connection(asyncio.BufferedProtocol):
         """Whether a large message is on its way now, out (sends wait for the buffer
         to drain) or in: a call pipelined behind it would wait for all of it."""
         return self._write_paused or self.receiver.receiving_large
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read is in flight: its reply may be large, and the node writes it
+        whole before it reads the next call (a call pipelined behind it waits for it)."""
+        return bool(self._reads)
 
     @property
     def usable(self) -> bool:
@@ -284,6 +291,7 @@ class _Connection(asyncio.BufferedProtocol):
             if isinstance(exc, RemoteProtocolError) and not not_a_node:
                 log.warning("closing a connection: the node sent an invalid message: %s", exc)
         pending, self.pending = self.pending, {}
+        self._reads.clear()
         self._deadlines.clear()
         self._borrowing.clear()
         if self._timer is not None:
@@ -376,6 +384,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.traffic["bytes_sent"] += size
         future = self._loop.create_future()
         self.pending[seqid] = future
+        if not m.writes:
+            self._reads.add(seqid)
         if when is not None:  # failed with TimeoutError if not answered by then
             self._deadlines[seqid] = when
             if len(parts) > 1:  # (a message without such values is one buffer)
@@ -391,6 +401,7 @@ class _Connection(asyncio.BufferedProtocol):
     def forget(self, seqid: int, when: float | None) -> None:
         """The call ``seqid`` is over (answered, timed out, cancelled or broken)."""
         self.pending.pop(seqid, None)
+        self._reads.discard(seqid)
         if when is not None:
             self._deadlines.pop(seqid, None)
             self._borrowing.discard(seqid)

@@ -223,17 +223,18 @@ class ConnectionPool:
             else:
                 conn.close()
 
-    async def _acquire(self) -> _Connection:
-        conn = self._acquire_now()
+    async def _acquire(self, write: bool = False) -> _Connection:
+        conn = self._acquire_now(write)
         if conn is not None:
             return conn
         assert self._connecting is not None
         return await asyncio.shield(self._connecting)
 
-    def _acquire_now(self) -> _Connection | None:
+    def _acquire_now(self, write: bool = False) -> _Connection | None:
         """The connection to send on, or None to wait for ``_connecting``.
 
         Opens another connection while every open one is busy (and the pool has room).
+        A ``write`` is not pipelined behind a read in flight (see below).
         """
         if self._closed:
             raise ClientClosedError("the client is closed")
@@ -251,11 +252,15 @@ class ConnectionPool:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(self._connected)
-        # Not pipelined on a busy one while another opens (one round trip): what is in
-        # flight there may be a large reply, which a node writes whole before it reads
-        # the next call (it stops reading while its writes wait), so a call behind it
-        # would wait for all of it: an update behind a pull of the whole model.
-        return None
+        if best is None or best.moving_bulk or (write and best.reading):
+            # (a large read or write under way on it: a call pipelined behind it would
+            # wait for all of it; so would a write behind a read in flight, whose reply
+            # may be large: a node writes a reply whole before it reads the next call, so
+            # an update would wait for a pull of the whole model. The new connection is
+            # not long coming. A read stays behind what was sent before it: in order
+            # after the writes, read-your-writes, even of one that timed out.)
+            return None
+        return best  # a busy one: pipeline on it while another opens
 
     def _move_on(self) -> None:
         """Use the next node: the one in use keeps breaking connections."""
@@ -326,10 +331,10 @@ class ConnectionPool:
                     if held:
                         result = await self._call_held(m, message, when)
                         break
-                    conn = self._acquire_now()
+                    conn = self._acquire_now(m.writes)
                     if conn is None:  # none open: wait for one, within the deadline
                         async with asyncio.timeout_at(when):
-                            conn = await self._acquire()
+                            conn = await self._acquire(m.writes)
                     if oneway or conn._write_paused:
                         result = await conn.call(m, message, when)
                         break
