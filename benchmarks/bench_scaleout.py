@@ -106,6 +106,7 @@ from bench_node import (
     machine,
     run_environment,
 )
+from bench_sharding import until
 from netlab import Host, NetLab, NetLabUnavailable, read_line
 
 THIS = Path(__file__).resolve()
@@ -117,7 +118,6 @@ SETTLE_TIMEOUT = 600.0
 READY_TIMEOUT = 120.0  # workers made their arrays and learnt the topology
 CONTROL_TIMEOUT = 600.0  # loading the key set (at 300 Mbit/s: seconds)
 START_MARGIN = 0.3  # the workers start this long after the go is sent
-POLL = 0.05
 # The nodes stop by shutdown_cluster (nothing handed off); stopped by SIGTERM (an error, an
 # interruption) they hand their keys off for this long at most.
 DRAIN_TIMEOUT = 2.0
@@ -178,17 +178,6 @@ def partition_bytes(scale: float) -> int:
 
 # ---------------------------------------------------------------------------
 # Inside the lab: the writer and placement (``--control``), the workers (``--worker``)
-
-
-async def _until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(POLL)
 
 
 def placement_report(topology: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -258,7 +247,7 @@ async def control(spec: dict[str, Any]) -> dict[str, Any]:
             return tops if ok else None
 
         t0 = time.monotonic()
-        tops = await _until(formed, FORM_TIMEOUT, f"every node sees {n} members up")
+        tops = await until(formed, FORM_TIMEOUT, f"every node sees {n} members up")
         formed_s = time.monotonic() - t0
         arrays = keyset_arrays(spec["keyset"], spec["scale"], seed=0)
         t0 = time.monotonic()
@@ -293,7 +282,7 @@ async def control(spec: dict[str, Any]) -> dict[str, Any]:
             return infos if now - seen["since"] >= quiet else None
 
         t0 = time.monotonic()
-        infos = await _until(settled, SETTLE_TIMEOUT, "no node moving keys, claims unchanged")
+        infos = await until(settled, SETTLE_TIMEOUT, "no node moving keys, claims unchanged")
         balance_s = time.monotonic() - t0
         tops = await asyncio.gather(*(c.topology() for c in direct))
         report = placement_report(tops[0], {k: a.shape for k, a in arrays.items()})

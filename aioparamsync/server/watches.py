@@ -175,28 +175,33 @@ class Watches:
 
     # -- holding ----------------------------------------------------------------------
 
+    @staticmethod
+    def _woken_by(watch: _Watch) -> list[str]:
+        """The keys whose change wakes a watch by names: each, and a name's manifest."""
+        assert watch.keys is not None
+        keys = list(watch.keys)
+        keys += [manifest_key(k) for k in watch.keys if not is_reserved(k)]
+        return keys
+
     def _hold(self, watch: _Watch) -> None:
         self._all.add(watch)
         if watch.keys is None:
             self._prefixed.add(watch)
             return
-        for key in watch.keys:
+        for key in self._woken_by(watch):
             self._by_key.setdefault(key, set()).add(watch)
-            if not is_reserved(key):
-                self._by_key.setdefault(manifest_key(key), set()).add(watch)
 
     def _forget(self, watch: _Watch) -> None:
         self._all.discard(watch)
         if watch.keys is None:
             self._prefixed.discard(watch)
             return
-        for key in watch.keys:
-            for k in (key, manifest_key(key)) if not is_reserved(key) else (key,):
-                held = self._by_key.get(k)
-                if held is not None:
-                    held.discard(watch)
-                    if not held:
-                        del self._by_key[k]
+        for key in self._woken_by(watch):
+            held = self._by_key.get(key)
+            if held is not None:
+                held.discard(watch)
+                if not held:
+                    del self._by_key[key]
 
     def _answer(self, watch: _Watch, changed: dict[str, int]) -> None:
         future = watch.future
