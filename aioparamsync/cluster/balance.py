@@ -142,6 +142,8 @@ class Balancer:
                 await self.round()
             except (ParamSyncError, OSError) as exc:
                 log.info("balance round given up: %s", exc)
+            except Exception:  # a bug must not stop balancing for good
+                log.exception("balance round failed")
 
     def _steady(self) -> bool:
         cluster = self.cluster
