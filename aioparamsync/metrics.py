@@ -387,9 +387,7 @@ class _NodeCollector:
 
         # -- following another cluster (see aioparamsync.follower) ---------------------
         if service.following is not None:
-            f: dict[str, int] = {}
-            for hook in service.statistics_hooks:
-                f.update(hook())
+            f = {k: v for hook in service.statistics_hooks for k, v in hook().items()}
             yield gauge(
                 "follow_lag_seconds",
                 "How long the oldest change heard of from the cluster followed has waited.",
