@@ -26,6 +26,7 @@ from ._version import __version__ as __version__
 # The errors import nothing but the standard library's: loaded with the package.
 from .errors import (
     CallTimeout,
+    CheckpointError,
     ClientClosedError,
     ConnectError,
     ConnectionLostError,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 
 __all__ = [
     "CallTimeout",
+    "CheckpointError",
     "ClientClosedError",
     "ConnectError",
     "ConnectTimeout",

@@ -168,6 +168,10 @@ class ClientClosedError(ParamSyncError, RuntimeError):
     """The client was closed; no more calls can be made on it."""
 
 
+class CheckpointError(ParamSyncError):
+    """A checkpoint that cannot be taken or restored (the message says why)."""
+
+
 class RunningLoopError(ParamSyncError, RuntimeError):
     """A blocking client's method was called from a thread that runs an event loop.
 

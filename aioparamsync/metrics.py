@@ -364,12 +364,12 @@ class _NodeCollector:
         yield counter(
             "gradient_pushes_repeated",
             "Gradient pushes answered from an earlier push with their request id.",
-            service.pushes_repeated,
+            service.gradients.ledger.repeated,
         )
         yield counter(
             "gradient_pushes_forwarded",
             "Parts of gradient pushes folded by their owner, another node.",
-            service.pushes_forwarded,
+            service.gradients.forwarded,
         )
         received = CounterMetricFamily(
             PREFIX + "gradients_received",

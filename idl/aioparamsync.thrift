@@ -105,6 +105,11 @@ struct ParameterUpdate {
     // directory, logged) it; "all" once every live replica did. Absent: the
     // node's --acks.
     5: optional string acks,
+    // Set on each part of a call cut among nodes (by a routed client, or by a
+    // node passing parts on): "ID:K", the same for every part, K the number
+    // of keys the call writes in all. A checkpoint's cut (see CutRequest)
+    // takes all of such a call's keys or none.
+    6: optional string call,
 }
 
 struct ParameterRequest {
@@ -201,6 +206,8 @@ struct GradientPush {
     // As in ParameterUpdate: the caller's topology epoch, and when to answer.
     5: optional i64 epoch,
     6: optional string acks,
+    // As in ParameterUpdate: the call this part is of.
+    7: optional string call,
 }
 
 // An embedding table: rows of `dim` values by int64 id, each made on its
@@ -272,6 +279,10 @@ struct RowPush {
     6: optional string acks,
     // Set by a node passing a part on to the buckets' primary.
     7: optional bool forwarded,
+    // Set: grads are the rows' new values, not gradients. Each row is set to
+    // its values (made first where new; its rule's state made anew), at a
+    // new version. The ids may not repeat.
+    8: optional bool assign,
 }
 
 // What a row push did.
@@ -492,6 +503,42 @@ struct DigestEntry {
     4: required i64 nbytes,
 }
 
+// A checkpoint's cut, one step of it at a node (aioparamsync-ctl checkpoint
+// takes them at every member; see docs/cluster.md):
+// "hold": hold every client's write not yet applied (replication and rows go
+//   on); answer the calls cut among nodes applied here lately, each with the
+//   keys it wrote here (the caller finds those some node applied and another
+//   holds);
+// "admit": let the held and coming writes of `calls` in (they were begun before
+//   the cut); answer those calls as "hold" does;
+// "take": keep what the node holds now as the cut's (still holding writes);
+//   answer the cut's keys;
+// "release": let every write in (once every member took its part);
+// "read": answer the cut's values of `names` (keys as stored);
+// "end": forget the cut (and let every write in).
+// A hold ends by itself after hold_ms, and a cut taken is forgotten once
+// unread for a minute.
+struct CutRequest {
+    1: required string id,
+    2: required string phase,
+    3: optional list<string> calls,
+    4: optional list<string> names,
+    // With "hold": let writes in again after this long whatever comes
+    // (absent: 10000; at most 60000).
+    5: optional i32 hold_ms,
+}
+
+struct CutResult {
+    // hold, admit: each call (ParameterUpdate.call) and the keys it wrote here.
+    1: optional map<string, list<string>> calls,
+    // take: what the cut holds here.
+    2: optional list<DigestEntry> keys,
+    // read: the values asked for, as stored.
+    3: optional list<Parameter> params,
+    // hold, admit: the writes held here now.
+    4: optional i32 held,
+}
+
 // One peer link, as the node that keeps it sees it.
 struct PeerInfo {
     1: required string node_id,
@@ -604,4 +651,7 @@ service ParameterSyncService {
     // a fold changed in one message; answers how many rows it kept.
     i64 replicate_rows(1: list<RowDelta> deltas) throws (1: ParameterError error),
     RowDelta bucket_rows(1: BucketRequest request) throws (1: ParameterError error),
+
+    // A step of a checkpoint's cut (see CutRequest).
+    CutResult cut(1: CutRequest request) throws (1: ParameterError error),
 }

@@ -9,14 +9,18 @@
     aioparamsync-ctl list 127.0.0.1:9090 layer1. # names (from a prefix), dtype, shape, size
     aioparamsync-ctl ping 127.0.0.1:9090         # the node's id and a round trip
     aioparamsync-ctl export 127.0.0.1:9090 model.safetensors  # the parameters, whole
+    aioparamsync-ctl checkpoint 127.0.0.1:9090 ckpt/  # everything, at one cut
+    aioparamsync-ctl restore 127.0.0.1:9090 ckpt/     # ... and back, into any cluster
     aioparamsync-ctl --json stats 127.0.0.1:9090 # any of them, as JSON
 
 Exit codes: 0 done; 1 the node could not be reached, did not answer in time,
-refused, or is no node, or ``export`` could not write its file (one line on
-stderr); 2 bad arguments; 3 ``get`` found some name not on the node (what it
-found is still shown), or a NAME of ``export`` is no parameter.
+refused, or is no node, or ``export``, ``checkpoint``, ``restore`` could not
+write or read their files (one line on stderr); 2 bad arguments; 3 ``get``
+found some name not on the node (what it found is still shown), or a NAME of
+``export`` is no parameter.
 
-Only ``drain`` and ``shutdown`` change the node; the others read.
+Only ``drain``, ``shutdown`` and ``restore`` change the node; the others read
+(``checkpoint`` holds writes while its cut is made).
 
 Here are its commands (each asks the node, then prints with :mod:`.output`;
 ``export`` is :mod:`.export`), and the running of one, with what goes wrong
@@ -44,7 +48,7 @@ from ..tls import client_context
 from ..values.arrays import from_parameter
 from ..wire import thrift
 from ..wire.protocol import MAX_I32
-from . import export
+from . import checkpoints, export
 from .ctl_parser import PROG, build_parser
 from .options import TLS_ERRORS
 from .output import (
@@ -412,6 +416,8 @@ COMMANDS: dict[str, Command] = {
     "drain": drain,
     "shutdown": shutdown,
     "export": export.run_export,
+    "checkpoint": checkpoints.run_checkpoint,
+    "restore": checkpoints.run_restore,
 }
 
 

@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from .._version import __version__
-from . import export
+from . import checkpoints, export
 from .options import address, positive_seconds
 
 __all__ = ["DEFAULT_TIMEOUT", "PROG", "build_parser"]
@@ -92,10 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect a running aioparamsync node and its cluster. No command "
-        "changes it, but drain, which makes it leave its cluster, and shutdown, which stops "
-        "the cluster.",
+        "changes it, but drain, which makes it leave its cluster, shutdown, which stops "
+        "the cluster, and restore, which writes a checkpoint into it.",
         epilog="Exit codes: 0 done; 1 the node could not be reached, did not answer in time, "
-        "refused, or is no node, or (export) the file could not be written; 2 bad arguments; "
+        "refused, or is no node, or (export, checkpoint, restore) the files could not be "
+        "written or read; 2 bad arguments; "
         "3 (get, export) some name is no parameter on the node.",
     )
     _add_options(parser, defaults=True)
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command("ping", "the node's id and the round trip of one call")
     export.add_parser(command)
+    checkpoints.add_parsers(command)
     command(
         "topology",
         "the cluster as the node sees it: epoch, replication factor, each member's state, "

@@ -40,10 +40,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import ParamSyncError
-from ..persistence.safetensors_format import SAFETENSORS_DTYPES, Tensor, file_header
+from ..persistence.safetensors_format import Tensor, file_header, safetensors_dtype
 from ..placement import is_reserved, manifest_key, parse_key, partition_key
 from ..routing.partitions import manifests_of
-from ..values.arrays import parse_dtype
 from ..values.partitions import Layout, itemsize
 from ..wire import METHODS, thrift
 from .output import dtype_name, format_size, print_json
@@ -152,18 +151,13 @@ def plan(p: Any) -> Planned:
         return Planned(p.name, "U8", [nbytes], nbytes, None, shape)
     if shape is None:
         shape = [nbytes // itemsize(p.dtype)]
-    st = SAFETENSORS_DTYPES.get(p.dtype)
-    swap = None
-    if st is None:
-        dt = parse_dtype(p.dtype)  # ("float32" from a founding client reads as "<f4")
-        if dt.byteorder == ">":
-            swap, dt = dt, dt.newbyteorder("<")
-        st = SAFETENSORS_DTYPES.get(dt.str)
-    if st is None:
+    found = safetensors_dtype(p.dtype)
+    if found is None:
         raise ExportError(
             f"{p.name!r} is {dtype_name(p.dtype)}, which safetensors has no dtype for: "
             "name the parameters to export without it"
         )
+    st, swap = found
     return Planned(p.name, st, shape, nbytes, p.dtype, shape, swap)
 
 

@@ -14,6 +14,7 @@ not change an array until the call sending it has returned.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl as ssl_module
 import time
 from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
@@ -511,6 +512,31 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             acks=acks,
             timeout=timeout,
         )
+
+    async def checkpoint(
+        self, directory: str | os.PathLike[str], *, hold_ms: int = 10_000
+    ) -> dict[str, Any]:
+        """Write the whole cluster's parameters and tables into ``directory`` (new or
+        empty) at one cut: of every update call, all of its parameters or none;
+        answer the manifest (see :mod:`aioparamsync.client.checkpoint`).
+
+        Raises:
+            CheckpointError: it could not be taken (nothing is left behind).
+        """
+        from .checkpoint import checkpoint
+
+        return await checkpoint(self, directory, hold_ms=hold_ms)
+
+    async def restore(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write the checkpoint in ``directory`` into this cluster (of any size) through
+        the normal write path; answer its manifest. Every file is checked first.
+
+        Raises:
+            CheckpointError: no checkpoint there, or a damaged one (nothing written).
+        """
+        from .checkpoint import restore
+
+        return await restore(self, directory)
 
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""

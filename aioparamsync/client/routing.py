@@ -66,6 +66,7 @@ from ..errors import (
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
 from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
+from ..store.cuts import new_call
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
 from .fetch import gather_all
@@ -296,6 +297,9 @@ class Routes:
         if topology is not None and topology.partition_bytes and arg in ("update", "push"):
             result = await self._cut(m, arg, value, timeout, topology.partition_bytes)
         else:
+            if arg in ("update", "push") and value.call is None:
+                value = _stamped(value, value.grads if arg == "push" else value.params)
+                args = {**args, arg: value}
             result = await self._send(m, arg, value, timeout, args, moves=0)
         if reads == "any" and isinstance(result, thrift.UpdateResult) and result.versions:
             self._saw(result.versions)
@@ -391,6 +395,8 @@ class Routes:
                 if item.name not in chosen:
                     known.pop(item.name, None)  # (written whole: it may no longer be cut)
         if not chosen:
+            if value.call is None:
+                value = _stamped(value, items)
             return await self._send(m, arg, value, timeout, {arg: value}, moves=0)
         if arg == "update" and any(p.replace or p.dtype is None for p in items if p.name in chosen):
             # A replacement may change a parameter between whole and partitions: the
@@ -398,19 +404,22 @@ class Routes:
             for name in chosen:
                 known.pop(name, None)
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **{arg: value})
+        new: list[Any] = []
+        if arg == "update":
+            new = [
+                made
+                for made, (name, layout) in zip(manifests, chosen.items(), strict=True)
+                if made.replace or known.get(name) != layout
+            ]
+        if value.call is None:  # (its parts: one call, for a checkpoint's cut)
+            value = _stamped(value, [*new, *cut_items])
         try:
-            if arg == "update":
-                new = [
-                    made
-                    for made, (name, layout) in zip(manifests, chosen.items(), strict=True)
-                    if made.replace or known.get(name) != layout
-                ]
-                if new:
-                    first = copy.copy(value)
-                    first.params = new
-                    await self._send(
-                        METHODS.push_parameters, arg, first, timeout, {arg: first}, moves=0
-                    )
+            if arg == "update" and new:
+                first = copy.copy(value)
+                first.params = new
+                await self._send(
+                    METHODS.push_parameters, arg, first, timeout, {arg: first}, moves=0
+                )
             sub = copy.copy(value)
             if arg == "push":
                 sub.grads = cut_items
@@ -548,6 +557,14 @@ class Routes:
             await self.learn()
         except (ParamSyncError, OSError) as exc:
             log.info("could not learn the topology: %s", exc)
+
+
+def _stamped(value: Any, items: Sequence[Any]) -> Any:
+    """``value`` (an update, a push) stamped as one call writing ``items`` (see
+    :mod:`aioparamsync.store.cuts`): its parts at several nodes are one call."""
+    stamped = copy.copy(value)
+    stamped.call = new_call(len({item.name for item in items}))
+    return stamped
 
 
 def _merge(m: Method, answers: Sequence[Any]) -> Any:

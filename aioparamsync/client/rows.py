@@ -226,15 +226,54 @@ class TableClient:
             RequestError: no such table, non-finite gradients, or the node
                 refused; nothing of the part it refused was folded.
         """
+        return await self._push_rows(table, ids, grads, encoding, request_id, acks, timeout)
+
+    async def assign_rows(
+        self,
+        table: str,
+        ids: Any,
+        rows: Any,
+        *,
+        encoding: str | None = None,
+        request_id: str | None = None,
+        acks: str | None = None,
+        timeout: float | EllipsisType | None = ...,
+    ) -> Any:
+        """Set row ``ids[i]`` to ``rows[i]`` (say, embeddings trained elsewhere).
+
+        Each row is set at its bucket's primary, at a new version, its rule's
+        state made anew (as a new row's: Adagrad's sums, Adam's moments); the
+        ids may not repeat. Sent again under its request id, it is applied
+        once. Answers the IDL's ``RowsResult`` (``rows`` set, ``created``).
+
+        Raises:
+            ValueError: as :meth:`push_row_gradients`.
+            RequestError: no such table, repeated ids, values not finite (unless
+                the table's rule allows them), or the node refused.
+        """
+        return await self._push_rows(table, ids, rows, encoding, request_id, acks, timeout, True)
+
+    async def _push_rows(
+        self,
+        table: str,
+        ids: Any,
+        grads: Any,
+        encoding: str | None,
+        request_id: str | None,
+        acks: str | None,
+        timeout: float | EllipsisType | None,
+        assign: bool = False,
+    ) -> Any:
+        what = "rows" if assign else "grads"
         ids = check_ids(ids)
         grads = np.asarray(grads)
         spec = await self._table(table, timeout)
         if grads.shape != (len(ids), spec.dim):
             raise ValueError(
-                f"grads are (len(ids), dim) = ({len(ids)}, {spec.dim}), not {grads.shape}"
+                f"{what} are (len(ids), dim) = ({len(ids)}, {spec.dim}), not {grads.shape}"
             )
         if not (grads.dtype.kind == "f" or is_bfloat16(grads.dtype)):
-            raise ValueError(f"grads are floats, not {grads.dtype}")
+            raise ValueError(f"{what} are floats, not {grads.dtype}")
         if encoding is not None and encoding not in ROW_ENCODINGS:
             raise ValueError(f"encoding is one of {', '.join(ROW_ENCODINGS)} or None")
         if acks is not None and acks not in ("1", "all"):
@@ -254,6 +293,7 @@ class TableClient:
                 request_id=request_id,
                 epoch=epoch,
                 acks=acks,
+                assign=assign or None,
             )
             return await pool(m, "push", push)
 

@@ -17,7 +17,11 @@ import json
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["METADATA", "SAFETENSORS_DTYPES", "Tensor", "file_header"]
+import numpy as np
+
+from ..values.arrays import parse_dtype
+
+__all__ = ["METADATA", "SAFETENSORS_DTYPES", "Tensor", "file_header", "safetensors_dtype"]
 
 # numpy dtype strings (the wire's, see values.arrays) that safetensors has a name for.
 SAFETENSORS_DTYPES = {
@@ -41,6 +45,20 @@ METADATA = "__metadata__"
 
 # A tensor of the file: its name, safetensors dtype, shape and bytes.
 Tensor = tuple[str, str, Sequence[int], int]
+
+
+def safetensors_dtype(dtype: str) -> tuple[str, np.dtype | None] | None:
+    """The safetensors name of the wire dtype ``dtype``, and the big-endian dtype to read
+    its bytes as (to write them little-endian) or None; None: safetensors has none."""
+    st = SAFETENSORS_DTYPES.get(dtype)
+    if st is not None:
+        return st, None
+    dt = parse_dtype(dtype)  # ("float32" from a founding client reads as "<f4")
+    swap = None
+    if dt.byteorder == ">":
+        swap, dt = dt, dt.newbyteorder("<")
+    st = SAFETENSORS_DTYPES.get(dt.str)
+    return None if st is None else (st, swap)
 
 
 def file_header(

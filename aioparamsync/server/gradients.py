@@ -55,6 +55,7 @@ from ..errors import ConnectError, ErrorCode, RequestError
 from ..placement import parse_key
 from ..routing.merge import merge_results
 from ..routing.partitions import collapse, cut, readable_error
+from ..store.cuts import new_call
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
@@ -418,12 +419,14 @@ class GradientPushes:
         acks_all = self._acks_all(push)
         settling = self.cluster.settling if self.cluster is not None else None
         if settling is None and not acks_all:
-            return self.store.submit(decoded, timestamp, gradients=True, then=result)
+            return self.store.submit(
+                decoded, timestamp, gradients=True, then=result, call=push.call
+            )
 
         async def folded() -> Any:
             if settling is not None:
                 await settling
-            applied = await self.store.submit(decoded, timestamp, gradients=True)
+            applied = await self.store.submit(decoded, timestamp, gradients=True, call=push.call)
             if acks_all:
                 assert self.cluster is not None  # (acks=all: a cluster's)
                 await self.cluster.replicated([e.name for e in applied.entries])
@@ -452,6 +455,8 @@ class GradientPushes:
         assert cluster is not None
         by_name = {g.name: g for gs in parts.values() for g in gs}
         acks = push.acks or cluster.acks
+        # (a push cut among nodes: its parts stamped as one call, for a checkpoint's cut)
+        call = push.call or (new_call(len(by_name)) if set(parts) != {None} else None)
 
         async def send(link: Any, names: list[str], fallback: bool) -> Any:
             passed = thrift.GradientPush(
@@ -462,6 +467,7 @@ class GradientPushes:
                 # (to a next replica, its primary out of reach: folded where it arrives)
                 epoch=None if fallback else cluster.epoch,
                 acks=acks,
+                call=call,
             )
             try:
                 result = await self._forward_to(link, passed)
@@ -476,7 +482,7 @@ class GradientPushes:
             if cluster.settling is not None:
                 await cluster.settling
             grads = decoded_parameters([by_name[n] for n in names], self.max_decoded_bytes)
-            applied = await self.store.submit(grads, timestamp, gradients=True)
+            applied = await self.store.submit(grads, timestamp, gradients=True, call=call)
             if acks == "all":
                 await cluster.replicated([e.name for e in applied.entries])
             return update_result(applied)

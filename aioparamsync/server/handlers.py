@@ -24,6 +24,7 @@ from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .clusterview import ClusterView
+from .cuts import Cuts
 from .digests import digest, digest_for
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
@@ -142,6 +143,7 @@ class ParameterService:
         )
         self.router = Router(cluster)
         self.watches = Watches(store, self.router)
+        self.cuts = Cuts(store)
         #: the embedding tables (see .rows)
         self.rows = RowService(cluster)
         #: called by drain(wait_ms): a future of the keys handed off (set by the node)
@@ -166,6 +168,7 @@ class ParameterService:
             METHODS.push_gradients: self.gradients.push,
             METHODS.barrier: self._barrier,
             METHODS.watch: self.watches.handle,
+            METHODS.cut: self.cuts.handle,
             METHODS.ping: self._ping,
             METHODS.info: self._info,
             METHODS.announce: self._announce,
@@ -185,16 +188,6 @@ class ParameterService:
     @property
     def node_id(self) -> str:
         return self.store.table.node_id
-
-    @property
-    def pushes_repeated(self) -> int:
-        """Gradient pushes sent again, whole or in part, under a request id seen before."""
-        return self.gradients.ledger.repeated
-
-    @property
-    def pushes_forwarded(self) -> int:
-        """Gradient pushes (parts of them) folded by their owner, another node."""
-        return self.gradients.forwarded
 
     @property
     def forward_failures(self) -> int:
@@ -333,6 +326,7 @@ class ParameterService:
 
     def close(self) -> None:
         """Stop the timers of this service (the node is stopping)."""
+        self.cuts.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -467,10 +461,9 @@ class ParameterService:
             shrunk = partitioned.shrink(update, params, parts, acks, shrinking)
             return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
+            checked = self.partitioned.checked(self.incoming(params))
             return self.store.submit(
-                self.partitioned.checked(self.incoming(params)),
-                timestamp,
-                then=lambda applied: answer(update_result(applied)),
+                checked, timestamp, then=lambda a: answer(update_result(a)), call=update.call
             )
         return _then(asyncio.ensure_future(self.write_parts(update, params, parts, acks)), answer)
 
@@ -481,10 +474,9 @@ class ParameterService:
             whole = [p for p in params if p.total_bytes is None and not p.encoding]
             self.store.table.check(whole)  # (refused before any part is applied elsewhere)
 
-        def here(mine: Sequence[Any]) -> asyncio.Future:
-            return self.store.submit(
-                self.partitioned.checked(self.incoming(mine)), update.timestamp, then=update_result
-            )
+        def here(mine: Sequence[Any], call: str | None) -> asyncio.Future:
+            checked = self.partitioned.checked(self.incoming(mine))
+            return self.store.submit(checked, update.timestamp, then=update_result, call=call)
 
         return await router.write(update, params, parts, here, acks)
 
@@ -520,8 +512,8 @@ class ParameterService:
         counters.update(self.waiting.statistics())
         counters.update(self.uploads.statistics())
         counters.update(self.rows.tables.statistics())
-        counters["gradient_pushes_repeated"] = self.pushes_repeated
-        counters["gradient_pushes_forwarded"] = self.pushes_forwarded
+        counters["gradient_pushes_repeated"] = self.gradients.ledger.repeated
+        counters["gradient_pushes_forwarded"] = self.gradients.forwarded
         counters["gradient_forward_failures"] = self.forward_failures
         for hook in self.statistics_hooks:
             counters.update(hook())

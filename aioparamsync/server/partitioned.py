@@ -40,6 +40,7 @@ from ..errors import ErrorCode, RequestError
 from ..placement import is_reserved, manifest_key, parse_key
 from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
 from ..store.checks import check_rule_fits
+from ..store.cuts import new_call
 from ..store.table import Entry
 from ..values.arrays import describe_layout
 from ..values.partitions import Layout, elements_of, per_partition
@@ -118,6 +119,14 @@ class _Stored:
 def _describe(p: Any) -> str:
     n = memoryview(p.data).nbytes
     return describe_layout(n, p.dtype, tuple(p.shape) if p.shape is not None else None)
+
+
+def _stamped(update: Any, params: Sequence[Any], keys: Sequence[str]) -> Any:
+    """``update`` stamped as one call (see :mod:`aioparamsync.store.cuts`) that writes
+    ``params`` and ``keys``, in several writes here and at other nodes."""
+    stamped = copy.copy(update)
+    stamped.call = new_call(len({*(p.name for p in params), *keys}))
+    return stamped
 
 
 def _carry_rule(p: Any, rule: Any) -> None:
@@ -271,6 +280,13 @@ class Partitioned:
         replaced = {manifest_key(name) for name in changing}
         first = [m for m in manifests if m.name not in replaced]
         last = [m for m in manifests if m.name in replaced]
+        stale = [
+            key
+            for name, held in changing.items()
+            if held.layout is not None
+            for key in held.layout.keys(name)[chosen[name].count :]
+        ]
+        update = _stamped(update, [*first, *items, *whole, *last], stale)
         if first:
             await self._write_keys(update, first, acks)
         # (a replacement's partitions at every live replica before its manifest: a read
@@ -278,12 +294,6 @@ class Partitioned:
         result = await self._write_keys(update, [*items, *whole], "all" if changing else acks)
         if last:  # (the new partitions are all written: the manifest makes them the value)
             await self._write_keys(update, last, acks)
-        stale = [
-            key
-            for name, held in changing.items()
-            if held.layout is not None
-            for key in held.layout.keys(name)[chosen[name].count :]
-        ]
         await self._empty(update, stale, acks)
         result.versions = collapse(result.versions, chosen)
         return result
@@ -450,11 +460,11 @@ class Partitioned:
                 p.version = max(p.version or 0, version + 1)
                 _carry_rule(p, rule)
             out.append(p)
+        emptied = [key for name, layout in layouts.items() for key in layout.keys(name)]
+        update = _stamped(update, out, emptied)
         # (at every live replica before the partitions are emptied: none reads them then)
         result = await self.service.write_parts(update, out, parts, "all")
-        await self._empty(
-            update, [key for name, layout in layouts.items() for key in layout.keys(name)], acks
-        )
+        await self._empty(update, emptied, acks)
         return result
 
     async def _write_keys(self, update: Any, params: Sequence[Any], acks: str) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 from ..errors import RequestError
 from ..placement import LIVE, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
+from ..store.cuts import new_call
 from ..store.table import lww_key
 from ..wire import METHODS, Method, thrift
 from . import forward
@@ -217,12 +218,12 @@ class Router:
         update: Any,
         params: Sequence[Any],
         parts: Mapping[str | None, list[str]] | None,
-        local: Callable[[Sequence[Any]], asyncio.Future],
+        local: Callable[[Sequence[Any], str | None], asyncio.Future],
         acks: str,
     ) -> Any:
         """An update cut by primary: each part applied at its primary; the versions merged.
 
-        ``local(params)`` applies this node's part (a future of its
+        ``local(params, call)`` applies this node's part (a future of its
         ``UpdateResult``); with ``acks="all"`` each primary answers once its
         live replicas have the part.
         """
@@ -232,11 +233,13 @@ class Router:
             by_name.setdefault(p.name, []).append(p)  # (pieces: several of one name)
         if parts is None:
             parts = {None: list(by_name)}
+        # (cut among nodes: every part stamped as one call, for a checkpoint's cut)
+        call = update.call or (new_call(len(by_name)) if set(parts) != {None} else None)
 
         # (here and part: no reference cycle of closures, which would keep the
         # update's buffers alive until a collection)
         async def here(names: list[str]) -> Any:
-            result = await local([p for n in names for p in by_name[n]])
+            result = await local([p for n in names for p in by_name[n]], call)
             if acks == "all" and cluster is not None:
                 await cluster.replicated(names)
             return result
@@ -250,7 +253,7 @@ class Router:
             def make(chosen: list[str]) -> dict[str, Any]:
                 params = [p for n in chosen for p in by_name[n]]
                 sub = thrift.ParameterUpdate(
-                    params=params, timestamp=update.timestamp, epoch=epoch, acks=acks
+                    params=params, timestamp=update.timestamp, epoch=epoch, acks=acks, call=call
                 )
                 return {"update": sub}
 

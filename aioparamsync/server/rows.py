@@ -250,6 +250,11 @@ class RowService:
         table = await self._table(push.table)
         grads = decode_rows(push.grads, count=len(ids), dim=table.spec.dim)
         table.check(ids, grads)
+        if push.assign and len(np.unique(ids)) < len(ids):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"table {table.spec.name!r}: ids repeat; each row is set once",
+            )
         if push.request_id is None:
             return await self._push_once(method, push, table, ids, grads)
         # A push sent again while the first is under way here (its caller saw another
@@ -300,7 +305,7 @@ class RowService:
             acks = push.acks or cluster.acks
             buckets = np.unique(table.buckets_of(ids)) if acks == "all" else ()
             cluster.check_writable([bucket_key(table.spec.name, int(b)) for b in buckets], acks)
-        changed, created = table.fold(ids, grads, time.time())
+        changed, created = (table.assign if push.assign else table.fold)(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
         if self.log is not None:  # (the changed rows copied only to go out)
@@ -337,6 +342,7 @@ class RowService:
                 epoch=None if fallback else cluster.epoch,
                 acks=push.acks or cluster.acks,
                 forwarded=True,
+                assign=push.assign,
             )
             result = await link.proxy().invoke(
                 METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub

@@ -225,6 +225,20 @@ class RowTable:
             created += len(block) - before
         return changed, created
 
+    def assign(
+        self, ids: np.ndarray, rows: np.ndarray, now: float
+    ) -> tuple[dict[int, np.ndarray], int]:
+        """Set the rows of ``ids`` to ``rows`` (see :meth:`RowBlock.assign`); answers as
+        :meth:`fold` does."""
+        changed: dict[int, np.ndarray] = {}
+        created = 0
+        for bucket, positions in self.by_bucket(ids):
+            block = self.block(bucket)
+            before = len(block)
+            changed[bucket] = block.assign(ids[positions], rows[positions], now)
+            created += len(block) - before
+        return changed, created
+
     def delta(
         self,
         bucket: int,

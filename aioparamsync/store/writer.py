@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ErrorCode, RequestError
+from .cuts import CallLog, Hold
 from .table import Applied, Entry, ParameterTable
 
 __all__ = ["Answer", "ParameterStore"]
@@ -103,8 +104,11 @@ class ParameterStore:
         self._snapshots: set[asyncio.Future[Any]] = set()
         self._drops = 0  # drops since the last snapshot was asked for
         self._queue: collections.deque[
-            tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None]
+            tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None, str | None]
         ] = collections.deque()
+        #: the split calls applied lately, and the hold of a cut being made (see .cuts)
+        self.calls = CallLog()
+        self.hold: Hold | None = None
         # The writer's loop, kept (on CPython 3.11 every asyncio.get_running_loop()
         # makes a getpid() system call), and the future the idle writer awaits:
         # the next submit (or close) resolves it.
@@ -164,6 +168,7 @@ class ParameterStore:
         replicated: bool = False,
         gradients: bool = False,
         then: Callable[[Applied], Any] | None = None,
+        call: str | None = None,
     ) -> asyncio.Future[Any]:
         """Queue an update; answer a future of its :class:`Applied`.
 
@@ -177,6 +182,9 @@ class ParameterStore:
         gets the reply itself, one hop of the event loop sooner than through a
         future chained to this one. ``then`` must be quick; its exception
         fails that one future.
+
+        ``call``: the stamp of the split call the update is a part of (see
+        :mod:`.cuts`), which the writer remembers, and which a cut's hold admits.
 
         Raises:
             RequestError: (UNAVAILABLE) the queue is full or the store is closed.
@@ -201,7 +209,7 @@ class ParameterStore:
         future = Answer(loop=loop)
         future.eager = None
         mode = _MERGE if replicated else _FOLD if gradients else _APPLY
-        self._queue.append((params, timestamp, mode, future, then))
+        self._queue.append((params, timestamp, mode, future, then, call))
         wakeup = self._wakeup  # (self._wake(), inlined)
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -234,7 +242,7 @@ class ParameterStore:
         loop = self._loop = asyncio.get_running_loop()
         future = Answer(loop=loop)
         future.eager = None
-        self._queue.append((dict(held), 0, _DROP, future, None))  # type: ignore[arg-type]
+        self._queue.append((dict(held), 0, _DROP, future, None, None))  # type: ignore[arg-type]
         self._wake()
         return await future
 
@@ -249,7 +257,7 @@ class ParameterStore:
         future = Answer(loop=self._loop or asyncio.get_running_loop())
         future.eager = None
         # (an empty drop: in order with the others, and no more)
-        self._queue.append(({}, 0, _DROP, future, None))  # type: ignore[arg-type]
+        self._queue.append(({}, 0, _DROP, future, None, None))  # type: ignore[arg-type]
         self._wake()
         await future
 
@@ -362,9 +370,14 @@ class ParameterStore:
         done: list[_Done] = []
         fed: tuple[list[Entry], list[Entry]] = ([], [])  # originated here, replicated
         table = self.table
-        for params, timestamp, mode, future, then in batch:
+        hold = self.hold
+        for item in batch:
+            params, timestamp, mode, future, then, call = item
             if future.cancelled():
                 continue  # its caller gave up before it was applied
+            if hold is not None and mode != _MERGE and mode != _DROP and not hold.admits(call):
+                hold.held.append(item)  # (after the cut: see .cuts)
+                continue
             try:
                 if mode == _DROP:
                     dropped = table.drop(params)  # type: ignore[arg-type]
@@ -389,6 +402,8 @@ class ParameterStore:
                 continue
             done.append((future, applied, then))
             fed[mode == _MERGE].extend(applied.entries)
+            if call is not None:
+                self.calls.add(call, params)
         self.batches += 1
         self.updates_applied += len(done)
         if self._drops and self.data_dir is not None:
@@ -430,8 +445,29 @@ class ParameterStore:
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
 
+    # -- a checkpoint's cut (see .cuts) ------------------------------------------
+
+    def start_hold(self) -> None:
+        """Keep the client writes not applied yet out of the table (see :class:`Hold`)."""
+        if self.hold is None:
+            self.hold = Hold()
+
+    def admit(self, calls: Iterable[str]) -> None:
+        """Let the held and coming writes of ``calls`` in, though held."""
+        if self.hold is not None and (freed := self.hold.admit(calls)):
+            self._queue.extendleft(reversed(freed))
+            self._wake()
+
+    def release(self) -> None:
+        """End the hold: what it held is applied next, in its order."""
+        hold, self.hold = self.hold, None
+        if hold is not None and hold.held:
+            self._queue.extendleft(reversed(hold.held))
+            self._wake()
+
     def close(self) -> None:
         """Refuse new updates; :meth:`run` returns once the queued ones are applied."""
+        self.release()
         self._closed = True
         self._wake()
         if self._room is not None:

@@ -305,6 +305,30 @@ class RowBlock:
         self._touch(slots, stamp)
         return uniq.copy()
 
+    def assign(self, ids: np.ndarray, rows: np.ndarray, now: float) -> np.ndarray:
+        """Set the rows of ``ids`` to ``rows`` (made first where missing), each at a new
+        version, its rule's state made anew (as a new row's); answer ``ids``.
+
+        Raises:
+            RequestError: ``ids`` repeat, or not int64 (1-D); ``rows`` not
+                ``(n, dim)`` floats, or (unless the rule allows it) not finite.
+                The block is then unchanged.
+        """
+        ids = _check_ids(ids)
+        if _has_duplicates(ids):
+            raise _bad(f"table {self._spec.name!r}: ids repeat; each row is set once")
+        finite = not self._spec.rule.allow_nonfinite
+        rows = _check_rows("rows", rows, len(ids), self._spec.dim, finite=finite)
+        stamp = _check_time("now", now)
+        slots = self._ensure(ids, stamp)
+        with np.errstate(over="ignore"):  # a float16 row may overflow to inf
+            self._rows[slots] = rows
+        for name, a in self._state.items():
+            a[slots] = self._spec.rule.initial_accumulator if name == "sum" else 0
+        self._versions[slots] += 1
+        self._touch(slots, stamp)
+        return ids.copy()
+
     def merge(
         self,
         ids: np.ndarray,

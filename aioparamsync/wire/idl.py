@@ -138,6 +138,7 @@ class Methods:
     push_row_gradients: Method
     replicate_rows: Method
     bucket_rows: Method
+    cut: Method
 
     def __init__(self, methods: dict[str, Method]) -> None:
         declared = set(type(self).__annotations__)
