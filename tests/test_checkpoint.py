@@ -24,7 +24,15 @@ from cluster_helpers import (
 )
 from safetensors.numpy import load_file
 
-from aioparamsync import CheckpointError, ErrorCode, Node, ParameterClient, RequestError, sgd
+from aioparamsync import (
+    CheckpointError,
+    ErrorCode,
+    Node,
+    ParameterClient,
+    RequestError,
+    sgd,
+    sum_rule,
+)
 from aioparamsync.client.checkpoint import MANIFEST, read_manifest
 from aioparamsync.store.cuts import CallLog, Hold, call_keys, new_call
 from aioparamsync.wire import METHODS, thrift
@@ -32,6 +40,7 @@ from aioparamsync.wire import METHODS, thrift
 ROUTED = [f"routed.{i}" for i in range(20)]  # written by a routed client, one call a step
 BIG = "routed.embedding"  # (partitioned: --partition-bytes 4096) in the same calls
 FOUNDING = [f"founding.{i}" for i in range(20)]  # by a client of one node (the node cuts)
+SUMS = [f"sum.{i}" for i in range(20)]  # gradients of ones pushed to all 20 in each call
 CTL = [sys.executable, "-m", "aioparamsync.ctl"]
 
 
@@ -63,6 +72,14 @@ async def write_steps(client: ParameterClient, names: list[str], big: str | None
     return step
 
 
+async def push_steps(client: ParameterClient, stop) -> int:
+    step = 0
+    while not stop.is_set():
+        step += 1
+        await client.push_gradients({n: np.ones(64, np.float32) for n in SUMS})
+    return step
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("acks", ["1", "all"])
 async def test_a_checkpoint_holds_one_step_of_every_call_and_restores_into_three_nodes(
@@ -78,17 +95,20 @@ async def test_a_checkpoint_holds_one_step_of_every_call_and_restores_into_three
         routed = await stack.enter_async_context(ParameterClient(nodes[0].address, timeout=30))
         founding = await stack.enter_async_context(nodes[1].client(timeout=30))
         await routed.update_arrays({"w": np.ones(8, np.float32)}, rules=sgd(lr=0.5))
+        await routed.update_arrays({n: np.zeros(64, np.float32) for n in SUMS}, rules=sum_rule())
         await routed.create_table("emb", 4, init="uniform", scale=0.1, buckets=8)
         ids = np.arange(0, 3000, 7, dtype=np.int64)
         await routed.push_row_gradients("emb", ids, np.ones((len(ids), 4), np.float32))
 
-        # Two writers, each writing one step to 20 parameters in one call, again and
+        # Writers each writing one step to 20 parameters in one call, again and
         # again: one routed (its calls cut among the primaries by the client), one
-        # of a single node (cut by the node). Checkpoints taken meanwhile.
+        # of a single node (cut by the node), one pushing gradients (a sum) routed.
+        # Checkpoints taken meanwhile.
         stop = asyncio.Event()
         writers = [
             asyncio.ensure_future(write_steps(routed, ROUTED, BIG, stop)),
             asyncio.ensure_future(write_steps(founding, FOUNDING, None, stop)),
+            asyncio.ensure_future(push_steps(routed, stop)),
         ]
         seen = []
         try:
@@ -99,6 +119,7 @@ async def test_a_checkpoint_holds_one_step_of_every_call_and_restores_into_three
                 assert manifest["torn_calls"] == []
                 arrays, _ = steps_of(directory)
                 seen.append((one_step(arrays, [*ROUTED, BIG]), one_step(arrays, FOUNDING)))
+                assert one_step(arrays, SUMS) >= 1
                 await asyncio.sleep(0.1)
         finally:
             stop.set()

@@ -41,8 +41,8 @@ __all__ = [
 # The split calls remembered: those applied in the last CALLS_KEPT_SECONDS, at
 # most CALLS_KEPT of them. A call whose parts arrive further apart than that is
 # no call a cut can make whole (its writer is gone or stuck).
-CALLS_KEPT_SECONDS = 120.0
-CALLS_KEPT = 100_000
+CALLS_KEPT_SECONDS = 30.0
+CALLS_KEPT = 20_000
 # The longest a node holds writes for a cut.
 MAX_HOLD_MS = 60_000
 
