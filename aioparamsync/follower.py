@@ -31,7 +31,13 @@ row, which mends what a change of primary (another clock) or an eviction
 between two pages may have skipped. Rows are a second or so behind, and a
 row read at the leader counts as touched (it comes again).
 
-Not yet: a cluster of followers (``--follow`` with ``--peers``).
+A cluster of followers (``--follow`` with ``--peers`` among themselves) is
+a cluster as any other, with a placement of its own: each follower takes
+from the leader only the keys and buckets it holds by that placement (every
+follower watches every key, and skips those of others), and the followers
+move keys among themselves as members do when one joins or leaves. So a
+fleet of followers holds a model larger than one of them, and its readers'
+traffic is spread over them.
 """
 
 from __future__ import annotations
@@ -120,6 +126,8 @@ class Follower:
         if watcher is not None:
             table = self.store.table
             for key, version in watcher.keys.items():
+                if not self._holds(key):
+                    continue
                 entry = table.entry(key)
                 held = entry.version if entry is not None else 0
                 if version > held:
@@ -133,6 +141,11 @@ class Follower:
             "follow_batches": self.batches,
             "follow_rows_pulled": self.rows_pulled,
         }
+
+    def _holds(self, key: str) -> bool:
+        """Whether this follower takes ``key`` (in a cluster of followers: one it holds)."""
+        cluster = self.service.cluster
+        return cluster is None or cluster.holds_here(key)
 
     async def _run(self) -> None:
         while True:
@@ -155,7 +168,7 @@ class Follower:
             if not changed:
                 continue
             self._waiting_since = time.monotonic()
-            keys = sorted(changed)
+            keys = sorted(k for k in changed if self._holds(k))
             for i in range(0, len(keys), BATCH_KEYS):
                 await self._pull(client, keys[i : i + BATCH_KEYS])
             self._waiting_since = None
@@ -183,7 +196,8 @@ class Follower:
             for spec in await client.invoke(METHODS.tables):
                 self.service.rows.tables.create(table_spec(spec))
                 for bucket in range(table_spec(spec).buckets):
-                    await self._pull_bucket(client, spec.name, bucket, marks)
+                    if self._holds(bucket_key(spec.name, bucket)):
+                        await self._pull_bucket(client, spec.name, bucket, marks)
             await asyncio.sleep(ROWS_INTERVAL)
 
     async def _pull_bucket(

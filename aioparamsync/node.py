@@ -110,14 +110,15 @@ class Node:
         coordinator_tls: (ca, cert, key) files to reach etcd over TLS (cert and
             key may be None); None: plain.
         follow: nodes of another cluster (any one will do) to mirror, read-only:
-            this node takes no writes (see :mod:`aioparamsync.follower`). Not
-            with ``peers``, ``peers_dns`` or ``coordinator``.
+            this node takes no writes (see :mod:`aioparamsync.follower`); with
+            ``peers`` (or ``peers_dns``), a cluster of followers. Not with
+            ``coordinator``.
         balance_interval: seconds between this member's rounds of balancing by
             bytes (see :mod:`aioparamsync.cluster.balance`); 0: never.
 
     Raises:
         ValueError: ``advertise`` is ``0.0.0.0`` or ``::``, or ``host`` is and
-            ``peers`` are given without ``advertise``; ``follow`` with ``peers``.
+            ``peers`` are given without ``advertise``; ``follow`` with ``coordinator``.
     """
 
     def __init__(
@@ -258,8 +259,8 @@ class Node:
         self._writer: asyncio.Task[None] | None = None
         self.metrics_port = metrics_port
         self.metrics: NodeMetrics | None = None
-        if follow and (self.seeds or self._dns or coordinator):
-            raise ValueError("a follower has no peers, DNS or coordinator (not yet)")
+        if follow and coordinator:
+            raise ValueError("a follower has no coordinator (its cluster of followers has peers)")
         #: what mirrors the cluster this node follows (None: it follows none)
         self.follower = (
             Follower(self.service, self.store, parse_addresses(follow), ssl=peer_ssl)

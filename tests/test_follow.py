@@ -179,10 +179,46 @@ async def test_a_follower_killed_and_restarted_reads_only_what_changed(tmp_path:
             assert counters["follow_keys_pulled"] == 3, counters
 
 
-async def test_a_follower_is_one_node_alone_and_says_so() -> None:
-    with pytest.raises(ValueError, match="follower has no peers"):
-        Node("127.0.0.1", 0, follow=["127.0.0.1:1"], peers=["127.0.0.1:2"])
-    for extra in (["--peers", "127.0.0.1:2"], ["--processes", "2"]):
+async def test_a_cluster_of_followers_holds_a_share_each_and_serves_every_key() -> None:
+    async with (
+        ProcessCluster(replication_factor="2") as procs,
+        ProcessCluster(replication_factor="1") as fprocs,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        leaders = await spawn_cluster(procs, 2, extra=["--partition-bytes", "4096"])
+        await wait_formed(await open_clients(stack, leaders))
+        writer = await stack.enter_async_context(ParameterClient(leaders[1].address, timeout=30))
+        await writer.update_arrays(step_arrays(1))
+        await writer.create_table("emb", 8, rule=sgd(0.5), buckets=8)
+        ids = np.arange(300, dtype=np.int64) * 7919
+        await writer.push_row_gradients("emb", ids, np.ones((300, 8), np.float32))
+
+        # Two followers, a cluster of their own (R=1 among them): each takes its share.
+        extra = ["--follow", leaders[0].address_text, "--partition-bytes", "4096"]
+        followers = await spawn_cluster(fprocs, 2, extra=extra)
+        own = await open_clients(stack, followers)
+        await wait_formed(own)
+        reader = await stack.enter_async_context(ParameterClient(followers[0].address, timeout=30))
+        await eventually(lambda: converged(writer, reader), timeout=CONVERGE)
+        want = await writer.pull_rows("emb", ids)
+        await eventually(lambda: _rows_equal(reader, ids, want), timeout=CONVERGE)
+        at_leader = (await writer.info()).parameter_count
+        counts = [(await c.info()).parameter_count for c in own.values()]
+        assert all(0 < n < at_leader for n in counts) and sum(counts) >= at_leader, counts
+
+        # New writes reach them; writes at them are refused.
+        await writer.update_arrays(step_arrays(2))
+        await eventually(lambda: converged(writer, reader), timeout=CONVERGE)
+        for client in own.values():
+            with pytest.raises(RequestError, match="read-only follower of"):
+                await client.update_arrays({NAMES[0]: np.zeros(64, np.float32)})
+        assert (await writer.get_arrays([NAMES[0]]))[NAMES[0]].tolist() == [2.0] * 64
+
+
+async def test_a_follower_says_what_it_is_not_with() -> None:
+    with pytest.raises(ValueError, match="follower has no coordinator"):
+        Node("127.0.0.1", 0, follow=["127.0.0.1:1"], coordinator="etcd://127.0.0.1:2")
+    for extra in (["--coordinator", "etcd://127.0.0.1:2"], ["--processes", "2"]):
         rc, _, stderr = run_bounded(
             [sys.executable, "-m", "aioparamsync", "--follow", "127.0.0.1:1", *extra], timeout=60
         )

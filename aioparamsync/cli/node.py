@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="mirror the cluster of these nodes (any one live node will do), read-only: "
         "this node takes every change of every parameter and table row there, within about "
         "a second, and serves reads, long polls and watches of them; writes are refused, "
-        "naming the cluster followed. Not with --peers, --peers-dns, --coordinator or "
+        "naming the cluster followed. With --peers (or --peers-dns), a cluster of followers, "
+        "each taking the keys it holds by its own placement. Not with --coordinator or "
         "--processes",
     )
     parser.add_argument(
@@ -558,11 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"peers: with {given}, pass --advertise HOST:PORT with an address the peers can "
             "reach"
         )
-    if args.follow and (args.peers or args.peers_dns or args.coordinator or args.processes > 1):
+    if args.follow and (args.coordinator or args.processes > 1):
         parser.error(
-            "--follow makes a read-only mirror of another cluster, alone: not with --peers, "
-            "--peers-dns, --coordinator or --processes (a cluster of followers is not supported "
-            "yet)"
+            "--follow makes a read-only mirror of another cluster: not with --coordinator or "
+            "--processes (a cluster of followers is made with --peers among them)"
         )
     args.fsync = args.fsync or "batch"
     if "replication_factor" not in vars(args):

@@ -38,7 +38,9 @@ __all__ = ["ParameterService"]
 # What a node answers while it starts (see ParameterService.starting): health and info.
 _WHILE_STARTING = frozenset({METHODS.ping.name, METHODS.info.name})
 # What a follower refuses (see ParameterService.following): the writes of data.
-_FOLLOWER_REFUSES = frozenset(m.name for m in METHODS if m.writes) - {"drain", "shutdown"}
+# (not what its own cluster's members send it: a cluster of followers moves keys as any does)
+_FOLLOWER_TAKES = {"drain", "shutdown", "replicate_rows"}
+_FOLLOWER_REFUSES = frozenset(m.name for m in METHODS if m.writes) - _FOLLOWER_TAKES
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,11 @@ class ParameterService:
                 f"node {self.node_id or '(starting)'} is {self.starting}: nothing was "
                 "done; try again, or another node",
             )
-        if self.following is not None and method.name in _FOLLOWER_REFUSES:
+        if (
+            self.following is not None
+            and method.name in _FOLLOWER_REFUSES
+            and not (method.name == "broadcast_update" and args.update and args.update.from_peer)
+        ):
             raise RequestError(ErrorCode.BAD_REQUEST, f"node {self.node_id} {self.following}")
         return self._handlers[method.name](method, args)
 
