@@ -223,3 +223,25 @@ def test_bench_scaleout_smoke(tmp_path: Path) -> None:
     for ratio in ("vs_1", "vs_2_r2", "vs_1_wire", "vs_2_r2_wire"):
         assert row[ratio] is None  # no N=1 or R=2 run to compare with
     assert row["node_cpu"] >= 0 and row["machine_busy"] >= 0
+
+
+def test_bench_fanout_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "fanout.json"
+    cmd = [
+        sys.executable, str(BENCHMARKS / "bench_fanout.py"),
+        "--readers", "2", "--followers", "1", "--model-bytes", "8MiB", "--mbit", "200",
+        "--rounds", "1", "--json", str(out),
+    ]  # fmt: skip
+    rc, stdout, stderr = run_bounded(cmd, timeout=80)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    assert "| arrangement | time to all readers |" in stdout
+
+    doc = json.loads(out.read_text())
+    one, tree = doc["rows"]
+    assert (one["arrangement"], one["followers"]) == ("one-node", 0)
+    assert (tree["arrangement"], tree["followers"]) == ("tree", 1)
+    for row in (one, tree):
+        assert row["readers"] == 2 and len(row["seconds"]) == 1
+        # (2 readers each read 8 MiB over a 200 Mbit/s link: not faster than the link)
+        assert row["median_seconds"] >= 0.5 * (8 << 20) * 8 / 200e6, row
+    assert _of(doc["meta"]["lab"]) == []
