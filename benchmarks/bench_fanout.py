@@ -10,14 +10,14 @@ One command, as root (hosts are network namespaces: see ``netlab.py``)::
 Hosts, each with a link of ``--mbit`` Mbit/s each way (htb): a leader node; ``--followers``
 nodes, each a follower of the leader (``--follow``); ``--readers`` reader hosts. A control
 host (unshaped) writes. The model is float32 tensors of 4 MiB adding up to
-``--model-bytes``, written at the leader in one call; every reader reads it once (warm).
+``--model-bytes``, written at the leader; every reader reads it once (warm).
 
-Then, each round, the control host writes a new version of every tensor in one call, and
-every reader, which waits for that version in a long poll (``get_arrays(names,
-min_version=v, wait=...)``), reads the whole model. Reported per arrangement: the time from
-the write's acknowledgement to the last reader holding the new version (the median over
-rounds; every host's clock is the machine's), and the bytes per second that makes over all
-readers.
+Then, each round, the control host writes a new version of every tensor (in calls of 64 MiB,
+all at once), and every reader, which waits for that version in long polls (``get_arrays(names,
+min_version=v, wait=...)``, 64 MiB of names each, all at once), reads the whole model.
+Reported per arrangement: the time from the write's acknowledgement to the last reader holding
+the new version (the median over rounds; every host's clock is the machine's), and the bytes
+per second that makes over all readers.
 
 Arrangements: ``one node``, every reader reads from the leader; ``tree``, reader i reads
 from follower i mod F: the leader's link carries the model F times, each follower's K/F
@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +51,6 @@ from bench_node import (
     _positive_int,
     fmt_size,
     machine,
-    parse_size,
     run_environment,
 )
 from bench_scaleout import LabNode, stop_nodes
@@ -58,6 +59,9 @@ from netlab import Host, NetLab, NetLabUnavailable, read_line
 THIS = Path(__file__).resolve()
 PORT = 7000
 TENSOR_BYTES = 4 << 20
+# The most written or read in one call (the calls of a version go at once): an answer of
+# more than the client's max_frame_bytes is refused.
+CALL_BYTES = 64 << 20
 WAIT = 600.0  # a reader's long poll, and a call's timeout (seconds)
 READY_TIMEOUT = 900.0  # the warm reads: K copies over one link, at worst
 
@@ -87,9 +91,15 @@ async def writer(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     async with ParameterClient(spec["address"], timeout=WAIT) as client:
         value = 1.0
+        per_call = max(1, CALL_BYTES // tensor)  # (a message holds less than the frame limit)
         while True:
-            versions = await client.update_arrays(_arrays(names, tensor, value))
-            print(json.dumps({"acked": time.time(), "version": max(versions.values())}), flush=True)
+            arrays = _arrays(names, tensor, value)
+            calls = [names[i : i + per_call] for i in range(0, len(names), per_call)]
+            done = await asyncio.gather(
+                *(client.update_arrays({n: arrays[n] for n in part}) for part in calls)
+            )
+            version = max(v for versions in done for v in versions.values())
+            print(json.dumps({"acked": time.time(), "version": version}), flush=True)
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if not line.strip():
                 return
@@ -104,15 +114,34 @@ async def reader(spec: dict[str, Any]) -> None:
     from aioparamsync import ParameterClient
 
     names = names_of(spec["model_bytes"])
+    per_call = max(1, CALL_BYTES // min(TENSOR_BYTES, spec["model_bytes"]))
+    calls = [names[i : i + per_call] for i in range(0, len(names), per_call)]
     loop = asyncio.get_running_loop()
+    # (kill -USR1 a reader: its tasks' stacks on stderr, to see what a stuck one waits for)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
     async with ParameterClient(spec["address"], timeout=WAIT) as client:
-        await client.get_arrays(names, min_version=1, wait=WAIT)
+
+        async def read(version: int) -> int:
+            got = await asyncio.gather(
+                *(client.get_arrays(part, min_version=version, wait=WAIT) for part in calls)
+            )
+            return sum(len(arrays) for arrays in got)
+
+        await read(1)
         print(json.dumps({"ready": time.time()}), flush=True)
         while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
-            arrays = await client.get_arrays(names, min_version=int(line), wait=WAIT)
+            count = await read(int(line))
             done = time.time()
-            assert len(arrays) == len(names)
+            assert count == len(names)
             print(json.dumps({"done": done}), flush=True)
+
+
+def _dump_tasks() -> None:
+    import asyncio
+
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
 
 
 def run_inside(role: str, text: str) -> int:
@@ -232,11 +261,23 @@ def arrangement(
     }
 
 
+_SIZES = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def model_size(text: str) -> int:
+    """``8MiB``, ``256MiB``, ``1GiB`` (any size: the model is many tensors)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZES or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8MiB, 256MiB, 1GiB)")
+    return int(match.group(1)) * _SIZES[unit]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--readers", type=_positive_int, default=8, help="reader hosts (8)")
     p.add_argument("--followers", type=_positive_int, default=2, help="followers (2)")
-    p.add_argument("--model-bytes", type=parse_size, default=256 << 20, help="the model (256MiB)")
+    p.add_argument("--model-bytes", type=model_size, default=256 << 20, help="the model (256MiB)")
     p.add_argument("--mbit", type=_positive_float, default=300.0, help="every link (300)")
     p.add_argument("--rounds", type=_positive_int, default=2, help="new versions (2)")
     p.add_argument(

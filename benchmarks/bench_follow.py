@@ -21,6 +21,11 @@ saved) beside the writes made.
 
 The client and the three nodes share this machine's cores: the figures are loopback's, with
 the CPU shared, not a network's.
+
+``python benchmarks/bench_follow.py --fanout [bench_fanout.py's flags]`` measures the other
+half, on hosts with links of their own (root: network namespaces): the time for K readers to
+get a new 256 MiB model version from one node against from a tree of followers (see
+``bench_fanout.py``).
 """
 
 from __future__ import annotations
@@ -186,6 +191,11 @@ def print_table(doc: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--fanout"]:  # (the fan-out half: bench_fanout.py, on the namespace test bed)
+        import bench_fanout
+
+        return bench_fanout.main(raw[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=_positive_int, default=1000)
     parser.add_argument("--key-bytes", type=parse_size, default=4096)

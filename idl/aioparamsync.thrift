@@ -129,7 +129,8 @@ struct ParameterRequest {
     // Parameter.encoding); absent: raw.
     6: optional string encoding,
     // Answer a parameter larger than this without its data (total_bytes
-    // set); read it in pieces (see Parameter.offset).
+    // set); read it in pieces (see Parameter.offset). So too the parameters
+    // past this many bytes of data in all: no answer carries more.
     7: optional i64 max_inline_bytes,
     // Read one piece: bytes [piece_offset, piece_offset + piece_bytes) of
     // the one parameter named (at most what remains).

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -227,6 +229,12 @@ async def test_a_follower_says_what_it_is_not_with() -> None:
         [sys.executable, "-m", "aioparamsync", "--follow", "nowhere"], timeout=60
     )
     assert rc == 2 and "--follow" in stderr, stderr
+    env = {**os.environ, "AIOPARAMSYNC_FOLLOW": "nowhere"}  # (the flag's variable)
+    argv = [sys.executable, "-m", "aioparamsync"]
+    done = await asyncio.to_thread(
+        subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "AIOPARAMSYNC_FOLLOW" in done.stderr, done.stderr
 
 
 async def test_a_follower_of_a_node_not_yet_up_serves_and_catches_up_once_it_is() -> None:

@@ -23,6 +23,7 @@ from aioparamsync.client.fetch import fetch
 from aioparamsync.values import pieces as pieces_module
 from aioparamsync.values.arrays import from_parameter, to_parameter
 from aioparamsync.values.pieces import Uploads, split
+from aioparamsync.wire import METHODS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -434,3 +435,28 @@ def test_the_table_refuses_a_piece_that_was_not_put_together() -> None:
     with pytest.raises(RequestError, match="piece"):
         table.apply([split(whole(), "u", 16_000)[0]], 1)
     assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_read_of_many_parameters_answers_those_past_max_inline_bytes_as_headers() -> None:
+    # (a whole model from one node: no answer outgrows a message; the client reads the rest)
+    async with (
+        Node("127.0.0.1", 0) as node,
+        ParameterClient(node.address, max_inline_bytes=1 << 20, piece_bytes=1 << 18) as client,
+    ):
+        arrays = {f"p{i}": np.full(65536, i, np.float32) for i in range(8)}  # 256 KiB each
+        await client.update_arrays(arrays)
+        request = thrift.ParameterRequest(param_names=list(arrays), max_inline_bytes=1 << 20)
+        answer = await client.invoke(METHODS.pull_parameters, request=request)
+        inline = [p for p in answer.params if p.total_bytes is None]
+        headers = [p for p in answer.params if p.total_bytes is not None]
+        assert sum(len(p.data) for p in inline) <= 1 << 20
+        assert (len(inline), len(headers)) == (4, 4)
+        assert all(p.total_bytes == 1 << 18 and not p.data for p in headers)
+        got = await client.get_arrays(list(arrays))
+        for name, value in arrays.items():
+            np.testing.assert_array_equal(got[name], value)
+        # A caller that reads no pieces (no max_inline_bytes) is answered everything, as before.
+        request = thrift.ParameterRequest(param_names=list(arrays))
+        answer = await client.invoke(METHODS.pull_parameters, request=request)
+        assert all(p.total_bytes is None for p in answer.params)

@@ -29,7 +29,7 @@ from ..values.arrays import from_parameter
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 from .addresses import Address, check_seconds, parse_address
 from .addresses import parse_addresses as parse_addresses  # (importable from here too)
-from .fetch import fetch
+from .fetch import fetch_all
 from .gradients import GradientClient
 from .pool import ConnectionPool
 from .routing import ROUTED, Routes
@@ -264,12 +264,9 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             left = None if deadline is None else deadline - (time.monotonic() - started)
             try:
                 async with asyncio.timeout(left):
-                    response.params = [
-                        p
-                        if p.total_bytes is None
-                        else await fetch(self, p, self.piece_bytes, timeout=timeout)
-                        for p in response.params
-                    ]
+                    response.params = await fetch_all(
+                        self, response.params, self.piece_bytes, timeout=timeout
+                    )
             except TimeoutError:
                 raise CallTimeout(f"pull_parameters did not complete within {deadline} s") from None
         rules = self._rules

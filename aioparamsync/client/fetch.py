@@ -20,7 +20,7 @@ from ..errors import ErrorCode, RequestError
 from ..values.pieces import PIECE_BYTES
 from ..wire import METHODS, thrift
 
-__all__ = ["fetch", "gather_all", "gather_or_stop"]
+__all__ = ["fetch", "fetch_all", "gather_all", "gather_or_stop"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,20 @@ T = TypeVar("T")
 # that keeps changing while it reads.
 FETCH_CONCURRENCY = 4
 FETCH_TRIES = 3
+
+
+async def fetch_all(
+    pool: Any, params: list[Any], piece_bytes: int, *, timeout: Any = ...
+) -> list[Any]:
+    """``params`` of an answer, those answered without data (headers) read in pieces, at
+    once (an answer holds at most ``max_inline_bytes`` of data: the rest comes so)."""
+
+    async def whole(p: Any) -> Any:
+        if p.total_bytes is None:
+            return p
+        return await fetch(pool, p, piece_bytes, timeout=timeout)
+
+    return await gather_or_stop(whole(p) for p in params)
 
 
 async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:

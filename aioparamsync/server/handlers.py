@@ -28,7 +28,7 @@ from .cuts import Cuts
 from .digests import digest, digest_for
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
-from .partitioned import Partitioned, check_names, inline_limit, is_manifest
+from .partitioned import Partitioned, check_names, inline_limit, is_manifest, piece_of
 from .routing import Router
 from .rows import RowService
 from .watches import Watches
@@ -242,9 +242,12 @@ class ParameterService:
             entries = [e for e in entries if _newer(e, known.get(e.name, 0), origins.get(e.name))]
         limit = inline_limit(request)
         if request.piece_offset is not None:
-            params = self._piece(request, entries)
-        elif any(e.nbytes > limit for e in entries):
-            params = [self._inline_or_header(request, e, limit) for e in entries]
+            params = piece_of(request, entries, self.max_decoded_bytes)
+        elif any(e.nbytes > limit for e in entries) or (
+            request.max_inline_bytes is not None and sum(e.nbytes for e in entries) > limit
+        ):
+            budget = [limit]  # (what the answer may still carry: the rest as headers)
+            params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding) for e in entries]
         else:
@@ -253,9 +256,10 @@ class ParameterService:
             params += [e.to_parameter() for e in manifests]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
 
-    def _inline_or_header(self, request: Any, entry: Entry, limit: int) -> Any:
-        """A parameter in the answer, or (over ``limit`` bytes) its header: no data, total_bytes."""
-        if entry.nbytes > limit:
+    def _inline_or_header(self, request: Any, entry: Entry, budget: list[int]) -> Any:
+        """A parameter in the answer, or its header (no data, total_bytes) where it is over
+        ``budget[0]``: what the answer may still carry, for a caller that reads pieces."""
+        if entry.nbytes > budget[0]:
             if request.max_inline_bytes is None:  # a client that cannot take pieces
                 raise RequestError(
                     ErrorCode.LIMIT_EXCEEDED,
@@ -265,33 +269,11 @@ class ParameterService:
             header = entry.to_parameter()
             header.data, header.total_bytes = b"", entry.nbytes
             return header
+        if request.max_inline_bytes is not None:
+            budget[0] -= entry.nbytes
         if request.encoding:
             return self.encoded(entry, request.encoding)
         return entry.to_parameter()
-
-    def _piece(self, request: Any, entries: list[Entry]) -> list[Any]:
-        """The piece ``[piece_offset, piece_offset + piece_bytes)`` of the one name asked."""
-        offset, size = request.piece_offset, request.piece_bytes
-        if len(request.param_names) != 1 or request.all_names:
-            raise RequestError(ErrorCode.BAD_REQUEST, "a piece is read of exactly one name")
-        if size is None or not 0 < size <= self.max_decoded_bytes or offset < 0:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"a piece needs piece_offset >= 0 and piece_bytes from 1 to "
-                f"{self.max_decoded_bytes}",
-            )
-        if not entries:
-            return []
-        entry = entries[0]
-        if offset >= max(entry.nbytes, 1):
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"{entry.name!r} has {entry.nbytes} bytes; no piece starts at {offset}",
-            )
-        piece = entry.to_parameter()
-        piece.data = entry.data[offset : offset + size]
-        piece.offset, piece.total_bytes = offset, entry.nbytes
-        return [piece]
 
     def incoming(self, params: Sequence[Any]) -> Sequence[Any]:
         """An update's parameters as the store takes them: whole and decoded.

@@ -56,6 +56,7 @@ __all__ = [
     "check_names",
     "inline_limit",
     "is_manifest",
+    "piece_of",
     "replaces",
 ]
 
@@ -70,6 +71,30 @@ def inline_limit(request: Any) -> int:
     """The largest parameter a read answers with its data (larger: a header)."""
     limit = request.max_inline_bytes
     return MAX_INLINE_BYTES if limit is None else min(max(limit, 0), MAX_INLINE_BYTES)
+
+
+def piece_of(request: Any, entries: list[Entry], max_bytes: int) -> list[Any]:
+    """The piece ``[piece_offset, piece_offset + piece_bytes)`` of the one name asked."""
+    offset, size = request.piece_offset, request.piece_bytes
+    if len(request.param_names) != 1 or request.all_names:
+        raise RequestError(ErrorCode.BAD_REQUEST, "a piece is read of exactly one name")
+    if size is None or not 0 < size <= max_bytes or offset < 0:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"a piece needs piece_offset >= 0 and piece_bytes from 1 to {max_bytes}",
+        )
+    if not entries:
+        return []
+    entry = entries[0]
+    if offset >= max(entry.nbytes, 1):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{entry.name!r} has {entry.nbytes} bytes; no piece starts at {offset}",
+        )
+    piece = entry.to_parameter()
+    piece.data = entry.data[offset : offset + size]
+    piece.offset, piece.total_bytes = offset, entry.nbytes
+    return [piece]
 
 
 def is_manifest(key: str) -> bool:
