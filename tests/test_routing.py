@@ -7,6 +7,8 @@ processes (kills, joins, drains, partitions) are in ``test_sharding.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import time
 from typing import Any
 
@@ -601,11 +603,22 @@ async def test_a_replica_behind_is_not_read_past_what_the_client_wrote() -> None
     cluster = LocalCluster(replication_factor=R)
     try:
         a = await cluster.start()
-        port = free_port()
         # (everything sent to b, from a or from the client, crosses a slow link of its own:
         # 2 MiB of replication takes ~2 s, a read of a few bytes is answered at once)
-        async with throttle.Throttle(("127.0.0.1", port), mbit=8, rtt_ms=0) as link:
-            b = await cluster.start(peers=[a], port=port, advertise=link.address)
+        async with contextlib.AsyncExitStack() as stack:
+            for attempt in range(5):  # (the free port may be taken before b binds it)
+                port = free_port()
+                link = throttle.Throttle(("127.0.0.1", port), mbit=8, rtt_ms=0)
+                await link.__aenter__()
+                try:
+                    b = await cluster.start(peers=[a], port=port, advertise=link.address)
+                except OSError as exc:
+                    await link.__aexit__(None, None, None)
+                    if exc.errno != errno.EADDRINUSE or attempt == 4:
+                        raise
+                    continue
+                stack.push_async_exit(link.__aexit__)
+                break
             ids = {a.node_id, b.node_id}
             await eventually(lambda: assert_(a.cluster.live == b.cluster.live == ids))
             async with ParameterClient(a.address, timeout=30, read_from="any") as client:
