@@ -122,14 +122,14 @@ async def checkpoint(
     try:
         for attempt in range(CUT_ATTEMPTS):
             cut_id = secrets.token_hex(8)
-            epoch, members = await _members(client)
+            members = await _members(client)
             try:
+                before = await _epochs(members)
                 started = time.time()
                 held, torn = await _cut(members, cut_id, hold_ms, admit_seconds)
                 # (a member that joined meanwhile held nothing, and may have sent writes
                 # made after the cut to the others as replication: made again)
-                epochs = await asyncio.gather(*(m.topology() for m in members.values()))
-                if any(t.epoch != epoch for t in epochs):
+                if await _epochs(members) != before:
                     if attempt + 1 < CUT_ATTEMPTS:
                         continue
                     raise CheckpointError(
@@ -174,17 +174,24 @@ def _finish(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
         raise CheckpointError(f"cannot write {target}: {exc.strerror or exc}") from None
 
 
-async def _members(client: ParameterClient) -> tuple[int, dict[str, Any]]:
-    """The topology's epoch, and a client of each live member (routing off) by node id."""
+async def _epochs(members: dict[str, Any]) -> list[int]:
+    """Each member's epoch, as it sees its cluster."""
+    try:
+        return [t.epoch for t in await asyncio.gather(*(m.topology() for m in members.values()))]
+    except ParamSyncError as exc:
+        raise CheckpointError(f"a member could not be asked for its topology: {exc}") from exc
+
+
+async def _members(client: ParameterClient) -> dict[str, Any]:
+    """A client of each live member (routing off), by node id."""
     from .api import ParameterClient
 
     topology = await client.topology()
     live = [m for m in topology.members or () if m.state in LIVE and m.port]
     if not live:  # (a node alone, in no cluster)
         address = client.addresses[client._current]
-        alone = ParameterClient(address, route=False, ssl=client.ssl, timeout=client.timeout)
-        return topology.epoch, {"": alone}
-    return topology.epoch, {
+        return {"": ParameterClient(address, route=False, ssl=client.ssl, timeout=client.timeout)}
+    return {
         m.node_id: ParameterClient(
             (m.host, m.port), route=False, ssl=client.ssl, timeout=client.timeout
         )

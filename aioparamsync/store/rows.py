@@ -216,26 +216,26 @@ class RowTable:
 
         Answers the distinct ids folded, by bucket, and how many rows were made.
         """
-        changed: dict[int, np.ndarray] = {}
-        created = 0
-        for bucket, positions in self.by_bucket(ids):
-            block = self.block(bucket)
-            before = len(block)
-            changed[bucket] = block.fold(ids[positions], grads[positions], now)
-            created += len(block) - before
-        return changed, created
+        return self._by_block(ids, grads, lambda block, i, g: block.fold(i, g, now))
 
     def assign(
         self, ids: np.ndarray, rows: np.ndarray, now: float
     ) -> tuple[dict[int, np.ndarray], int]:
         """Set the rows of ``ids`` to ``rows`` (see :meth:`RowBlock.assign`); answers as
         :meth:`fold` does."""
+        return self._by_block(ids, rows, lambda block, i, r: block.assign(i, r, now))
+
+    def _by_block(
+        self, ids: np.ndarray, values: np.ndarray, change: Any
+    ) -> tuple[dict[int, np.ndarray], int]:
+        """``change(block, ids, values)`` of each bucket's part; the ids it changed by bucket,
+        and how many rows were made."""
         changed: dict[int, np.ndarray] = {}
         created = 0
         for bucket, positions in self.by_bucket(ids):
             block = self.block(bucket)
             before = len(block)
-            changed[bucket] = block.assign(ids[positions], rows[positions], now)
+            changed[bucket] = change(block, ids[positions], values[positions])
             created += len(block) - before
         return changed, created
 
