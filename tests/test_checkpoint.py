@@ -33,7 +33,8 @@ from aioparamsync import (
     sgd,
     sum_rule,
 )
-from aioparamsync.client.checkpoint import MANIFEST, read_manifest
+from aioparamsync.client.checkpoint import MANIFEST
+from aioparamsync.client.restore import read_manifest
 from aioparamsync.store.cuts import CallLog, Hold, call_keys, new_call
 from aioparamsync.wire import METHODS, thrift
 

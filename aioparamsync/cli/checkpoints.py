@@ -9,7 +9,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..client.checkpoint import MAX_HOLD_MS, checkpoint, restore
+from ..client.checkpoint import MAX_HOLD_MS, checkpoint
+from ..client.restore import restore
 from .output import format_size, print_json
 
 __all__ = ["add_parsers", "run_checkpoint", "run_restore"]

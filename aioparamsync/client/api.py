@@ -531,7 +531,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         Raises:
             CheckpointError: no checkpoint there, or a damaged one (nothing written).
         """
-        from .checkpoint import restore
+        from .restore import restore
 
         return await restore(self, directory)
 
