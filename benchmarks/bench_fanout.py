@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -112,13 +111,14 @@ async def reader(spec: dict[str, Any]) -> None:
     import asyncio
 
     from aioparamsync import ParameterClient
+    from aioparamsync.cli.taskdump import install as install_task_dump
 
     names = names_of(spec["model_bytes"])
     per_call = max(1, CALL_BYTES // min(TENSOR_BYTES, spec["model_bytes"]))
     calls = [names[i : i + per_call] for i in range(0, len(names), per_call)]
     loop = asyncio.get_running_loop()
     # (kill -USR1 a reader: its tasks' stacks on stderr, to see what a stuck one waits for)
-    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
+    install_task_dump(loop)
     async with ParameterClient(spec["address"], timeout=WAIT) as client:
 
         async def read(version: int) -> int:
@@ -134,14 +134,6 @@ async def reader(spec: dict[str, Any]) -> None:
             done = time.time()
             assert count == len(names)
             print(json.dumps({"done": done}), flush=True)
-
-
-def _dump_tasks() -> None:
-    import asyncio
-
-    for task in asyncio.all_tasks():
-        task.print_stack(file=sys.stderr)
-    sys.stderr.flush()
 
 
 def run_inside(role: str, text: str) -> int:

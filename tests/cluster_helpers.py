@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from aioparamsync import CallTimeout, NetworkError, Node, ParameterClient
+from aioparamsync.cli.taskdump import BEGIN as TASKS_BEGIN
+from aioparamsync.cli.taskdump import END as TASKS_END
 
 LOOPBACK = "127.0.0.1"
 # Default bound of a wait for the cluster to converge (seconds): generous, as
@@ -454,10 +456,18 @@ class ProcessCluster:
         await self.close()
 
     def show_logs(self, tail: int = 80) -> None:
-        """Print the end of every node's log (pytest shows it when the test failed)."""
+        """Print the end of every node's log (pytest shows it when the test failed), and
+        before it the first dump of its tasks (``kill -USR1``) if it was asked for one."""
         for node in self.started:
+            lines = node.stderr_lines
+            dump = next((i for i, line in enumerate(lines) if line.startswith(TASKS_BEGIN)), None)
+            if dump is not None and dump < len(lines) - tail:
+                ends = (i for i in range(dump, len(lines)) if lines[i].startswith(TASKS_END))
+                end = next(ends, len(lines) - 1)
+                print(f"--- node {node.node_id or '?'} (pid {node.pid}), its tasks when asked:")
+                print("".join(lines[dump : end + 1]), end="")
             print(f"--- node {node.node_id or '?'} (pid {node.pid}), its log's end:")
-            print("".join(node.stderr_lines[-tail:]), end="")
+            print("".join(lines[-tail:]), end="")
 
     async def close(self) -> None:
         for node in self.started:

@@ -40,6 +40,8 @@ from aioparamsync import (
 )
 from aioparamsync.cli.node import build_parser
 from aioparamsync.cli.options import byte_size, human_size
+from aioparamsync.cli.taskdump import BEGIN as TASKS_BEGIN
+from aioparamsync.cli.taskdump import END as TASKS_END
 from aioparamsync.wire import MessageType, Protocol, decode_header, encode_message, method, thrift
 
 pytestmark = pytest.mark.timeout(90)
@@ -196,6 +198,30 @@ async def test_signal_with_no_connection_ever_made(spawn) -> None:
     assert (rc, node.stdout_lines[1:]) == (0, [])
     assert took < PROMPT_SECONDS
     assert_clean(node.stderr)
+
+
+async def test_sigusr1_prints_every_tasks_stack_and_the_node_serves_on(spawn) -> None:
+    node = await spawn()
+    async with client_of(node) as client:
+        await client.update_arrays({"w": np.ones(4)})
+        # a call held at the node: its task is among those shown, where it waits
+        held = asyncio.ensure_future(client.get_arrays(["w"], min_version=9, wait=30))
+        await asyncio.sleep(0.2)
+        node.proc.send_signal(signal.SIGUSR1)
+        await node.wait_stderr(TASKS_END)
+        dump = node.stderr[node.stderr.index(TASKS_BEGIN) :]
+        assert re.search(r"\d+ tasks", dump.splitlines()[0]), dump
+        # the held call's whole chain of awaits, down to the future it waits on
+        assert re.search(r"aioparamsync/server/\S+:\d+ in \w+", dump), dump
+        assert "waits on <Future pending" in dump, dump
+        # and the node goes on: it takes writes, and the held call still waits
+        await client.update_arrays({"w": np.full(4, 2.0)})
+        await client.update_arrays({"w": np.full(4, 3.0)})
+        assert not held.done()
+        held.cancel()
+        np.testing.assert_array_equal((await client.get_arrays(["w"]))["w"], np.full(4, 3.0))
+    rc, _ = await stop(node, signal.SIGTERM)
+    assert rc == 0, node.stderr
 
 
 async def _slow_reader(node: NodeProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

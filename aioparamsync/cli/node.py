@@ -53,6 +53,7 @@ from .options import (
     seconds,
 )
 from .processes import supervise
+from .taskdump import install as install_task_dump
 
 __all__ = ["main"]
 
@@ -504,6 +505,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    install_task_dump(loop)  # (kill -USR1: what every task waits for, on stderr)
     host, port = node.address
     where = f"{host}:{port}" + (f" and unix:{args.unix_socket}" if args.unix_socket else "")
     print(f"aioparamsync-node {node.node_id} listening on {where}", flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,6 +211,14 @@ class ChaosCluster:
     def members(self) -> list[Slot]:
         """The slots whose node is a member now or should be (not drained)."""
         return [s for s in self.slots if not s.left and s.proc is not None]
+
+    def dump_tasks(self) -> None:
+        """Ask every running node for its tasks' stacks (``kill -USR1``): a run that hangs
+        shows what each node waited for (:meth:`show_logs` prints the first dump)."""
+        for slot in self.slots:
+            if slot.running and slot.proc is not None and not slot.proc.stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.proc.send_signal(signal.SIGUSR1)
 
     def show_logs(self, tail: int = 40) -> None:
         self.procs.show_logs(tail)

@@ -49,6 +49,7 @@ class Workload:
         self.history = history
         self.clock = clock
         self.sizes = {k.name: k.size for k in plan.keys}
+        self.dumped = False  # the nodes were asked for their tasks (at the first hang)
 
     async def run(self, until: float) -> None:
         """Every client's lanes, until ``until`` (on ``clock``); ops in flight then end."""
@@ -144,6 +145,9 @@ class Workload:
             except TimeoutError:
                 outcomes.append("hung")
                 op.error = f"no answer within {OP_DEADLINE + held:g} s (attempt {op.attempts})"
+                if not self.dumped:  # (the first hang: what every node waits for, in its log)
+                    self.dumped = True
+                    self.cluster.dump_tasks()
                 break
             except ParamSyncError as exc:
                 outcome, op.error = outcome_of(exc, op.parts)
