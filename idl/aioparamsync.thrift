@@ -145,6 +145,10 @@ struct ParameterRequest {
     // hold. Absent (a client that knows no topology): the node asks the
     // holders of what it does not hold, so every node answers every name.
     11: optional i64 epoch,
+    // Set (a peer's repair): the node answers from its own store, the keys as
+    // stored (partitions and manifests as they are), whatever it holds by
+    // the placement; it passes no name on, and leaves out those it lacks.
+    12: optional bool as_stored,
 }
 
 struct ParameterResponse {

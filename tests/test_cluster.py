@@ -31,6 +31,7 @@ from cluster_helpers import (
     eventually,
     free_port,
     node_client,
+    primary_of,
     table_state,
     watch_loop_errors,
     watched_cluster,
@@ -705,3 +706,38 @@ async def test_entries_a_link_takes_back_leave_its_outbox_undrained() -> None:
     link.offer([entry], taken_back=True)
     assert link.outbox == {"w": entry}
     assert not link.drained.is_set()
+
+
+async def test_a_peers_repair_read_is_answered_from_the_store_never_passed_on() -> None:
+    """A node's repair asks a peer for what that peer *stores* (``as_stored``): the peer
+    answers its own copy, even of a key another node is the primary of (a copy it keeps
+    until the hand-off), and never passes the read on. Passed on, it could wait for the
+    very node repairing, behind writes that wait for that repair (a joining node folds
+    nothing until its repair is done): the cycle a randomized run found."""
+    async with watched_cluster(repair_interval=60.0) as nodes:
+        nodes.replication_factor = 1
+        a = await nodes.start()
+        b = await nodes.start(peers=[a])
+        await nodes.formed([a, b])
+        name = next(f"k{i}" for i in range(1000) if primary_of([a, b], f"k{i}") is a)
+        async with node_client(a.address) as client:
+            await client.update_arrays({name: np.ones(4, np.float32)})
+        # b keeps a copy of its own (as a node keeps a key until its new holder confirms it)
+        stale = to_parameter(name, np.zeros(4, np.float32), version=7)
+        stale.origin = b.node_id
+        await b.store.update([stale], b.store.timestamp, replicated=True)
+
+        async with node_client(b.address) as client:
+            passed_on = await client.invoke(
+                METHODS.pull_parameters, request=thrift.ParameterRequest(param_names=[name])
+            )
+            stored = await client.invoke(
+                METHODS.pull_parameters,
+                request=thrift.ParameterRequest(param_names=[name, "nowhere"], as_stored=True),
+            )
+        # (a client that knows no topology is answered by the primary, a)
+        assert [(p.name, p.version) for p in passed_on.params] == [(name, 1)]
+        # (the repair gets what b stores, and nothing of what b lacks)
+        assert [(p.name, p.version) for p in stored.params] == [(name, 7)]
+        np.testing.assert_array_equal(np.frombuffer(stored.params[0].data, np.float32), 0.0)
+        assert b.service.router.passed_on == 1

@@ -78,7 +78,12 @@ async def gather_or_stop(calls: Iterable[Awaitable[T]]) -> list[T]:
 
 
 async def fetch(
-    client: Any, header: Any, piece_bytes: int = PIECE_BYTES, *, timeout: Any = ...
+    client: Any,
+    header: Any,
+    piece_bytes: int = PIECE_BYTES,
+    *,
+    timeout: Any = ...,
+    as_stored: bool | None = None,
 ) -> Any:
     """Read a parameter a node answered without data (its ``total_bytes`` set), in pieces.
 
@@ -89,6 +94,8 @@ async def fetch(
         piece_bytes: the size of each piece asked for.
         timeout: each read's, as ``client.invoke`` takes it (the whole read's
             deadline is its caller's).
+        as_stored: read what the node stores, never passed on (``ParameterRequest.as_stored``:
+            a peer's repair).
 
     Returns:
         The whole ``Parameter``: its data one writable numpy buffer's bytes.
@@ -99,7 +106,7 @@ async def fetch(
     """
     name = header.name
     for _ in range(FETCH_TRIES):
-        buffer, versions = await _read_pieces(client, header, piece_bytes, timeout)
+        buffer, versions = await _read_pieces(client, header, piece_bytes, timeout, as_stored)
         if versions == {(header.version, header.origin)}:
             return thrift.Parameter(
                 name=name,
@@ -114,7 +121,9 @@ async def fetch(
         response = await client.invoke(
             METHODS.pull_parameters,
             timeout=timeout,
-            request=thrift.ParameterRequest(param_names=[name], max_inline_bytes=0),
+            request=thrift.ParameterRequest(
+                param_names=[name], max_inline_bytes=0, as_stored=as_stored
+            ),
         )
         if not response.params:
             raise RequestError(ErrorCode.UNKNOWN_PARAMETER, f"{name!r} is gone")
@@ -125,7 +134,7 @@ async def fetch(
 
 
 async def _read_pieces(
-    client: Any, header: Any, piece_bytes: int, timeout: Any
+    client: Any, header: Any, piece_bytes: int, timeout: Any, as_stored: bool | None
 ) -> tuple[np.ndarray, set[tuple[int, str]]]:
     """Every piece of ``header``'s parameter, into one buffer; and the versions they had."""
     name, total = header.name, header.total_bytes
@@ -136,7 +145,10 @@ async def _read_pieces(
     async def piece(offset: int) -> None:
         async with gate:
             request = thrift.ParameterRequest(
-                param_names=[name], piece_offset=offset, piece_bytes=piece_bytes
+                param_names=[name],
+                piece_offset=offset,
+                piece_bytes=piece_bytes,
+                as_stored=as_stored,
             )
             response = await client.invoke(
                 METHODS.pull_parameters, timeout=timeout, request=request

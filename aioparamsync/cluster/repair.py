@@ -50,12 +50,16 @@ async def repair(cluster: Cluster, client: ParameterClient, peer: str) -> int:
     pulled = 0
     for batch in batches(wanted, cluster.batch_params, cluster.batch_bytes):
         request = thrift.ParameterRequest(
-            param_names=[item.name for item in batch], max_inline_bytes=cluster.inline_bytes
+            param_names=[item.name for item in batch],
+            max_inline_bytes=cluster.inline_bytes,
+            as_stored=True,  # (what the peer stores: never passed on, see the IDL)
         )
         response = await client.invoke(METHODS.pull_parameters, request=request)
         # A large parameter comes without its data: read it in pieces.
         params = [
-            p if p.total_bytes is None else await fetch(client, p, cluster.piece_bytes)
+            p
+            if p.total_bytes is None
+            else await fetch(client, p, cluster.piece_bytes, as_stored=True)
             for p in response.params
         ]
         if params:

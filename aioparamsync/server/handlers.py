@@ -347,7 +347,9 @@ class ParameterService:
             if request.known_versions:
                 check_names(request.known_versions)
         outcome: Any = None
-        if not router.alone():
+        # (a peer's repair reads what is stored here: passed on, it could wait for the
+        # very node repairing, behind writes that wait for that repair: a cycle)
+        if not router.alone() and not request.as_stored:
             if request.epoch is not None:  # routed by a topology: what this node holds
                 if not request.all_names:
                     router.check_routed(request.param_names)
@@ -366,8 +368,13 @@ class ParameterService:
         if outcome is None:
             outcome = self.pull_here(request)
         # (a routed caller puts partitioned ones together itself)
-        if request.epoch is None and (
-            isinstance(outcome, asyncio.Future) or any("\x00" in p.name for p in outcome.params)
+        if (
+            request.epoch is None
+            and not request.as_stored
+            and (
+                isinstance(outcome, asyncio.Future)
+                or any("\x00" in p.name for p in outcome.params)
+            )
         ):
             outcome = asyncio.ensure_future(self.partitioned.whole(request, outcome))
         if isinstance(outcome, asyncio.Future):
