@@ -4,6 +4,8 @@ What is compiled (with Cython, into C extensions):
 
 * ``aioparamsync/wire/_cbinary.pyx``: the binary protocol's struct reader and
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
+* ``aioparamsync/values/_crows.pyx``: the embedding rows' index lookup and row
+  copy (``aioparamsync.values.rowindex`` and ``.rows`` use it when present);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -62,7 +64,7 @@ HERE = Path(__file__).resolve().parent
 # one. A module goes here when such a figure shows it gains 10% or more.
 COMPILED_MODULES: list[str] = []
 # Written for Cython.
-CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx"]
+CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx", "aioparamsync/values/_crows.pyx"]
 
 # Where extensions are kept between builds, under the project's root.
 CACHE = Path("build", "aioparamsync-ext")

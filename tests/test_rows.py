@@ -14,6 +14,8 @@ from aioparamsync import adam as adam_rule
 from aioparamsync import sgd as sgd_rule
 from aioparamsync.errors import ErrorCode, RequestError
 from aioparamsync.values import rowindex
+from aioparamsync.values import rows as rows_module
+from aioparamsync.values.arrays import parse_dtype
 from aioparamsync.values.rowindex import RowIndex
 from aioparamsync.values.rows import (
     BlockSpec,
@@ -21,7 +23,9 @@ from aioparamsync.values.rows import (
     RowBlock,
     RowRule,
     normal,
+    put_rows,
     sum_duplicates,
+    take_rows,
     uniform,
     zeros,
 )
@@ -90,6 +94,9 @@ class Model:
         assert sorted(index.ids().tolist()) == sorted(self.slots)
         absent = arr(sorted(gone - set(self.slots)))
         assert (index.lookup(absent) == -1).all()
+        # (the compiled walk, where built, answers as the numpy one: both checked here)
+        everything = np.concatenate([ids, absent])
+        assert index.lookup(everything).tolist() == index.pure_lookup(everything).tolist()
 
 
 ids_strategy = st.lists(
@@ -545,3 +552,49 @@ def test_memory_per_row() -> None:
     assert (block.nbytes - memory["index"]) / n <= 1.3 * row_bytes
     assert memory["index"] / n <= 64  # 8 bytes a bucket, 8 an id in the slot -> id array
     assert "100000 rows" in repr(block)
+
+
+# -- moving rows: put_rows and take_rows against numpy's own indexing -----------------------
+
+ROW_DTYPES = ["float32", "float16", "float64", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("dim", [1, 3, 64])
+def test_put_rows_and_take_rows_move_what_numpy_indexing_moves(dtype: str, dim: int) -> None:
+    dt = parse_dtype(dtype)
+    rng = np.random.default_rng(dim)
+    source = rng.standard_normal((50, dim)).astype(dt)
+    slots = rng.integers(0, 50, 200)
+    where = rng.permutation(300)[:200]
+    out, expected = np.zeros((300, dim), dt), np.zeros((300, dim), dt)
+    put_rows(out, where, source, slots)
+    expected[where] = source[slots]
+    assert out.tobytes() == expected.tobytes()
+    put_rows(out, where[:50], source)  # (no slots: the rows in their order)
+    expected[where[:50]] = source
+    assert out.tobytes() == expected.tobytes()
+    assert take_rows(source, slots).tobytes() == source[slots].tobytes()
+
+
+def test_put_rows_converts_other_dtypes_and_takes_views_that_are_not_contiguous() -> None:
+    source = np.arange(40, dtype=np.float64).reshape(10, 4)
+    out = np.zeros((10, 4), np.float32)
+    put_rows(out, np.arange(10)[::-1], source)  # (float64 into float32: as numpy converts)
+    np.testing.assert_array_equal(out, source[::-1].astype(np.float32))
+    strided = np.arange(80, dtype=np.float32).reshape(10, 8)[:, ::2]  # (a view, every other)
+    out = np.zeros((10, 4), np.float32)
+    put_rows(out, np.arange(10), strided, np.arange(10)[::-1])
+    np.testing.assert_array_equal(out, strided[::-1])
+    assert take_rows(strided, np.array([3, 1])).tolist() == strided[[3, 1]].tolist()
+
+
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+def test_the_compiled_row_copy_refuses_rows_out_of_bounds_and_writes_nothing() -> None:
+    source, out = np.ones((4, 2), np.float32), np.zeros((4, 2), np.float32)
+    for slots, where in (([0, 4], [0, 1]), ([0, 1], [0, -1]), ([-1], [0])):
+        with pytest.raises(IndexError, match="out of bounds"):
+            put_rows(out, arr(where), source, arr(slots))
+        assert not out.any()
+    with pytest.raises(ValueError, match="one length"):
+        put_rows(out, arr([0, 1]), source, arr([0]))

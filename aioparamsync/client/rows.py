@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ErrorCode, RequestError
 from ..placement import bucket_key, bucket_of
 from ..values.arrays import is_bfloat16, parse_dtype, wire_dtype
+from ..values.rows import put_rows, take_rows
 from ..values.rowwire import ROW_ENCODINGS, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, thrift
 from .fetch import gather_all
@@ -199,7 +200,8 @@ class TableClient:
             return parts[0][1]
         out = np.empty((len(ids), spec.dim), parts[0][1].dtype)
         for positions, rows in parts:
-            out[positions] = rows
+            assert positions is not None  # (only a part that is the whole call has none)
+            put_rows(out, positions, rows)
         return out
 
     async def push_row_gradients(
@@ -285,7 +287,7 @@ class TableClient:
 
         async def call(pool: Any, positions: np.ndarray | None, epoch: int | None) -> Any:
             sub_ids = ids if positions is None else ids[positions]
-            sub = grads if positions is None else grads[positions]
+            sub = grads if positions is None else take_rows(grads, positions)
             push = thrift.RowPush(
                 table=table,
                 ids=encode_ids(sub_ids),
@@ -341,14 +343,19 @@ class TableClient:
             by_target.setdefault(t, []).append(b)
         if None in by_target:  # (no live replica known: the client's node passes it on)
             return [(positions, await unrouted())]
-        base = np.arange(len(ids)) if positions is None else positions
-        cuts: dict[str, np.ndarray] = {
-            t: base[np.isin(buckets, np.asarray(bs, np.int64))]
-            for t, bs in by_target.items()
-            if t is not None
-        }
+        cuts: dict[str, np.ndarray | None]
+        if len(by_target) == 1 and positions is None:  # (all at one node: sent as they are)
+            cuts = {cast(str, t): None for t in by_target}
+        else:
+            base = np.arange(len(ids)) if positions is None else positions
+            cuts = {
+                cast(str, t): base[np.isin(buckets, np.asarray(bs, np.int64))]
+                for t, bs in by_target.items()
+            }
 
-        async def part(target: str, where: np.ndarray) -> list[tuple[np.ndarray | None, Any]]:
+        async def part(
+            target: str, where: np.ndarray | None
+        ) -> list[tuple[np.ndarray | None, Any]]:
             async def at(m: Any, arg: str, value: Any) -> Any:
                 done, result = await routes.call_at(target, m, timeout, arg, value)
                 if not done:

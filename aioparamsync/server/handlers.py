@@ -372,8 +372,7 @@ class ParameterService:
             request.epoch is None
             and not request.as_stored
             and (
-                isinstance(outcome, asyncio.Future)
-                or any("\x00" in p.name for p in outcome.params)
+                isinstance(outcome, asyncio.Future) or any("\x00" in p.name for p in outcome.params)
             )
         ):
             outcome = asyncio.ensure_future(self.partitioned.whole(request, outcome))

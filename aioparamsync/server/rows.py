@@ -45,6 +45,7 @@ import numpy as np
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
+from ..values.rows import put_rows
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
 from . import forward
@@ -177,15 +178,13 @@ class RowService:
         ids = decode_ids(request.ids)
         table = self._table_now(request.table)
         if table is not None and (request.epoch is not None or not self._peers()):
-            self._check_held(table, ids, "does not hold")
-            return method.result(success=encode_rows(table.pull(ids), request.encoding))
+            return method.result(success=encode_rows(self._pull_held(table, ids), request.encoding))
         return asyncio.ensure_future(self._pull(method, request, ids))
 
     async def _pull(self, method: Method, request: Any, ids: np.ndarray) -> Any:
         table = await self._table(request.table)
         if request.epoch is not None or not self._peers():
-            self._check_held(table, ids, "does not hold")
-            return method.result(success=encode_rows(table.pull(ids), request.encoding))
+            return method.result(success=encode_rows(self._pull_held(table, ids), request.encoding))
         cluster = self.cluster
         assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
@@ -201,7 +200,7 @@ class RowService:
 
         async def here(keys: list[str]) -> None:
             positions = where(keys)
-            out[positions] = table.pull(ids[positions])
+            put_rows(out, positions, table.pull(ids[positions]))
 
         async def send(link: Any, keys: list[str], fallback: bool) -> None:
             positions = where(keys)
@@ -211,7 +210,7 @@ class RowService:
             )
             answer = await link.proxy().invoke(METHODS.pull_rows, timeout=PEER_TIMEOUT, request=sub)
             self.passed_on += 1
-            out[positions] = decode_rows(answer, count=len(positions), dim=table.spec.dim)
+            put_rows(out, positions, decode_rows(answer, count=len(positions), dim=table.spec.dim))
 
         async def part(node: str | None, keys: list[str]) -> None:
             if node is None:
@@ -223,14 +222,26 @@ class RowService:
         await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
         return method.result(success=encode_rows(out, request.encoding))
 
+    def _pull_held(self, table: RowTable, ids: np.ndarray) -> np.ndarray:
+        """The rows of ``ids``, all in buckets held here (else MOVED: see _check_held)."""
+        groups = list(table.by_bucket(ids))  # (cut once: for the check and the read)
+        self._check_held(table, ids, "does not hold", groups=groups)
+        return table.pull(ids, groups)
+
     def _check_held(
-        self, table: RowTable, ids: np.ndarray, what: str, primary: bool = False
+        self,
+        table: RowTable,
+        ids: np.ndarray,
+        what: str,
+        primary: bool = False,
+        groups: list[tuple[int, np.ndarray]] | None = None,
     ) -> None:
         """Refuse (MOVED) a routed call for buckets this node does not hold (is not the
-        primary of, with ``primary``) at its epoch."""
+        primary of, with ``primary``) at its epoch. ``groups``: ``table.by_bucket(ids)``."""
         cluster = self.cluster
         if cluster is not None:
-            keys = [bucket_key(table.spec.name, bucket) for bucket, _ in table.by_bucket(ids)]
+            cut = table.by_bucket(ids) if groups is None else groups
+            keys = [bucket_key(table.spec.name, bucket) for bucket, _ in cut]
             forward.gate(cluster, keys, primary=primary, what=what, shown=_bucket_shown)
 
     # -- pushes ---------------------------------------------------------------------

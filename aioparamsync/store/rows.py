@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,12 +185,15 @@ class RowTable:
             if len(positions):
                 yield int(buckets[positions[0]]), positions
 
-    def pull(self, ids: np.ndarray) -> np.ndarray:
+    def pull(
+        self, ids: np.ndarray, groups: Iterable[tuple[int, np.ndarray]] | None = None
+    ) -> np.ndarray:
         """The rows of ``ids`` in their order: those held here, else their initial values
-        (a read makes no row: only a push does, so reads cost no memory)."""
+        (a read makes no row: only a push does, so reads cost no memory). ``groups``:
+        ``by_bucket(ids)``, if the caller has it."""
         s = self.spec
         out = np.empty((len(ids), s.dim), s.dtype)
-        for bucket, positions in self.by_bucket(ids):
+        for bucket, positions in self.by_bucket(ids) if groups is None else groups:
             block = self.blocks.get(bucket)
             wanted = ids[positions]
             if block is not None:
