@@ -31,7 +31,7 @@ from ..placement import bucket_of
 from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
-from ..values.rows import BlockSpec, Init, RowBlock, RowRule
+from ..values.rows import BlockSpec, Init, RowBlock, RowRule, take_rows
 from ..values.rowwire import decode_ids, encode_ids
 from ..wire import thrift
 
@@ -238,7 +238,7 @@ class RowTable:
         for bucket, positions in self.by_bucket(ids):
             block = self.block(bucket)
             before = len(block)
-            changed[bucket] = change(block, ids[positions], values[positions])
+            changed[bucket] = change(block, ids[positions], take_rows(values, positions))
             created += len(block) - before
         return changed, created
 

@@ -124,9 +124,8 @@ class RowIndex:
         of their first appearance in ``ids``.
         """
         ids = _as_ids(ids)
-        pos = self._find(ids)
-        slots = np.where(pos >= 0, self._table[pos], -1)
-        missing = np.flatnonzero(pos < 0)
+        slots = self.lookup(ids)
+        missing = np.flatnonzero(slots < 0)
         if missing.size:
             new = ids.reshape(-1)[missing]
             inverse, distinct = _first_appearance(new)

@@ -472,29 +472,30 @@ class RowBlock:
 
     def _fold_chunk(self, slots: np.ndarray, g: np.ndarray) -> None:
         rule, work = self._spec.rule, self._work
-        w = self._rows[slots].astype(work, copy=False)  # the gather is a copy already
+        # (whole rows gathered and put back row by row: see put_rows)
+        w = take_rows(self._rows, slots).astype(work, copy=False)  # a copy already
         with np.errstate(over="ignore"):  # an overflow gives inf, as torch does
             if rule.kind == "sgd":
                 w -= rule.lr * g
             elif rule.kind == "adagrad":
-                s = self._state["sum"][slots]
+                s = take_rows(self._state["sum"], slots)
                 s += g * g
                 w -= rule.lr * (g / (np.sqrt(s) + rule.eps))
-                self._state["sum"][slots] = s
+                put_rows(self._state["sum"], slots, s)
             else:  # adam, in torch.optim.SparseAdam's order of operations
                 b1, b2 = rule.beta1, rule.beta2
                 step = self._state["step"][slots] + 1
-                m = self._state["exp_avg"][slots]
-                v = self._state["exp_avg_sq"][slots]
+                m = take_rows(self._state["exp_avg"], slots)
+                v = take_rows(self._state["exp_avg_sq"], slots)
                 m += (g - m) * (1 - b1)
                 v += (g * g - v) * (1 - b2)
                 t = step.astype(np.float64)
                 size = rule.lr * np.sqrt(1 - b2**t) / (1 - b1**t)
                 w -= size.astype(work)[:, None] * (m / (np.sqrt(v) + rule.eps))
                 self._state["step"][slots] = step
-                self._state["exp_avg"][slots] = m
-                self._state["exp_avg_sq"][slots] = v
-            self._rows[slots] = w  # a float16 row may overflow to inf here
+                put_rows(self._state["exp_avg"], slots, m)
+                put_rows(self._state["exp_avg_sq"], slots, v)
+            put_rows(self._rows, slots, w)  # a float16 row may overflow to inf here
 
     def _check_install(
         self, ids: Any, rows: Any, state: Mapping[str, np.ndarray] | None
@@ -554,7 +555,12 @@ def records(rows: np.ndarray) -> np.ndarray:
 
 
 def take_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """``rows[positions]`` of ``(n, dim)`` rows (a new array), gathered as records."""
+    """``rows[positions]`` of ``(n, dim)`` rows (a new array), gathered row by row (see
+    :func:`put_rows`)."""
+    if _crows is not None and rows.ndim == 2 and rows.flags.c_contiguous:
+        out = np.empty((len(positions), rows.shape[1]), rows.dtype)
+        put_rows(out, np.arange(len(positions)), rows, positions)
+        return out
     whole = records(rows)
     if whole is rows:
         return rows[positions]
