@@ -24,6 +24,7 @@ from .metrics import NodeMetrics
 from .persistence.datadir import DataDir
 from .persistence.rows import RowStore
 from .placement import DEFAULT_REPLICATION_FACTOR, JOINING, LEFT, UP
+from .server.digests import bucket_digest
 from .server.handlers import ParameterService
 from .server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Server, ServerConfig
 from .store.table import Limits, ParameterTable
@@ -250,6 +251,7 @@ class Node:
         self.service.on_shutdown = self._shutdown_requested
         self.cluster.rebalancer.hooks.append(self.service.rows.moves.round)
         self.service.statistics_hooks.append(self.cluster.balancer.statistics)
+        self.cluster.balancer.buckets_here = lambda: bucket_digest(self.service.rows.tables)
         #: set once the node has left its cluster (a drain): it is to be stopped
         self.left = asyncio.Event()
         #: set once the node was told to shut down: it is to be stopped, not leave

@@ -615,8 +615,11 @@ service ParameterSyncService {
     // Cluster membership: the caller says who it is; the node adds it to its
     // peers and answers every member it knows, itself included.
     list<Member> announce(1: Member member),
-    // (name, version, origin, size) of every parameter the node holds.
-    list<DigestEntry> digest(),
+    // (name, version, origin, size) of every parameter the node holds. With
+    // buckets, also of every bucket of an embedding table it holds rows of:
+    // the bucket's placement key ("\0rows\0TABLE\0BUCKET"), version 0, origin
+    // "", the bytes of its rows' values (placement balanced by bytes counts them).
+    list<DigestEntry> digest(1: optional bool buckets),
 
     // Fold gradients into parameters by each one's rule, atomically; answers
     // the versions made. Idempotent by request_id.

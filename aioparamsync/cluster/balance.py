@@ -6,7 +6,8 @@ sets every step's pace. So each member, every ``interval`` seconds (with a
 jitter) while the cluster is steady (every member up, none joining, leaving
 or claiming, no epoch change in the round), runs a round:
 
-1. it asks every member for its digest (each key it holds, with its bytes):
+1. it asks every member for its digest (each key it holds, with its bytes, and
+   each bucket of an embedding table it holds rows of, with their bytes):
    together, the keys of the cluster and their sizes;
 2. it counts each member's load, the bytes of the keys it is primary of;
 3. if its own load is below the mean, it picks keys whose primary is above the
@@ -25,8 +26,13 @@ are dropped at the next claim. A member joining takes its rendezvous share,
 then claims the rest of its share. Claims are only this member's word, told
 with its state: one that restarts claims nothing until its next round.
 
+A bucket of rows is a key like any other here: claimed, it moves as at a join
+(the claimer pulls its rows as it settles: see
+:class:`~aioparamsync.server.bucketmoves.BucketMoves`), so a table's rows end
+balanced with the rest of the bytes.
+
 Not yet: with a coordinator (the members are etcd's records; claims are not
-kept there), and embedding tables' buckets (their rows are not in the digest).
+kept there).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ParamSyncError
 from ..placement import UP, placed_by
@@ -112,6 +119,9 @@ class Balancer:
         self.interval = interval
         self.rounds = 0
         self.claimed = 0  # keys claimed, so far
+        # The buckets of rows this node holds, as its digest answers them (set by the
+        # node: its tables are the server's; none without).
+        self.buckets_here: Callable[[], list[Any]] = list
         self._task: asyncio.Task[None] | None = None
 
     def statistics(self) -> dict[str, int]:
@@ -165,14 +175,16 @@ class Balancer:
             return 0
         epoch = cluster.epoch
         links = list(cluster.by_id.values())
-        digests = await asyncio.gather(*(link.proxy().invoke(METHODS.digest) for link in links))
+        digests = await asyncio.gather(
+            *(link.proxy().invoke(METHODS.digest, buckets=True) for link in links)
+        )
         table = cluster.store.table
         sizes: dict[str, int] = {}
         for name in table.names():
             entry = table.entry(name)
             if entry is not None:
                 sizes[name] = entry.nbytes
-        for digest in digests:
+        for digest in [self.buckets_here(), *digests]:
             for item in digest or ():
                 sizes[item.name] = max(sizes.get(item.name, 0), item.nbytes)
             if len(sizes) > MAX_KEYS:

@@ -234,6 +234,10 @@ class Transitions:
         try:
             async with asyncio.timeout(timeout):
                 pulled = await self._pull_all()  # (by the pending placement: the keys too)
+                # (and the buckets of rows it claims, whole, from their holders now: the
+                # bucket moves take them as at a join; what they fold meanwhile comes
+                # to this node too, a replica in the pending placement)
+                pulled = await cluster.rebalancer.other_rounds() == 0 and pulled
         except TimeoutError:
             pulled = False
         changed = dict(cluster.view.states) != members

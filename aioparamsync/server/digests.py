@@ -4,6 +4,8 @@ A peer compares a digest with what it holds and pulls what is newer (see
 :mod:`aioparamsync.cluster.repair`); ``digest_for`` answers only the keys a
 given member holds by a given placement (the one it will have, while it
 joins), or only the names asked for (a hand-off checking what its target has).
+``digest`` may also answer the buckets of embedding tables held here, with the
+bytes of their rows: placement balanced by bytes counts them with the keys.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ErrorCode, RequestError
-from ..placement import Placement
+from ..placement import Placement, bucket_key
+from ..store.rows import RowTables
 from ..store.table import ParameterTable
 from ..store.writer import ParameterStore
 from ..wire import thrift
 
-__all__ = ["digest", "digest_for"]
+__all__ = ["bucket_digest", "digest", "digest_for"]
 
 
 def _entry(table: ParameterTable, name: str) -> Any:
@@ -28,6 +31,22 @@ def _entry(table: ParameterTable, name: str) -> Any:
 def digest(table: ParameterTable) -> list[Any]:
     """Every key held (the IDL's ``digest``)."""
     return [_entry(table, name) for name in table.names()]
+
+
+def bucket_digest(tables: RowTables) -> list[Any]:
+    """Every bucket of an embedding table held here with rows, as the IDL's ``digest``
+    answers it when asked for ``buckets``: its placement key and its rows' bytes."""
+    return [
+        thrift.DigestEntry(
+            name=bucket_key(t.spec.name, bucket),
+            version=0,
+            origin="",
+            nbytes=len(block) * t.spec.dim * t.spec.dtype.itemsize,
+        )
+        for t in list(tables.tables.values())
+        for bucket, block in list(t.blocks.items())
+        if len(block)
+    ]
 
 
 def digest_for(store: ParameterStore, request: Any) -> list[Any]:

@@ -25,7 +25,7 @@ from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .clusterview import ClusterView
 from .cuts import Cuts
-from .digests import digest, digest_for
+from .digests import bucket_digest, digest, digest_for
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest, piece_of
@@ -583,4 +583,7 @@ class ParameterService:
         return _then(asyncio.ensure_future(settled()), lambda _: method.result(success=members))
 
     def _digest(self, method: Method, args: Any) -> Any:
-        return method.result(success=digest(self.store.table))
+        entries = digest(self.store.table)
+        if args.buckets:
+            entries += bucket_digest(self.rows.tables)
+        return method.result(success=entries)
