@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from cluster_helpers import (
     LOOPBACK,
+    LocalCluster,
     NodeProcess,
     ProcessCluster,
     assert_,
@@ -46,6 +47,7 @@ from aioparamsync import (
     ParamSyncError,
     RequestError,
     ServerError,
+    sum_rule,
 )
 from aioparamsync.cluster.coordinator import Record, parse_coordinator
 from aioparamsync.placement import PLACED, Placement
@@ -362,8 +364,16 @@ async def test_a_member_key_that_is_not_a_member_is_ignored() -> None:
         b'{"host": "h", "port": 0, "state": "up"}',
         b'{"host": "h", "port": "x", "state": "up"}',
         b'{"host": "h", "port": 1, "state": "sleeping"}',
+        b'{"host": "h", "port": 1, "state": "up", "claims": ["k"]}',
+        b'{"host": "h", "port": 1, "state": "up", "claims": {"k": "1"}}',
+        b'{"host": "h", "port": 1, "state": "up", "claiming": {"k": 1.5}}',
     ):
         assert Record.decode("n1", raw) is None, raw
+    # what a member claims (placement balanced by bytes) is in its record, and read back
+    claiming = ok.with_state("up", {"k": 3, "\x00rows\x00t\x001": 4}, {"j": 5})
+    assert Record.decode("n1", claiming.encode()) == claiming != ok
+    assert dict(claiming.with_state("leaving").claims) == {"k": 3, "\x00rows\x00t\x001": 4}
+    assert b"claim" not in ok.encode()  # (none: the record an older node writes)
 
 
 async def test_nodes_share_one_view_whose_epoch_is_etcd_revision(
@@ -1024,3 +1034,69 @@ async def test_a_node_whose_lease_expired_follows_the_members_again(
             await assert_numbered(client, names, 200)
         states = await replica_states(clients, names)
         assert len(states) == R * len(names)
+
+
+async def test_members_claim_keys_through_their_records_and_lose_no_fold(etcd: Etcd) -> None:
+    """Placement balanced by bytes under a coordinator: a member claims keys by writing
+    them into its own record, so every node sees the claim at one revision (the epoch);
+    pushes meanwhile are each folded once; every node places keys by the same claims."""
+    prefix = new_prefix()
+    cluster = LocalCluster(replication_factor=1)
+    nbytes = 64 * 1024
+    names = [f"layer{i}.weight" for i in range(24)]
+    try:
+        kw: dict[str, Any] = {
+            "coordinator": etcd.endpoint,
+            "coordinator_prefix": prefix,
+            "failure_timeout": TTL,
+            "balance_interval": 0.3,
+        }
+        nodes = [await cluster.start(**kw) for _ in range(3)]
+        ids = {n.node_id for n in nodes}
+
+        def formed() -> None:
+            for node in nodes:
+                assert node.cluster.state == "up" and set(node.cluster.view.live) == ids
+
+        await eventually(formed, timeout=30)
+        async with ParameterClient(nodes[0].address, timeout=30) as client:
+            zeros = np.zeros(nbytes // 4, np.float32)
+            await client.update_arrays(dict.fromkeys(names, zeros), rules=sum_rule())
+
+            def loads() -> list[int]:
+                placement = nodes[0].cluster.placement
+                load = dict.fromkeys(ids, 0)
+                for name in names:
+                    load[placement.primary(name, ids)] += nbytes
+                return sorted(load.values())
+
+            before, pushes = loads(), 0
+            deadline = asyncio.get_running_loop().time() + 60
+            while (max(loads()) > 1.1 * sum(loads()) / 3 or pushes < 10) and (
+                asyncio.get_running_loop().time() < deadline
+            ):
+                await client.push_gradients(dict.fromkeys(names, np.ones(nbytes // 4, np.float32)))
+                pushes += 1
+            after = loads()
+            assert max(after) <= 1.1 * sum(after) / 3, (before, after)
+
+            def one_view() -> None:
+                for node in nodes:
+                    assert node.cluster.placement == nodes[0].cluster.placement
+                    assert node.cluster.epoch == nodes[0].cluster.epoch
+
+            await eventually(one_view, timeout=30)
+            claims = dict(nodes[0].cluster.placement.claims)
+            if max(before) > 1.1 * sum(before) / 3:  # (as hashing placed them: most runs)
+                assert claims, before
+            # the claims are in the claimers' records in etcd, as every node places by them
+            held = await members_in_etcd(etcd, prefix)
+            in_etcd = {k: m for m, (value, _) in held.items() for k in value.get("claims", {})}
+            assert in_etcd == claims
+            for node in nodes:
+                async with ParameterClient(node.address, route=False, timeout=30) as alone:
+                    got = await alone.get_arrays(names)
+                    for name in names:
+                        assert got[name].tolist() == [float(pushes)] * (nbytes // 4), name
+    finally:
+        await cluster.close()

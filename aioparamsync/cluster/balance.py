@@ -31,8 +31,8 @@ A bucket of rows is a key like any other here: claimed, it moves as at a join
 :class:`~aioparamsync.server.bucketmoves.BucketMoves`), so a table's rows end
 balanced with the rest of the bytes.
 
-Not yet: with a coordinator (the members are etcd's records; claims are not
-kept there).
+With a coordinator, claims are in each member's record in etcd (see
+:mod:`.records`): a claim is a write there, seen by every node at one revision.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Balancer:
         }
 
     def start(self) -> None:
-        if self.interval > 0 and self.cluster.coordinator is None:
+        if self.interval > 0:
             self._task = asyncio.create_task(self._run(), name="aioparamsync-balance")
 
     async def stop(self) -> None:

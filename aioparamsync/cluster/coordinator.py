@@ -44,14 +44,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..placement import SELF_STATES
 from .etcdclient import client_class, credentials, refresh, watch_from
+from .records import Record
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -115,33 +114,6 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-@dataclass(frozen=True)
-class Record:
-    """A member as it is in etcd."""
-
-    node_id: str
-    host: str
-    port: int
-    state: str
-
-    def encode(self) -> bytes:
-        return json.dumps({"host": self.host, "port": self.port, "state": self.state}).encode()
-
-    @classmethod
-    def decode(cls, node_id: str, raw: bytes) -> Record | None:
-        """A member's key's value, or None (logged) when it is not one."""
-        try:
-            fields = json.loads(raw)
-            record = cls(node_id, str(fields["host"]), int(fields["port"]), str(fields["state"]))
-        except (ValueError, TypeError, KeyError) as exc:
-            log.warning("member %s in etcd is not one (%s): ignored", node_id, exc)
-            return None
-        if record.state not in SELF_STATES or not 0 < record.port < 65536:
-            log.warning("member %s in etcd is not one (%r): ignored", node_id, raw[:200])
-            return None
-        return record
-
-
 class EtcdCoordinator:
     """This node's membership in etcd (see the module).
 
@@ -187,6 +159,7 @@ class EtcdCoordinator:
         self._config_key = f"{prefix}/config".encode()
         #: the members in etcd, by id
         self.members: dict[str, Record] = {}
+        self._writing = asyncio.Lock()
         #: etcd's revision of the last change to the members seen
         self.revision = 0
         self.on_change: Callable[[], None] = lambda: None
@@ -440,18 +413,30 @@ class EtcdCoordinator:
 
     # -- this node's state ----------------------------------------------------------
 
-    async def set_state(self, state: str) -> bool:
-        """Write this node's state, where its key is still the one it wrote.
+    async def set_state(
+        self,
+        state: str,
+        claims: Mapping[str, int] | None = None,
+        claiming: Mapping[str, int] | None = None,
+    ) -> bool:
+        """Write this node's state (and what it claims: None, as it is), where its key is
+        still the one it wrote.
 
         Answers whether it was written (False: the lease is gone, or etcd
         could not be reached; the node registers anew when the lease is gone).
         """
+        async with self._writing:  # (one write of its key at a time: each compares with the last)
+            return await self._set_state(state, claims, claiming)
+
+    async def _set_state(
+        self, state: str, claims: Mapping[str, int] | None, claiming: Mapping[str, int] | None
+    ) -> bool:
         import aetcd.transactions as tx
 
         me = self.me
         if me is None or self._lease is None or self._lost:
             return False
-        record = Record(me.node_id, me.host, me.port, state)
+        record = me.with_state(state, claims, claiming)
         key = self._members_prefix + me.node_id.encode()
         lease, at = self._lease, self._key_revision
 

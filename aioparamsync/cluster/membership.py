@@ -402,12 +402,17 @@ class Cluster:
                 states[link.node_id] = self.seen_state(link)
                 by_id[link.node_id] = link
         self.by_id = by_id
-        claimed = self.announces.claims
-        claims = {m: claimed.get(m, {}) for m in by_id}
-        claims[me] = self.claims
-        taking = self.announces.claiming
-        claiming = {m: taking.get(m, {}) for m in by_id}
-        claiming[me] = self.claiming
+        if coordinator is not None:  # (in each member's record, this node's too: one view)
+            records = coordinator.members
+            claims = {m: dict(r.claims) for m, r in records.items() if m in states}
+            claiming = {m: dict(r.claiming) for m, r in records.items() if m in states}
+        else:  # (as each member says it in its announces)
+            claimed = self.announces.claims
+            claims = {m: claimed.get(m, {}) for m in by_id}
+            claims[me] = self.claims
+            taking = self.announces.claiming
+            claiming = {m: taking.get(m, {}) for m in by_id}
+            claiming[me] = self.claiming
         view = self.view
         if view.same(states, claims, claiming):
             if coordinator is not None and coordinator.revision > view.epoch:

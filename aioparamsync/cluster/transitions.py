@@ -80,7 +80,7 @@ class Transitions:
         warned = False
         # Written again while etcd cannot be reached and the state still holds: a node
         # whose "up" was never written stays "joining" for the others (placed nowhere).
-        while not await coordinator.set_state(state):
+        while not await coordinator.set_state(state, cluster.claims, cluster.claiming):
             if not warned:
                 log.warning("could not write this node's state (%s) to the coordinator", state)
                 warned = True
@@ -126,6 +126,8 @@ class Transitions:
         cluster = self.cluster
         log.warning("node %s lost its lease: it joins again", cluster.me.node_id)
         cluster.state = JOINING
+        cluster.claims.clear()  # (its record goes with its lease: it claims nothing now)
+        cluster.claiming = {}
         cluster.fencing.take_outboxes()
         cluster.refresh()
 
@@ -229,6 +231,9 @@ class Transitions:
         epoch = cluster.epoch + 1
         members = dict(cluster.view.states)
         taking = cluster.claiming = dict.fromkeys(keys, epoch)
+        if not await self._claims_said():
+            cluster.claiming = {}
+            return False
         cluster.refresh()  # (its pending placement: the keys are this node's)
         await self.tell_all()  # (they replicate to this node what they apply from now on)
         try:
@@ -246,6 +251,7 @@ class Transitions:
                 log.warning("claim of %d keys given up: not pulled from every member", len(keys))
             if cluster.claiming is taking:
                 cluster.claiming = {}
+                await self._claims_said()  # (not written: others stop at its lease's end)
                 cluster.refresh()
                 await self.tell_all()
             return False
@@ -253,6 +259,13 @@ class Transitions:
         try:
             cluster.claims.update(taking)
             cluster.claiming = {}
+            if not await self._claims_said():
+                # (etcd did not take it: the keys stay where they were, for every node)
+                for key in taking:
+                    cluster.claims.pop(key, None)
+                await self._claims_said()
+                cluster.refresh()
+                return False
             cluster.refresh()
             log.info(
                 "node %s claims %d keys (%d in all), at epoch %d",
@@ -263,6 +276,19 @@ class Transitions:
             self.settling = None
             settling.set_result(None)
         return True
+
+    async def _claims_said(self) -> bool:
+        """With a coordinator: write what this node claims and is claiming into its record,
+        and wait until its own view has it (every node sees it at that revision, its
+        epoch); whether it did. Without one, announces carry claims: True."""
+        cluster = self.cluster
+        coordinator = cluster.coordinator
+        if coordinator is None:
+            return True
+        if not await coordinator.set_state(cluster.state, cluster.claims, cluster.claiming):
+            log.info("claims not written to the coordinator: the keys stay where they are")
+            return False
+        return await cluster.caught_up(coordinator.written_revision)
 
     async def _pull_all(self) -> bool:
         """Pull from every member up what it holds newer than this node, now; answer
