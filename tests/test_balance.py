@@ -125,18 +125,25 @@ async def _loads(client: ParameterClient, names: list[str], nbytes: int) -> list
     return sorted(load.values())
 
 
+async def _four(cluster: LocalCluster, acks: str) -> list[Node]:
+    """Four nodes of ``cluster`` that balance every 0.3 s, formed."""
+    kw: dict[str, Any] = {"acks": acks, "balance_interval": 0.3}
+    first = await cluster.start(**kw)
+    nodes: list[Node] = [first]
+    for _ in range(3):
+        nodes.append(await cluster.start(peers=[first], **kw))
+    await cluster.formed(nodes)
+    return nodes
+
+
 @pytest.mark.parametrize(("r", "acks"), [(1, "1"), (2, "all")])
 async def test_a_cluster_balances_itself_under_pushes_and_loses_no_fold(r: int, acks: str) -> None:
     cluster = LocalCluster(replication_factor=r)
     nbytes = 64 * 1024
     names = [f"layer{i}.weight" for i in range(32)]
     try:
-        kw: dict[str, Any] = {"acks": acks, "balance_interval": 0.3}
-        first = await cluster.start(**kw)
-        nodes: list[Node] = [first]
-        for _ in range(3):
-            nodes.append(await cluster.start(peers=[first], **kw))
-        await cluster.formed(nodes)
+        nodes = await _four(cluster, acks)
+        first = nodes[0]
         async with ParameterClient(first.address, timeout=30) as client:
             zeros = np.zeros(nbytes // 4, np.float32)
             await client.update_arrays(dict.fromkeys(names, zeros), rules=sum_rule())
@@ -209,12 +216,8 @@ async def test_a_tables_buckets_are_balanced_by_their_rows_and_no_fold_is_lost(
     rows_of = dict(zip(*np.unique(bucket_of(ids, buckets), return_counts=True), strict=True))
     rows_of = {int(b): int(n) for b, n in rows_of.items()}
     try:
-        kw: dict[str, Any] = {"acks": acks, "balance_interval": 0.3}
-        first = await cluster.start(**kw)
-        nodes: list[Node] = [first]
-        for _ in range(3):
-            nodes.append(await cluster.start(peers=[first], **kw))
-        await cluster.formed(nodes)
+        nodes = await _four(cluster, acks)
+        first = nodes[0]
         async with ParameterClient(first.address, timeout=30) as client:
             await client.create_table("emb", dim, rule=sgd(1.0), buckets=buckets)
             ones = np.ones((len(ids), dim), np.float32)
