@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""aioparamsync node vs. a raw socket ceiling, stock thriftpy2 and gRPC, on loopback.
+"""aioparamsync node vs. a raw socket ceiling, stock thriftpy2, gRPC and Thrift's C++ server.
 
-One command measures all four, interleaved, each server in a fresh process per
+On loopback. One command measures them all, interleaved, each server in a fresh process per
 (variant, size, connections, repetition)::
 
     python benchmarks/bench_node.py [--sizes 4KiB,1MiB,64MiB] [--conns 1,8]
@@ -31,10 +31,23 @@ Variants:
   skips the header, zero-copy). Messages up to 256 MiB. Driven with one
   ``grpc.aio`` channel per connection (a local subchannel pool, so each is
   its own TCP connection).
+* ``cpp``: Apache Thrift's C++ server, as a Thrift user would deploy it:
+  ``TThreadPoolServer`` (one pool thread per connection), framed transport, binary
+  protocol, serving the founding IDL ``idl/ml_param_sync.thrift`` from a hash map under
+  a reader-writer lock (``benchmarks/cpp/param_server.cpp``, built by ``cppserver.py``
+  from Debian's ``libthrift-dev``, cached in ``build/cpp-baseline/``). Driven with the
+  node's client (``CppWorker``): ``ParameterClient(address, max_connections=1,
+  route=False)``, calling the founding methods by name (``call("update_parameters")``,
+  ``call("get_parameters")``: the client's ``update_parameters``/``get_parameters``
+  send ``push_parameters``/``pull_parameters``, which that IDL has not). Where it
+  cannot be built, it is skipped, and the header says why.
 * ``node``: ``python -m aioparamsync --port 0``, driven with the public client:
   one ``ParameterClient(address, max_connections=1)`` per connection,
   ``update_parameters([to_parameter(name, array)])`` and
   ``get_parameters([name])`` (the data stays a zero-copy view).
+
+Every variant is divided by each of the baselines ``ceiling``, ``thriftpy2`` and
+``cpp`` (the ratio tables).
 
 The client runs in this process under uvloop and drives every variant the
 same way: ``conns`` connections, each with one call in flight, each on its own
@@ -60,6 +73,9 @@ from the heap and freed memory is kept for reuse. ``--malloc default`` leaves
 the environment alone. MALLOC_ARENA_MAX is left alone: the gRPC processes'
 threads get arenas of their own, but strace shows their payload-sized
 buffers all come from the main heap (no payload-sized mmap) with the tuning.
+The C++ server's payloads do come from its pool threads' arenas, which serve
+64 MiB only by mmap: with the tuning it runs with ``MALLOC_ARENA_MAX=1``
+(``CPP_MALLOC_TUNED``; without, its 64 MiB updates ran 14x slower here).
 """
 
 from __future__ import annotations
@@ -96,14 +112,16 @@ VARIANTS = (
     "ceiling-unix",
     "thriftpy2",
     "grpc",
+    "cpp",
     "node",
     "node-pure",
     "node-unix",
     "node-2proc",
 )
 #: the baselines every figure is divided by
-BASELINES = ("ceiling", "thriftpy2")
-#: the servers this script runs itself (``--serve``); the node is ``python -m aioparamsync``
+BASELINES = ("ceiling", "thriftpy2", "cpp")
+#: the servers this script runs itself (``--serve``); the node is ``python -m aioparamsync``,
+#: cpp a C++ binary (``cppserver.build()``)
 BASELINE_SERVERS = ("ceiling", "ceiling-unix", "thriftpy2", "grpc")
 #: the variants served (and called) over a Unix socket in a temporary directory
 UNIX_VARIANTS = ("ceiling-unix", "node-unix")
@@ -113,6 +131,11 @@ MALLOC_TUNED = {
     "MALLOC_MMAP_THRESHOLD_": str(1024**3),  # above any frame: large buffers come from the heap
     "MALLOC_TRIM_THRESHOLD_": str(8 * 1024**3),  # and stay there for reuse once freed
 }
+# And for the C++ server: its pool threads allocate from arenas of their own, and such an
+# arena serves a block of 64 MiB or more only by mmap, whatever the threshold (a fresh,
+# page-faulting buffer per 64 MiB call: 84 instead of 1164 MB/s of updates, x1, here). One
+# arena, the main heap, as the Python servers' payloads come from.
+CPP_MALLOC_TUNED = {"MALLOC_ARENA_MAX": "1"}
 _REEXEC_MARK = "BENCH_NODE_REEXEC"
 
 # Like the node's receiver (aioparamsync/wire/framing.py).
@@ -523,6 +546,52 @@ class NodeWorker:
         await self.client.close()
 
 
+class CppWorker(NodeWorker):
+    """The node's client against Thrift's C++ server, by the founding IDL's method names.
+
+    The client's ``update_parameters``/``get_parameters`` send ``push_parameters``/
+    ``pull_parameters``, and ``NodeWorker.open`` a ``ping``: none of them is in the founding
+    IDL. ``call`` sends the same update (``make_update``, as ``update_parameters`` makes it)
+    under the founding name. The server keeps plain bytes: ``check`` compares bytes, and
+    the version, which the server bumps on each update.
+    """
+
+    def __init__(self, address: tuple[str, int], index: int, array: Any) -> None:
+        from aioparamsync.wire import thrift
+
+        super().__init__(address, index, array)
+        self.request = thrift.ParameterRequest(param_names=[self.name])
+        self.updates = 0
+
+    async def open(self) -> None:
+        await self.client.call("get_parameters", request=self.request)  # (connects)
+
+    async def update(self) -> None:
+        from aioparamsync import to_parameter
+        from aioparamsync.client.updates import make_update
+
+        self.updates += 1
+        update = make_update([to_parameter(self.name, self.array)], None)
+        await self.client.call("update_parameters", update=update)
+
+    async def _get(self) -> Any:
+        response = await self.client.call("get_parameters", request=self.request)
+        params = response.params
+        if len(params) != 1 or memoryview(params[0].data).nbytes != self.nbytes:
+            raise RuntimeError(f"cpp get of {self.name!r}: unexpected response")
+        return params[0]
+
+    async def get(self) -> None:
+        await self._get()
+
+    async def check(self) -> None:
+        param = await self._get()
+        if not np.array_equal(np.frombuffer(param.data, self.array.dtype), self.array):
+            raise RuntimeError("cpp get returned other bytes than were stored")
+        if param.version != self.updates:
+            raise RuntimeError(f"cpp get: version {param.version} after {self.updates} updates")
+
+
 class ThriftpyWorker:
     """thriftpy2's stock aio client (``make_aio_client``, framed, binary), one connection."""
 
@@ -627,6 +696,7 @@ WORKERS = {
     "ceiling-unix": CeilingWorker,
     "thriftpy2": ThriftpyWorker,
     "grpc": GrpcWorker,
+    "cpp": CppWorker,
     "node": NodeWorker,
     "node-pure": NodeWorker,  # (the node without its extensions; the driver's client as always)
     "node-unix": NodeWorker,
@@ -938,7 +1008,12 @@ async def run_once(
         profile = Path(args.profile) / f"{variant}-{fmt_size(size)}-c{conns}-r{rep}.prof"
     load1 = load_average()
     t0 = time.monotonic()
-    server = ServerProcess(variant, env, profile, node_args=args.node_args)
+    cmd = None
+    if variant == "cpp":  # (a C++ binary: no cProfile)
+        cmd = [str(args.cpp_server), "--host", HOST, "--port", "0", "--threads", str(conns)]
+        profile = None
+        env = cpp_environment(env, args.malloc)
+    server = ServerProcess(variant, env, profile, cmd=cmd, node_args=args.node_args)
     workers: list[Any] = []
     try:
         workers = [WORKERS[variant](server.address, i, array) for i in range(conns)]
@@ -1195,6 +1270,7 @@ PLOT_COLORS = {
     "ceiling-unix": "0.8",
     "thriftpy2": "#d62728",
     "grpc": "#2ca02c",
+    "cpp": "#8c564b",
     "node": "#1f77b4",
     "node-pure": "#9467bd",
     "node-unix": "#17becf",
@@ -1359,6 +1435,8 @@ def machine_info(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any
         "ops": args.ops,
         "row_budget": args.row_budget,
         "node_args": args.node_args,
+        "cpp_server": str(args.cpp_server) if args.cpp_server else None,
+        "skipped": args.skipped,
         "mb": "10^6 bytes",
     }
 
@@ -1400,7 +1478,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         type=_list_of(str),
         default=list(VARIANTS),
-        help="which of ceiling,thriftpy2,grpc,node to run (default: all)",
+        help=f"which of {','.join(VARIANTS)} to run (default: all)",
     )
     p.add_argument(
         "--ops",
@@ -1547,6 +1625,14 @@ def run_header(info: dict[str, Any], args: argparse.Namespace) -> str:
         f"deadline complete and count), at most {args.max_calls} calls per phase, "
         f"--row-budget {args.row_budget:g} s; MB = 10^6 bytes; client and servers share the CPUs"
         + (f"\nthe node runs with: {shlex.join(args.node_args)}" if args.node_args else "")
+        + (
+            f"\ncpp: Apache Thrift's C++ TThreadPoolServer, a pool thread per connection "
+            f"({info['cpp_server']})"
+            + (f", with {CPP_MALLOC_TUNED}" if info["malloc"] == "tuned" else "")
+            if info["cpp_server"]
+            else ""
+        )
+        + "".join(f"\n{v} skipped: {why}" for v, why in info["skipped"].items())
     )
 
 
@@ -1574,6 +1660,11 @@ def run_environment(malloc: str, script: Path, *, reexec: bool) -> dict[str, str
     return env
 
 
+def cpp_environment(env: dict[str, str], malloc: str) -> dict[str, str]:
+    """The C++ server's environment: the run's, and one malloc arena under the tuning."""
+    return {**env, **CPP_MALLOC_TUNED} if malloc == "tuned" else env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.serve_profiled:
@@ -1595,6 +1686,18 @@ def main(argv: list[str] | None = None) -> int:
     env = run_environment(args.malloc, THIS, reexec=argv is None)
     if env is None:
         return 2
+    args.cpp_server, args.skipped = None, {}
+    if "cpp" in args.variants:
+        from cppserver import CppBaselineUnavailable, build
+
+        try:
+            args.cpp_server = build()
+        except CppBaselineUnavailable as exc:
+            args.skipped["cpp"] = exc.reason
+            args.variants = [v for v in args.variants if v != "cpp"]
+            print(f"cpp skipped: {exc.reason}", file=sys.stderr)
+            if not args.variants:
+                return 1
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     for out in (args.json, args.plot):  # before the runs: a bad path fails at once

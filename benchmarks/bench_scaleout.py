@@ -10,12 +10,21 @@ not the CPUs, are what limits it. Needs root (namespaces, veths, tc; CI runs as 
     sudo python benchmarks/bench_scaleout.py [--nodes 1,2,4] [--rs 1,2] [--workers 4]
                                              [--mbit 300] [--keysets uniform,model]
                                              [--seconds 12] [--warmup 2] [--scale 1]
-                                             [--json out.json]
+                                             [--baseline cpp|none] [--json out.json]
     sudo python benchmarks/bench_scaleout.py --quick   # a smoke: 2 nodes, R=1, 1% sizes
 
 One lab for the whole run: hosts ``n0``.. (nodes), ``w0``.. (workers), every link
-``--mbit`` each way, and ``ctl``, unshaped, for the untimed steps. For each key set,
-each N of ``--nodes`` and each R of ``--rs`` (R > N skipped), a fresh cluster:
+``--mbit`` each way, and ``ctl``, unshaped, for the untimed steps. For each key set, first
+the baseline (``--baseline cpp``, the default): Apache Thrift's C++ server
+(``benchmarks/cpp/param_server.cpp``: ``TThreadPoolServer``, framed, binary, the founding
+IDL; built by ``cppserver.py``) alone on ``n0``, same link, driven by the same workers as
+in step 3 with the same bytes: each stores its key set once (the server starts empty),
+then the same two loops, sent under the founding IDL's names (``update_parameters``,
+``get_parameters``: ``update_arrays`` and ``get_arrays`` send ``push_parameters`` and
+``pull_parameters``, which that server has not), unrouted. Every row is also divided by
+it (``vs C++``). Where it cannot be built, or a key set is more than one message holds
+(256 MiB), it is skipped, and the output says why. Then, for each N of ``--nodes`` and
+each R of ``--rs`` (R > N skipped), a fresh cluster:
 
 1. nodes: ``python -m aioparamsync --host <ip> --port 7000 --replication-factor R``
    on ``n0``..``n{N-1}`` (node 0 first, the others with ``--peers`` node 0;
@@ -71,8 +80,8 @@ saturation measures the CPUs, not scaling.
 
 Everything started runs inside the lab: on an error, Ctrl-C or SIGTERM the lab stops
 every process (by its process group, then whatever is left in its namespaces) and
-deletes its namespaces (see ``netlab.py``). Helpers come from ``bench_node.py`` and
-``bench_cluster.py``. No Apache Thrift C++ baseline here.
+deletes its namespaces (see ``netlab.py``). Helpers come from ``bench_node.py``,
+``bench_cluster.py`` and ``cppserver.py``.
 """
 
 from __future__ import annotations
@@ -101,6 +110,7 @@ from bench_node import (
     _list_of,
     _positive_int,
     _print_md,
+    cpp_environment,
     fmt_size,
     load_average,
     machine,
@@ -135,6 +145,9 @@ AGREE = (0.9, 1.1)
 UNIT = 1024  # a "4 MiB" tensor is UNIT x UNIT float32 at --scale 1
 EMBEDDING_WIDTH = 512
 EMBEDDING_SHARE = 0.4
+# The C++ baseline moves a whole key set in one message each way: its frame limit and the
+# client's are 256 MiB (less a little for the names and framing).
+CPP_MAX_BYTES = 256 * 1024 * 1024 - (1 << 20)
 
 
 # ---------------------------------------------------------------------------
@@ -161,6 +174,10 @@ def keyset_shapes(name: str, scale: float) -> dict[str, tuple[int, ...]]:
     embedding = rest * EMBEDDING_SHARE / (1 - EMBEDDING_SHARE)  # bytes: a share of the whole
     rows = max(1, round(embedding / (4 * EMBEDDING_WIDTH)))
     return {"embedding": (rows, EMBEDDING_WIDTH), **shapes}
+
+
+def keyset_bytes(name: str, scale: float) -> int:
+    return sum(4 * int(np.prod(shape)) for shape in keyset_shapes(name, scale).values())
 
 
 def keyset_arrays(name: str, scale: float, seed: int) -> dict[str, np.ndarray]:
@@ -330,21 +347,54 @@ def prorated(calls: list[tuple[float, float, int]], t0: float, t1: float) -> flo
 
 
 async def worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One worker: a get loop and an update loop over the whole key set (see the module)."""
+    """One worker: a get loop and an update loop over the whole key set (see the module).
+
+    ``founding``: against Thrift's C++ server, which has the founding IDL's methods only: the
+    same updates and reads, sent under those names (``update_arrays`` and ``get_arrays``
+    send ``push_parameters`` and ``pull_parameters``), and no routing (no ``topology``).
+    """
     from aioparamsync import ParameterClient
+    from aioparamsync.client.updates import make_update
+    from aioparamsync.wire import thrift
 
     arrays = keyset_arrays(spec["keyset"], spec["scale"], seed=1 + spec["index"])
     names = list(arrays)
     total = sum(a.nbytes for a in arrays.values())
     loop = asyncio.get_running_loop()
     clock = time.monotonic
-    reader = ParameterClient(spec["address"], timeout=CALL_TIMEOUT)
+    founding = spec["founding"]
+    reader = ParameterClient(spec["address"], timeout=CALL_TIMEOUT, route=not founding)
     writer = (
-        reader if spec["one_client"] else ParameterClient(spec["address"], timeout=CALL_TIMEOUT)
+        reader
+        if spec["one_client"]
+        else ParameterClient(spec["address"], timeout=CALL_TIMEOUT, route=not founding)
     )
+
+    async def get() -> int:
+        if founding:
+            request = thrift.ParameterRequest(param_names=names)
+            params = (await reader.call("get_parameters", request=request)).params
+            got = {p.name: memoryview(p.data).nbytes for p in params}
+        else:
+            got = {n: a.nbytes for n, a in (await reader.get_arrays(names)).items()}
+        nbytes = sum(got.values())
+        if len(got) != len(names) or nbytes != total:
+            raise RuntimeError(f"read {len(got)} of {len(names)} parameters, {nbytes} bytes")
+        return nbytes
+
+    async def update() -> int:
+        if founding:  # (the update update_arrays makes)
+            await writer.call("update_parameters", update=make_update(arrays, None))
+        else:
+            await writer.update_arrays(arrays)
+        return total
+
     try:
-        # Each connects and learns the topology before the clock starts.
-        await asyncio.gather(reader.get_arrays(names[:1]), writer.get_arrays(names[-1:]))
+        if founding:  # The server starts empty: each stores its set, then reads it.
+            await update()
+            await get()
+        else:  # Each connects and learns the topology before the clock starts.
+            await asyncio.gather(reader.get_arrays(names[:1]), writer.get_arrays(names[-1:]))
         print(json.dumps({"ready": True}), flush=True)
         line = await loop.run_in_executor(None, sys.stdin.readline)
         start = float(line)
@@ -352,17 +402,6 @@ async def worker(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = start + spec["warmup"]
         t1 = t0 + spec["seconds"]
         await asyncio.sleep(max(0.0, start - clock()))
-
-        async def get() -> int:
-            got = await reader.get_arrays(names)
-            nbytes = sum(a.nbytes for a in got.values())
-            if len(got) != len(names) or nbytes != total:
-                raise RuntimeError(f"read {len(got)} of {len(names)} parameters, {nbytes} bytes")
-            return nbytes
-
-        async def update() -> int:
-            await writer.update_arrays(arrays)
-            return total
 
         async def repeat(op: Any) -> list[tuple[float, float, int]]:
             calls = []
@@ -423,11 +462,12 @@ def run_inside(role: str, text: str) -> int:
 
 
 class LabNode(ServerProcess):
-    """A node process on a lab host: bench_node's ServerProcess (waits for its
-    ``listening on`` line, reads its CPU, stops it by PID), started by ``host.popen``."""
+    """A server process on a lab host (a node, or the C++ baseline): bench_node's
+    ServerProcess (waits for its ``listening on`` line, reads its CPU, stops it by PID),
+    started by ``host.popen``."""
 
-    def __init__(self, host: Host, index: int, cmd: Sequence[str], env: dict[str, str]) -> None:
-        self.variant = f"node {index} ({host.ip})"
+    def __init__(self, host: Host, name: str, cmd: Sequence[str], env: dict[str, str]) -> None:
+        self.variant = f"{name} ({host.ip})"
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.tmp = tempfile.TemporaryDirectory()  # (ServerProcess.stop removes it)
         self.proc = host.popen(
@@ -459,7 +499,7 @@ def start_nodes(
             cmd += ["--balance-interval", repr(args.balance_interval)]
             if i:
                 cmd += ["--peers", f"{hosts[0].ip}:{PORT}"]
-            nodes.append(LabNode(host, i, [*cmd, *args.node_args], env))
+            nodes.append(LabNode(host, f"node {i}", [*cmd, *args.node_args], env))
     except BaseException:
         stop_nodes(nodes)
         raise
@@ -507,8 +547,11 @@ def run_workers(
     keyset: str,
     args: argparse.Namespace,
     env: dict[str, str],
+    founding: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Start the workers, let them go together; their results and the window's CPU."""
+    """Start the workers, let them go together; their results and the window's CPU.
+
+    ``founding``: the server is Thrift's C++ one (see ``worker``)."""
     address = "{}:{}".format(*nodes[0].address)
     procs: list[subprocess.Popen[bytes]] = []
     errors: list[Any] = []
@@ -516,6 +559,7 @@ def run_workers(
         for i, host in enumerate(hosts):
             spec = {"address": address, "keyset": keyset, "scale": args.scale, "index": i}
             spec |= {"seconds": args.seconds, "warmup": args.warmup, "one_client": args.one_client}
+            spec["founding"] = founding
             err = tempfile.TemporaryFile()  # noqa: SIM115 - closed below
             errors.append(err)
             procs.append(
@@ -612,23 +656,17 @@ def run_one(
     finally:
         # After shutdown_cluster the nodes exit by themselves; else SIGTERM, all at once.
         stop_nodes(nodes, wait=SERVER_STOP_TIMEOUT if shut_down else 0.0)
-    window = args.seconds
     traffic = [
         {key: (b.get(key, 0) - a.get(key, 0)) for key in ("bytes_in", "bytes_out", "requests")}
         for a, b in zip(setup["counters"], after["counters"], strict=True)
     ]
-    aggregate = sum(w["get_bytes"] + w["update_bytes"] for w in results) / window
     primary = setup["primary_bytes"]
     mean = sum(primary) / len(primary)
     return {
+        "server": "aioparamsync",
         "keyset": keyset,
         "nodes": n,
         "replication_factor": r,
-        "workers": len(results),
-        "mbit": args.mbit,
-        "seconds": window,
-        "warmup": args.warmup,
-        "scale": args.scale,
         "load1": load1,
         "total_bytes": setup["total_bytes"],
         "parameters": setup["parameters"],
@@ -645,15 +683,68 @@ def run_one(
         "load_seconds": setup["load_seconds"],
         "settle_seconds": setup["settle_seconds"],
         "claims": setup["claims"],
-        "aggregate_bytes_per_s": aggregate,
+        "node_traffic": traffic,  # per node, from the load's end to the workers' end
+        **figures(results, cpu, args),
+    }
+
+
+def run_baseline(
+    lab_hosts: dict[str, list[Host]], keyset: str, args: argparse.Namespace, env: dict[str, str]
+) -> dict[str, Any]:
+    """Thrift's C++ server alone on the first node's host (its link), holding all of
+    ``keyset``; the workers as for a cluster, under the founding IDL's method names."""
+    load1 = load_average()
+    host = lab_hosts["nodes"][0]
+    cmd = [str(args.cpp_server), "--host", host.ip, "--port", str(PORT)]
+    cmd += ["--threads", str(8 * args.workers)]  # (2 clients a worker, up to 4 connections each)
+    server = LabNode(host, "cpp", cmd, cpp_environment(env, args.malloc))
+    try:
+        results, cpu = run_workers(lab_hosts["workers"], [server], keyset, args, env, founding=True)
+    except BaseException:
+        if server.proc.poll() is not None:
+            print(f"the C++ server died: {server.stderr_tail(800)}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+    shapes = keyset_shapes(keyset, args.scale)
+    total = keyset_bytes(keyset, args.scale)
+    return {
+        "server": "cpp",
+        "keyset": keyset,
+        "nodes": 1,
+        "replication_factor": 1,
+        "load1": load1,
+        "total_bytes": total,
+        "parameters": len(shapes),
+        "keys": len(shapes),
+        "partitioned_keys": 0,
+        "partition_bytes": 0,
+        "primary_keys": [len(shapes)],
+        "primary_bytes": [total],
+        "primary_max_over_mean": 1.0,
+        **figures(results, cpu, args),
+    }
+
+
+def figures(
+    results: list[dict[str, Any]], cpu: dict[str, float], args: argparse.Namespace
+) -> dict[str, Any]:
+    """A row's measures: the workers' bytes per second of the window, the CPU."""
+    window = args.seconds
+    return {
+        "workers": len(results),
+        "mbit": args.mbit,
+        "seconds": window,
+        "warmup": args.warmup,
+        "scale": args.scale,
+        "aggregate_bytes_per_s": sum(w["get_bytes"] + w["update_bytes"] for w in results) / window,
         "get_bytes_per_s": sum(w["get_bytes"] for w in results) / window,
         "update_bytes_per_s": sum(w["update_bytes"] for w in results) / window,
         "wire_bytes_per_s": sum(w["wire_rx_bytes"] + w["wire_tx_bytes"] for w in results) / window,
         "worker_bytes_per_s": [(w["get_bytes"] + w["update_bytes"]) / window for w in results],
-        "node_cpu": cpu["nodes"],  # CPU seconds of all node processes / window seconds
+        "node_cpu": cpu["nodes"],  # CPU seconds of all server processes / window seconds
         "workers_cpu": sum(w["cpu_seconds"] for w in results) / window,
         "machine_busy": cpu["busy"],  # the machine's busy CPUs in the window
-        "node_traffic": traffic,  # per node, from the load's end to the workers' end
         "workers_detail": results,
     }
 
@@ -663,17 +754,24 @@ def run_one(
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``vs_1``: over N=1 R=1 of the same key set; ``vs_2_r2`` (R=2 only): over N=2 R=2.
+    """``vs_1``: over N=1 R=1 of the same key set; ``vs_2_r2`` (R=2 only): over N=2 R=2;
+    ``vs_cpp``: over Thrift's C++ server with the same key set.
 
     Of the aggregate (the calls' bytes); ``*_wire``: the same of the wire's.
     """
-    by = {(r["keyset"], r["nodes"], r["replication_factor"]): r for r in rows}
+    by = {
+        (r["keyset"], r["nodes"], r["replication_factor"]): r for r in rows if r["server"] != "cpp"
+    }
+    cpp = {r["keyset"]: r for r in rows if r["server"] == "cpp"}
     for r in rows:
         one = by.get((r["keyset"], 1, 1))
-        two = by.get((r["keyset"], 2, 2)) if r["replication_factor"] == 2 else None
+        r2 = r["server"] != "cpp" and r["replication_factor"] == 2
+        two = by.get((r["keyset"], 2, 2)) if r2 else None
+        base = cpp.get(r["keyset"])
         for suffix, key in (("", "aggregate_bytes_per_s"), ("_wire", "wire_bytes_per_s")):
             r["vs_1" + suffix] = r[key] / one[key] if one and one[key] else None
             r["vs_2_r2" + suffix] = r[key] / two[key] if two and two[key] else None
+            r["vs_cpp" + suffix] = r[key] / base[key] if base and base[key] else None
 
 
 def _ratios(row: dict[str, Any], key: str) -> str:
@@ -703,11 +801,12 @@ def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         "calls/wire",
         "vs 1 node (calls / wire)",
         "vs 2 nodes R=2 (calls / wire)",
+        "vs C++ (calls / wire)",
         "CPU nodes / workers / machine",
     )
     for keyset in dict.fromkeys(r["keyset"] for r in rows):
         mine = [r for r in rows if r["keyset"] == keyset]
-        first = mine[0]
+        first = next((r for r in mine if r["server"] != "cpp"), mine[0])  # (how nodes cut it)
         print(
             f"\n{keyset}: {first['parameters']} parameters, {first['total_bytes'] / 1e6:.1f} MB "
             f"in {first['keys']} keys ({first['partitioned_keys']} of them partitions of "
@@ -716,8 +815,8 @@ def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         )
         lines = [
             (
-                str(r["nodes"]),
-                str(r["replication_factor"]),
+                "C++" if r["server"] == "cpp" else str(r["nodes"]),
+                "-" if r["server"] == "cpp" else str(r["replication_factor"]),
                 "/".join(map(str, r["primary_keys"])),
                 "/".join(f"{b / 1e6:.1f}" for b in r["primary_bytes"]),
                 f"{r['primary_max_over_mean']:.2f}",
@@ -727,6 +826,7 @@ def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                 _agreement(r),
                 _ratios(r, "vs_1"),
                 _ratios(r, "vs_2_r2"),
+                _ratios(r, "vs_cpp"),
                 f"{r['node_cpu']:.2f} / {r['workers_cpu']:.2f} / {r['machine_busy']:.2f}",
             )
             for r in mine
@@ -749,10 +849,14 @@ NOTES = """\
   updates that waited for the node's receive budget before they moved their bytes), and
   the wire figure is the one to read; a longer --seconds evens it out.
 * vs 1 node: over N=1 R=1 of the same key set, of the aggregate and of the wire;
-  vs 2 nodes R=2 (R=2 rows): over N=2 R=2, the same.
-* CPU: in the window, as CPUs busy (1.0 = one core): all node processes, all workers, and
-  the whole machine (every host shares its CPUs; the machine's figure also holds the
-  kernel's work on the links, and any other work on the machine)."""
+  vs 2 nodes R=2 (R=2 rows): over N=2 R=2, the same; vs C++: over the C++ row, the same.
+* C++: Apache Thrift's C++ server (TThreadPoolServer, framed, binary: benchmarks/cpp/) alone
+  on n0, the first node's host and link, holding the whole key set; the same workers make
+  the same calls, under the founding IDL's method names (update_parameters and
+  get_parameters, unrouted), as that server has no others. Its primaries: the whole set.
+* CPU: in the window, as CPUs busy (1.0 = one core): all node processes (or the C++ server),
+  all workers, and the whole machine (every host shares its CPUs; the machine's figure also
+  holds the kernel's work on the links, and any other work on the machine)."""
 
 
 # ---------------------------------------------------------------------------
@@ -806,6 +910,14 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
         default="tuned",
         help="glibc malloc settings of every process, as bench_node.py (default: %(default)s)",
     )
+    p.add_argument(
+        "--baseline",
+        choices=("cpp", "none"),
+        default="cpp",
+        help="cpp: first, for each key set, Apache Thrift's C++ server on one host, same link, "
+        "the row every other is divided by (vs C++); skipped, saying why, where it cannot "
+        "be built (benchmarks/cppserver.py) (default: %(default)s)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows (and the machine) to PATH")
     p.add_argument("--control", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -833,6 +945,23 @@ def main(argv: list[str] | None = None) -> int:
     env = run_environment(args.malloc, THIS, reexec=argv is None)
     if env is None:
         return 2
+    args.cpp_server, args.cpp_skipped = None, {}  # keyset -> why it has no C++ row
+    if args.baseline == "cpp":
+        from cppserver import CppBaselineUnavailable, build
+
+        try:
+            args.cpp_server = build()
+        except CppBaselineUnavailable as exc:
+            args.cpp_skipped = dict.fromkeys(args.keysets, exc.reason)
+        for keyset in args.keysets:
+            nbytes = keyset_bytes(keyset, args.scale)
+            if args.cpp_server and nbytes > CPP_MAX_BYTES:
+                args.cpp_skipped[keyset] = (
+                    f"{nbytes / 1e6:.0f} MB, more than one message holds "
+                    f"({CPP_MAX_BYTES / 1e6:.0f} MB)"
+                )
+        for keyset, why in args.cpp_skipped.items():
+            print(f"{keyset}: the C++ baseline is skipped: {why}", file=sys.stderr)
     try:
         return drive(plan, args, env)
     except NetLabUnavailable as exc:
@@ -853,6 +982,18 @@ def drive(plan: list[tuple[str, int, int]], args: argparse.Namespace, env: dict[
             "ctl": [lab.host("ctl")],  # unshaped: loading and reading counters only
         }
         for i, (keyset, n, r) in enumerate(plan, 1):
+            first = not any(x["keyset"] == keyset for x in rows)
+            if first and args.cpp_server and keyset not in args.cpp_skipped:
+                row = run_baseline(hosts, keyset, args, env)
+                rows.append(row)
+                print(
+                    f"[{time.monotonic() - t_start:6.1f}s] {keyset} C++: "
+                    f"{row['aggregate_bytes_per_s'] / 1e6:8.1f} MB/s (wire "
+                    f"{row['wire_bytes_per_s'] / 1e6:.1f}), server CPU {row['node_cpu']:.2f}, "
+                    f"busy {row['machine_busy']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             row = run_one(hosts, n, r, keyset, args, env)
             rows.append(row)
             print(
@@ -879,6 +1020,8 @@ def drive(plan: list[tuple[str, int, int]], args: argparse.Namespace, env: dict[
             "partition_bytes": args.partition_bytes,
             "malloc": args.malloc,
             "node_args": args.node_args,
+            "cpp_server": str(args.cpp_server) if args.cpp_server else None,
+            "cpp_skipped": args.cpp_skipped,
             "load1_after": load_average(),
         }
     )
@@ -890,6 +1033,14 @@ def drive(plan: list[tuple[str, int, int]], args: argparse.Namespace, env: dict[
         f"after {args.warmup:g} s warm-up; scale {args.scale:g}; one run per row; all hosts "
         f"share the CPUs"
     )
+    if args.cpp_server:
+        tuned = cpp_environment({}, args.malloc)  # (one malloc arena under the tuning)
+        print(
+            f"C++: Apache Thrift's TThreadPoolServer ({args.cpp_server})"
+            + (f", with {tuned}" if tuned else "")
+        )
+    for keyset, why in args.cpp_skipped.items():
+        print(f"{keyset}: the C++ baseline is skipped: {why}")
     print_tables(rows)
     print()
     print(NOTES)

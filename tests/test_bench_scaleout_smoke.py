@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from cluster_helpers import run_bounded
+from cpp_helpers import cpp_baseline_missing
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 BENCH = BENCHMARKS / "bench_scaleout.py"
@@ -186,6 +187,9 @@ def test_a_driver_stopped_by_a_signal_leaves_nothing(sig: int) -> None:
 
 
 def test_bench_scaleout_smoke(tmp_path: Path) -> None:
+    """A cluster of 2 nodes, after the C++ baseline (skipped here, saying why, where the C++
+    server cannot be built: the test then checks the cluster's row, and skips the rest)."""
+    missing = cpp_baseline_missing()  # (built here, unless cached: not inside the run)
     out = tmp_path / "scaleout.json"
     cmd = [
         sys.executable, str(BENCH),
@@ -194,12 +198,17 @@ def test_bench_scaleout_smoke(tmp_path: Path) -> None:
     ]  # fmt: skip
     rc, stdout, stderr = run_bounded(cmd, timeout=60)
     assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
-    assert "| N | R | primaries per node (keys)" in stdout and "aggregate MB/s" in stdout
+    assert re.search(r"\| N +\| R \| primaries per node \(keys\)", stdout), stdout
+    assert "aggregate MB/s" in stdout
 
     doc = json.loads(out.read_text())
     assert _of(doc["meta"]["lab"]) == []
-    [row] = doc["rows"]
+    if missing is None:
+        cpp, row = doc["rows"]
+    else:
+        [row] = doc["rows"]
     assert (row["keyset"], row["nodes"], row["replication_factor"]) == ("uniform", 2, 1)
+    assert row["server"] == "aioparamsync"
     # 32 parameters of 1024 x 1024 float32, scaled to 10 rows each: one key each.
     assert row["total_bytes"] == 32 * 10 * 1024 * 4 and row["keys"] == 32
     assert row["partitioned_keys"] == 0
@@ -223,6 +232,27 @@ def test_bench_scaleout_smoke(tmp_path: Path) -> None:
     for ratio in ("vs_1", "vs_2_r2", "vs_1_wire", "vs_2_r2_wire"):
         assert row[ratio] is None  # no N=1 or R=2 run to compare with
     assert row["node_cpu"] >= 0 and row["machine_busy"] >= 0
+
+    if missing is not None:
+        assert doc["meta"]["cpp_skipped"] == {"uniform": missing}
+        assert f"uniform: the C++ baseline is skipped: {missing}" in stdout
+        pytest.skip(f"the C++ baseline cannot be built: {missing}")
+    # Thrift's C++ server alone on one host, the same workers and bytes: the flat baseline.
+    assert "| C++ | - |" in stdout and "vs C++ (calls / wire)" in stdout
+    assert doc["meta"]["cpp_skipped"] == {} and doc["meta"]["cpp_server"]
+    assert cpp["server"] == "cpp" and cpp["keyset"] == "uniform"
+    assert cpp["total_bytes"] == row["total_bytes"] and cpp["keys"] == 32
+    assert cpp["primary_bytes"] == [cpp["total_bytes"]]  # (the whole set on its one host)
+    assert cpp["aggregate_bytes_per_s"] > 0 and cpp["wire_bytes_per_s"] > 0
+    assert len(cpp["workers_detail"]) == 2
+    for w in cpp["workers_detail"]:
+        assert w["get_calls"] > 0 and w["update_calls"] > 0
+        assert w["get_bytes"] > 0 and w["update_bytes"] > 0
+    assert cpp["vs_cpp"] == cpp["vs_cpp_wire"] == 1.0
+    assert row["vs_cpp"] == pytest.approx(
+        row["aggregate_bytes_per_s"] / cpp["aggregate_bytes_per_s"]
+    )
+    assert row["vs_cpp_wire"] == pytest.approx(row["wire_bytes_per_s"] / cpp["wire_bytes_per_s"])
 
 
 def test_bench_fanout_smoke(tmp_path: Path) -> None:

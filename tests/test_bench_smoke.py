@@ -5,13 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from cluster_helpers import run_bounded
+from cpp_helpers import need_cpp_baseline
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
+# (all but cpp, which its own test below runs: it skips where the C++ server cannot be built)
 VARIANTS = {
     "ceiling",
     "ceiling-unix",
@@ -44,7 +48,7 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
     png = tmp_path / "bench.png"
     plotting = importlib.util.find_spec("matplotlib") is not None
     cmd = [
-        sys.executable, str(BENCH),
+        sys.executable, str(BENCH), "--variants", ",".join(sorted(VARIANTS)),
         "--sizes", "4KiB,128KiB", "--conns", "1,2", "--reps", "1",
         "--seconds", "0.05", "--max-calls", "20",
         "--json", str(out),
@@ -89,6 +93,59 @@ def test_bench_node_smoke(tmp_path: Path) -> None:
     assert meta["malloc"] == "tuned" and meta["malloc_env"]
     if plotting:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_node_cpp_variant(tmp_path: Path) -> None:
+    """Thrift's C++ server beside the node: real figures, and the node divided by it."""
+    binary = need_cpp_baseline()
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, str(BENCH), "--variants", "cpp,node", "--sizes", "4KiB", "--conns", "2",
+        "--reps", "1", "--seconds", "0.05", "--max-calls", "20", "--json", str(out),
+    ]  # fmt: skip
+    # (each run's warm-up checks the bytes come back equal, and the C++ server's versions:
+    # a mismatch fails the run)
+    rc, stdout, stderr = run_bounded(cmd, timeout=60)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    assert (
+        f"cpp: Apache Thrift's C++ TThreadPoolServer, a pool thread per connection ({binary}), "
+        "with {'MALLOC_ARENA_MAX': '1'}" in stdout  # (the malloc tuning's, for its threads)
+    )
+    assert "/ cpp" in stdout
+
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["cpp_server"] == str(binary) and doc["meta"]["skipped"] == {}
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"cpp", "node"}
+    cpp = rows["cpp"]
+    assert (cpp["size"], cpp["conns"], cpp["n"]) == (4096, 2, 1)
+    for phase in ("update", "get"):
+        for key in ("calls_per_s", "mb_per_s", "p50_ms", "p99_ms"):
+            assert _positive(cpp[f"{phase}_{key}"]), (cpp, phase, key)
+    assert _positive(cpp["server_peak_rss_mib"])
+    [run] = [r for r in doc["runs"] if r["variant"] == "cpp"]
+    assert run["update"]["calls"] > 0 and run["get"]["calls"] > 0
+    [ratio] = [r for r in doc["ratios"] if r["baseline"] == "cpp"]
+    assert ratio["variant"] == "node"
+    for name in RATIO_NAMES:
+        assert _positive(ratio[name]), (ratio, name)
+
+
+def test_bench_node_skips_cpp_where_it_cannot_be_built(tmp_path: Path) -> None:
+    """No g++ on PATH: cpp is skipped, saying why, and the other variants run."""
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, str(BENCH), "--variants", "ceiling,cpp", "--sizes", "4KiB",
+        "--conns", "1", "--reps", "1", "--seconds", "0.05", "--max-calls", "20",
+        "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PATH": str(tmp_path / "empty")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    assert "cpp skipped: `g++` is not on PATH" in done.stdout
+    doc = json.loads(out.read_text())
+    assert [r["variant"] for r in doc["rows"]] == ["ceiling"]
+    assert "g++" in doc["meta"]["skipped"]["cpp"] and doc["meta"]["cpp_server"] is None
 
 
 def test_bench_node_passes_node_args_and_reports_a_node_that_will_not_start(
