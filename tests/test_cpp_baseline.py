@@ -104,6 +104,20 @@ def test_the_server_keeps_versions_and_bytes_and_stops_on_sigterm() -> None:
         assert proc.wait(STOP_TIMEOUT) == 0
 
 
+def test_one_message_larger_than_a_sockets_default_limit_is_taken() -> None:
+    # 32 parameters of 4 MiB in one update (a scale-out worker's): 128 MiB, past the
+    # 100 MB a TSocket takes by default, under the server's 256 MiB
+    with serving(need_cpp_baseline()) as (_, port):
+        client = _client(port)
+        try:
+            params = [seed.Parameter(name=f"k{i}", data=bytes([i]) * (4 << 20)) for i in range(32)]
+            client.update_parameters(seed.ParameterUpdate(params, timestamp=1))
+            got = client.get_parameters(seed.ParameterRequest([p.name for p in params]))
+            assert [p.data[:1] for p in got.params] == [bytes([i]) for i in range(32)]
+        finally:
+            client.close()
+
+
 def test_the_server_refuses_bad_flags() -> None:
     binary = need_cpp_baseline()
     for bad in (

@@ -32,6 +32,7 @@
 #include <thrift/server/TThreadPoolServer.h>
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TServerSocket.h>
+#include <thrift/transport/TSocket.h>
 
 #include "ParameterSyncService.h"
 
@@ -42,6 +43,7 @@ using apache::thrift::protocol::TBinaryProtocolFactory;
 using apache::thrift::server::TThreadPoolServer;
 using apache::thrift::transport::TFramedTransport;
 using apache::thrift::transport::TServerSocket;
+using apache::thrift::transport::TSocket;
 using apache::thrift::transport::TTransport;
 using apache::thrift::transport::TTransportFactory;
 using namespace ml::param_sync;
@@ -113,13 +115,24 @@ class FramedFactory : public TTransportFactory {
 };
 
 // TServerSocket that listens once: main() listens first, to print the port the kernel
-// picked; serve() calls listen() again, which would bind a second socket.
+// picked; serve() calls listen() again, which would bind a second socket. Its connections'
+// sockets take messages up to kMaxFrameBytes too (a TSocket's own limit is 100 MB: a
+// 128 MiB update closed the connection).
 class ListenOnce : public TServerSocket {
  public:
   using TServerSocket::TServerSocket;
   void listen() override {
     if (!isOpen()) TServerSocket::listen();
   }
+
+ protected:
+  std::shared_ptr<TSocket> createSocket(THRIFT_SOCKET client) override {
+    return std::make_shared<TSocket>(client, pChildInterruptSockReader_, config_);
+  }
+
+ private:
+  std::shared_ptr<TConfiguration> config_ =
+      std::make_shared<TConfiguration>(kMaxFrameBytes, kMaxFrameBytes);
 };
 
 [[noreturn]] void usage(const char* why) {
