@@ -330,3 +330,47 @@ async def test_pulls_and_pushes_at_once_see_whole_rows(client: ParameterClient) 
         pull_until_done(), *(client.push_row_gradients("t", ids, ones) for _ in range(10))
     )
     np.testing.assert_array_equal(await client.pull_rows("t", ids), -10 * ones)
+
+
+async def test_parts_of_one_push_for_other_buckets_do_not_wait_for_each_other() -> None:
+    """Under one request id, a push waits for one under way only where their buckets meet
+    (one sent again must not fold twice). Parts of one call for other buckets go on: two
+    nodes each passing the other a part of one call once waited for each other for good."""
+    from aioparamsync.placement import bucket_of
+    from aioparamsync.server.rows import RowService
+    from aioparamsync.store.rows import table_spec
+
+    service = RowService()  # (a node's row methods, alone)
+    rule = thrift.Rule(kind="sgd", lr=1.0)
+    table = service.tables.create(table_spec(thrift.Table(name="t", dim=2, buckets=8, rule=rule)))[
+        0
+    ]
+    ids = np.arange(200, dtype=np.int64)
+    buckets = bucket_of(ids, 8)
+    a, b = ids[buckets == 0][:3], ids[buckets == 1][:3]
+    release, folds = asyncio.Event(), []
+    fold = service._push_once
+
+    async def first_held(method, push, table, ids, grads):  # type: ignore[no-untyped-def]
+        folds.append(ids.tolist())
+        if len(folds) == 1:
+            await release.wait()  # (the first part stays under way)
+        return await fold(method, push, table, ids, grads)
+
+    service._push_once = first_held  # type: ignore[method-assign]
+
+    def push(part: np.ndarray) -> asyncio.Future:
+        grads = encode_rows(np.ones((len(part), 2), np.float32))
+        p = thrift.RowPush(table="t", ids=encode_ids(part), grads=grads, request_id="r1")
+        return asyncio.ensure_future(service._push(METHODS.push_row_gradients, p, part))
+
+    first = push(a)
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(push(b), 5)  # other buckets: not behind the first
+    again = push(a)  # the same buckets, sent again: behind the first
+    await asyncio.sleep(0.05)
+    assert not again.done() and len(folds) == 2
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, again), 5)
+    # each row folded once (sgd at 1.0 from zeros): the resend found its buckets folded
+    assert table.pull(np.concatenate([a, b])).tolist() == [[-1.0, -1.0]] * 6

@@ -85,7 +85,9 @@ class RowService:
         self.log: Any = None
         # The pushes under way, by (request id, table): one sent again meanwhile waits
         # for it, then folds only what it did not (see _push).
-        self._pushing: dict[tuple[str, str], asyncio.Future[None]] = {}
+        # (request id, table) -> the pushes under way here: the buckets each folds, and
+        # a future done when it ends
+        self._pushing: dict[tuple[str, str], list[tuple[frozenset[int], asyncio.Future[None]]]] = {}
 
     def handlers(self) -> dict[Method, Any]:
         return {
@@ -270,16 +272,24 @@ class RowService:
             return await self._push_once(method, push, table, ids, grads)
         # A push sent again while the first is under way here (its caller saw another
         # part fail, and sent it all again): it waits, for what the first folds is
-        # remembered only once it is folded, and would be folded twice.
+        # remembered only once it is folded, and would be folded twice. Only for a push
+        # of some of the same buckets: parts of one call for other buckets (passed on
+        # here from another node, while this node passes a part to that one) go on, or
+        # the two nodes would wait for each other.
         key = (push.request_id, table.spec.name)
-        while (first := self._pushing.get(key)) is not None:
-            await asyncio.wait({first})
-        pushing = self._pushing[key] = asyncio.get_running_loop().create_future()
+        mine = frozenset(np.unique(table.buckets_of(ids)).tolist())
+        while waits := [f for buckets, f in self._pushing.get(key, ()) if buckets & mine]:
+            await asyncio.wait(waits)
+        entry = (mine, asyncio.get_running_loop().create_future())
+        self._pushing.setdefault(key, []).append(entry)
         try:
             return await self._push_once(method, push, table, ids, grads)
         finally:
-            del self._pushing[key]
-            pushing.set_result(None)
+            under_way = self._pushing[key]
+            under_way.remove(entry)
+            if not under_way:
+                del self._pushing[key]
+            entry[1].set_result(None)
 
     async def _push_once(
         self, method: Method, push: Any, table: RowTable, ids: np.ndarray, grads: np.ndarray
