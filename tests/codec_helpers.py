@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -46,6 +47,8 @@ def plain(value: Any) -> Any:
     spec = getattr(value, "thrift_spec", None)
     if spec is not None:
         return type(value).__name__, {f[1]: plain(getattr(value, f[1])) for f in spec.values()}
+    if isinstance(value, float) and value != value:
+        return ("nan", struct.pack("<d", value))  # (NaN equals no NaN: compare its bits)
     return value
 
 
