@@ -5,7 +5,7 @@ What is compiled (with Cython, into C extensions):
 * ``aioparamsync/wire/_cbinary.pyx``: the binary protocol's struct reader and
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
 * ``aioparamsync/values/_crows.pyx``: the embedding rows' index lookup and row
-  copy (``aioparamsync.values.rowindex`` and ``.rows`` use it when present);
+  copy (``aioparamsync.values.rowindex`` and ``.rowcopy`` use it when present);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,

@@ -13,9 +13,9 @@ from aioparamsync import adagrad as adagrad_rule
 from aioparamsync import adam as adam_rule
 from aioparamsync import sgd as sgd_rule
 from aioparamsync.errors import ErrorCode, RequestError
-from aioparamsync.values import rowindex
-from aioparamsync.values import rows as rows_module
+from aioparamsync.values import rowcopy, rowindex
 from aioparamsync.values.arrays import parse_dtype
+from aioparamsync.values.rowcopy import put_rows, take_rows
 from aioparamsync.values.rowindex import RowIndex
 from aioparamsync.values.rows import (
     BlockSpec,
@@ -23,9 +23,7 @@ from aioparamsync.values.rows import (
     RowBlock,
     RowRule,
     normal,
-    put_rows,
     sum_duplicates,
-    take_rows,
     uniform,
     zeros,
 )
@@ -589,7 +587,7 @@ def test_put_rows_converts_other_dtypes_and_takes_views_that_are_not_contiguous(
     assert take_rows(strided, np.array([3, 1])).tolist() == strided[[3, 1]].tolist()
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rowcopy._crows is None, reason="the compiled path is not built")
 def test_the_compiled_row_copy_refuses_rows_out_of_bounds_and_writes_nothing() -> None:
     source, out = np.ones((4, 2), np.float32), np.zeros((4, 2), np.float32)
     for slots, where in (([0, 4], [0, 1]), ([0, 1], [0, -1]), ([-1], [0])):

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ErrorCode, RequestError
 from ..placement import bucket_key, bucket_of
 from ..values.arrays import is_bfloat16, parse_dtype, wire_dtype
-from ..values.rows import put_rows, take_rows
+from ..values.rowcopy import put_rows, take_rows
 from ..values.rowwire import ROW_ENCODINGS, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, thrift
 from .fetch import gather_all

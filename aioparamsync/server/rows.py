@@ -45,7 +45,7 @@ import numpy as np
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
-from ..values.rows import put_rows
+from ..values.rowcopy import put_rows
 from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, Method, thrift
 from . import forward
@@ -83,10 +83,9 @@ class RowService:
         #: called with the deltas a fold or merge made, before it is answered
         #: (the node's data directory logs them), or None
         self.log: Any = None
-        # The pushes under way, by (request id, table): one sent again meanwhile waits
-        # for it, then folds only what it did not (see _push).
-        # (request id, table) -> the pushes under way here: the buckets each folds, and
-        # a future done when it ends
+        # The pushes under way, by (request id, table): the buckets each folds, and a
+        # future done when it ends. One sent again meanwhile for some of the same buckets
+        # waits for it, then folds only what it did not (see _push).
         self._pushing: dict[tuple[str, str], list[tuple[frozenset[int], asyncio.Future[None]]]] = {}
 
     def handlers(self) -> dict[Method, Any]:
@@ -202,7 +201,7 @@ class RowService:
 
         async def here(keys: list[str]) -> None:
             positions = where(keys)
-            put_rows(out, positions, table.pull(ids[positions]))
+            table.read_into(ids[positions], out, positions)
 
         async def send(link: Any, keys: list[str], fallback: bool) -> None:
             positions = where(keys)

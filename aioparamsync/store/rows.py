@@ -31,7 +31,8 @@ from ..placement import bucket_of
 from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
-from ..values.rows import BlockSpec, Init, RowBlock, RowRule, take_rows
+from ..values.rowcopy import take_rows
+from ..values.rows import BlockSpec, Init, RowBlock, RowRule
 from ..values.rowwire import decode_ids, encode_ids
 from ..wire import thrift
 
@@ -191,16 +192,28 @@ class RowTable:
         """The rows of ``ids`` in their order: those held here, else their initial values
         (a read makes no row: only a push does, so reads cost no memory). ``groups``:
         ``by_bucket(ids)``, if the caller has it."""
+        out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
+        self.read_into(ids, out, groups=groups)
+        return out
+
+    def read_into(
+        self,
+        ids: np.ndarray,
+        out: np.ndarray,
+        where: np.ndarray | None = None,
+        groups: Iterable[tuple[int, np.ndarray]] | None = None,
+    ) -> None:
+        """``out[where[i]] =`` the row of ``ids[i]`` (``where`` None: ``out[i]``), as
+        :meth:`pull` reads it, with no array of its own in between."""
         s = self.spec
-        out = np.empty((len(ids), s.dim), s.dtype)
         for bucket, positions in self.by_bucket(ids) if groups is None else groups:
             block = self.blocks.get(bucket)
             wanted = ids[positions]
+            at = positions if where is None else where[positions]
             if block is not None:
-                block.read_into(wanted, out, positions)
+                block.read_into(wanted, out, at)
             else:
-                out[positions] = s.rows.init.values(s.name, wanted, s.dim, s.dtype)
-        return out
+                out[at] = s.rows.init.values(s.name, wanted, s.dim, s.dtype)
 
     def check(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Refuse (BAD_REQUEST, SHAPE_MISMATCH) what a fold could not take, before any fold."""

@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._ext import compiled
 from ..errors import ErrorCode
+from .rowcopy import put_rows, take_rows
 from .rowindex import RowIndex
 from .rowspec import (
     DTYPES,
@@ -58,9 +58,6 @@ from .rowspec import (
     uniform,
     zeros,
 )
-
-# The compiled row copy (see _crows.pyx), unless the pure path is asked for or not built.
-_crows = compiled("values._crows")
 
 __all__ = [
     "DTYPES",
@@ -540,59 +537,6 @@ class RowBlock:
         self._versions[slots] = versions
         for name, a in state.items():
             self._state[name][slots] = a
-
-
-def records(rows: np.ndarray) -> np.ndarray:
-    """``(n, dim)`` rows as ``n`` records of their bytes (a view), when C-contiguous.
-
-    numpy gathers and scatters whole rows by an index array several times faster so
-    (a copy of each record's bytes) than as a 2-D array (element by element): a
-    pull of 10^5 rows of 64 float32 spends ~2.5 ms there instead of ~10.
-    """
-    if rows.ndim != 2 or not rows.flags.c_contiguous or not rows.shape[1]:
-        return rows
-    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
-
-
-def take_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """``rows[positions]`` of ``(n, dim)`` rows (a new array), gathered row by row (see
-    :func:`put_rows`)."""
-    if _crows is not None and rows.ndim == 2 and rows.flags.c_contiguous:
-        out = np.empty((len(positions), rows.shape[1]), rows.dtype)
-        put_rows(out, np.arange(len(positions)), rows, positions)
-        return out
-    whole = records(rows)
-    if whole is rows:
-        return rows[positions]
-    return whole[positions].view(rows.dtype).reshape(len(positions), rows.shape[1])
-
-
-def put_rows(
-    out: np.ndarray, positions: np.ndarray, rows: np.ndarray, slots: np.ndarray | None = None
-) -> None:
-    """``out[positions] = rows[slots]`` (``rows`` with no ``slots``) of ``(n, dim)`` rows.
-
-    Row by row, its bytes copied once, where both are contiguous rows of one dtype (the
-    compiled ``copy_rows``; else as records: see :func:`records`); otherwise as numpy
-    does it, converting.
-    """
-    if out.dtype != rows.dtype or out.ndim != 2 or rows.ndim != 2:
-        out[positions] = rows if slots is None else rows[slots]
-        return
-    if _crows is not None and out.flags.c_contiguous and rows.flags.c_contiguous:
-        chosen = np.arange(len(rows)) if slots is None else np.asarray(slots, np.int64)
-        _crows.copy_rows(_as_bytes(rows), chosen, _as_bytes(out), np.asarray(positions, np.int64))
-        return
-    into, whole = records(out), records(rows)
-    if into is out or whole is rows:
-        out[positions] = rows if slots is None else rows[slots]
-    else:
-        into[positions] = whole if slots is None else whole[slots]
-
-
-def _as_bytes(rows: np.ndarray) -> np.ndarray:
-    # (n, dim) C-contiguous rows as (n, dim * itemsize) bytes: a view
-    return rows.view(np.uint8).reshape(rows.shape[0], rows.shape[1] * rows.itemsize)
 
 
 def _check_ids(ids: Any) -> np.ndarray:
