@@ -263,3 +263,97 @@ async def test_a_tables_buckets_are_balanced_by_their_rows_and_no_fold_is_lost(
             await eventually(handed_off, timeout=30)
     finally:
         await cluster.close()
+
+
+# -- a push held while its node settles, its keys claimed meanwhile ---------------------------
+
+
+async def _two_apart() -> tuple[LocalCluster, Node, Node]:
+    """Two nodes at R=1 that claim nothing on their own (balance_interval=0), formed."""
+    cluster = LocalCluster(replication_factor=1)
+    a = await cluster.start(balance_interval=0)
+    b = await cluster.start(peers=[a], balance_interval=0)
+    await cluster.formed([a, b])
+    return cluster, a, b
+
+
+async def _claimed_while_held(a: Node, b: Node, key: str, push: Any) -> Any:
+    """Run ``push()`` at ``a`` while ``a`` settles (as at a take-over of its own, it folds
+    nothing until done); meanwhile ``b`` claims ``key`` and ``a`` hands it off, dropping
+    it. Answer the push's result."""
+    held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    a.cluster.transitions.settling = held
+    try:
+        pushing = asyncio.ensure_future(push())
+        await asyncio.sleep(0.2)
+        assert not pushing.done()  # (held by the settle)
+        assert await b.cluster.transitions.claim([key])
+        assert a.cluster.placement.primary(key, a.cluster.live) == b.cluster.me.node_id
+        await a.cluster.rebalancer.round()
+        await a.cluster.rebalancer.other_rounds()
+    finally:
+        a.cluster.transitions.settling = None
+        held.set_result(None)
+    return await asyncio.wait_for(pushing, 30)
+
+
+async def test_a_row_push_held_while_its_node_settles_is_folded_where_its_bucket_went() -> None:
+    """A row push waiting at its bucket's primary for that node's settle, while another
+    member claims the bucket and the first hands it off and drops it, is folded once, at
+    the new primary: not into the dropped bucket, started anew (which lost the push to
+    the older rows by version)."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=False, timeout=30) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            ids = np.arange(4000, dtype=np.int64)
+            bucket = next(
+                x
+                for x in range(8)
+                if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live)
+                == a.cluster.me.node_id
+            )
+            ids = ids[bucket_of(ids, 8) == bucket]
+            ones = np.ones((len(ids), 4), np.float32)
+            await client.push_row_gradients("emb", ids, ones)
+
+            result = await _claimed_while_held(
+                a,
+                b,
+                bucket_key("emb", bucket),
+                lambda: client.push_row_gradients("emb", ids, ones),
+            )
+            assert result.rows == len(ids)
+            assert bucket not in a.service.rows.tables.tables["emb"].blocks
+            np.testing.assert_array_equal(await client.pull_rows("emb", ids), -2 * ones)
+            async with ParameterClient(b.address, route=False, timeout=30) as at_b:
+                np.testing.assert_array_equal(await at_b.pull_rows("emb", ids), -2 * ones)
+    finally:
+        await cluster.close()
+
+
+async def test_a_gradient_push_held_while_its_node_settles_is_folded_where_its_key_went() -> None:
+    """As for rows: a dense push waiting at its key's primary for that node's settle, the
+    key claimed by another member and handed off meanwhile, is folded once, there."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=False, timeout=30) as client:
+            names = [f"w{i}" for i in range(16)]
+            await client.update_arrays(
+                dict.fromkeys(names, np.zeros(8, np.float32)), rules=sum_rule()
+            )
+            name = next(
+                n
+                for n in names
+                if a.cluster.placement.primary(n, a.cluster.live) == a.cluster.me.node_id
+            )
+            ones = np.ones(8, np.float32)
+            await client.push_gradients({name: ones})
+
+            await _claimed_while_held(a, b, name, lambda: client.push_gradients({name: ones}))
+            assert name not in a.table
+            assert (await client.get_arrays([name]))[name].tolist() == [2.0] * 8
+            async with ParameterClient(b.address, route=False, timeout=30) as at_b:
+                assert (await at_b.get_arrays([name]))[name].tolist() == [2.0] * 8
+    finally:
+        await cluster.close()

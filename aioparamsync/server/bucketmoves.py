@@ -5,6 +5,13 @@ it has become a replica of from the other replicas (``bucket_rows``, page by
 page), and hands each bucket it is no replica of any more to its replicas
 (``replicate_rows``), dropping it once every one of them has it and no newer
 epoch has come meanwhile (as :mod:`..cluster.rebalance` does for parameters).
+
+A node that becomes a bucket's primary (it claimed the bucket, or joined)
+pulls it again from the others, of the rows touched since it last did: what
+its primary folded meanwhile reached it through that node's outbox, which may
+not have been sent yet; and from then on this node folds the bucket's rows,
+on top of what it holds. It folds nothing until that round is done (the
+round runs in its settle: see ``Transitions.take_over``).
 """
 
 from __future__ import annotations
@@ -36,9 +43,13 @@ class BucketMoves:
 
     def __init__(self, rows: RowService) -> None:
         self.rows = rows
-        # (table, bucket) -> the placement this node last took it (or handed it off) at
-        self._synced: dict[tuple[str, int], Any] = {}
+        # (table, bucket) -> the placement this node last took it at, and whether it was
+        # the bucket's primary then; or the placement it last handed it off at
+        self._synced: dict[tuple[str, int], tuple[Any, bool]] = {}
         self._handed: dict[tuple[str, int], Any] = {}
+        # (table, bucket, member) -> when (by that member's clock) it last read this
+        # node the rows of the bucket (see _take)
+        self._as_of: dict[tuple[str, int, str], float] = {}
 
     @property
     def cluster(self) -> ClusterView | None:
@@ -72,13 +83,18 @@ class BucketMoves:
                 holders = after.replicas(key)
                 if me in holders:
                     self._handed.pop(mark, None)
-                    if self._synced.get(mark) != after:
+                    synced = (after, now.primary(key, cluster.live) == me)
+                    was = self._synced.get(mark)
+                    if was != synced:
                         sources = {*holders, *now.replicas(key)} - {me}
-                        if await self._take(table, bucket, sources):
+                        # (became its primary, holding it at this placement already: of
+                        # the rows touched since; else whole)
+                        since = was is not None and was[0] == after and synced[1]
+                        if await self._take(table, bucket, sources, since):
                             # (taken from every holder only once all are up: one down
                             # now is asked again at a later round)
                             if all(self._up(m) and cluster.trusted(m) for m in sources):
-                                self._synced[mark] = after
+                                self._synced[mark] = synced
                         else:
                             waiting += 1
                     continue
@@ -102,9 +118,12 @@ class BucketMoves:
                     self._handed.pop(mark, None)
         return waiting
 
-    async def _take(self, table: RowTable, bucket: int, sources: Iterable[str]) -> bool:
+    async def _take(
+        self, table: RowTable, bucket: int, sources: Iterable[str], since: bool = False
+    ) -> bool:
         """Merge the rows of ``bucket`` every other live one of ``sources`` holds, page by
-        page; whether every one answered."""
+        page (with ``since``, those touched since it last answered: see the module);
+        whether every one answered."""
         cluster = self.cluster
         assert cluster is not None  # (a round runs in a cluster)
         me = cluster.me.node_id
@@ -114,9 +133,15 @@ class BucketMoves:
         ok = True
         for member in others:
             offset, total = 0, 1
+            mark = (table.spec.name, bucket, member)
+            touched_since = self._as_of.get(mark) if since else None
             while offset < total:
                 request = thrift.BucketRequest(
-                    table=table.spec.name, bucket=bucket, offset=offset, limit=page
+                    table=table.spec.name,
+                    bucket=bucket,
+                    offset=offset,
+                    limit=page,
+                    touched_since=touched_since,
                 )
                 try:
                     link = cluster.by_id[member]
@@ -131,6 +156,8 @@ class BucketMoves:
                     break
                 if table.merge(delta, time.time()) and self.rows.log is not None:
                     await self.rows.log([delta])
+                if offset == 0 and delta.as_of is not None:
+                    self._as_of[mark] = delta.as_of  # (read before its first page's rows)
                 total = delta.total or 0
                 offset += page
         return ok

@@ -30,6 +30,15 @@ A part sent to a node that is not the keys' primary in this node's view
 (their primary could not be reached) is sent as a fallback (``send``'s third
 argument): the caller sends it without an epoch, to be applied where it
 arrives, which holds it.
+
+A node that waits before it folds a part (its own take-over settling: see
+``Cluster.settling``) checks, once done waiting, that the keys did not move
+meanwhile (:func:`unmoved`): a member that claimed them took them over while
+it waited, and folds them from then on. Folded here, the part would make a
+second primary's version of a key (one of the two lost by last-writer-wins),
+or would land in a bucket this node handed off and dropped meanwhile, started
+anew. A part that moved goes on to its holder as this node now sees it
+(:func:`serve_here`), as a part answered ``Moved`` does.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ __all__ = [
     "holder",
     "moved",
     "pass_on",
+    "serve_here",
+    "unmoved",
 ]
 
 # Waits before a part answered Moved goes again to its holders as this node
@@ -199,6 +210,23 @@ def gate(
         raise moved(cluster, missing, what, then, shown)
 
 
+def unmoved(
+    cluster: Holders, keys: Iterable[str], shown: Callable[[str], str] = repr
+) -> Callable[[], None]:
+    """Note ``keys``' holders now (see :func:`holder`); answer a check, to call after a
+    wait and just before applying them here, that raises :class:`Moved` for those whose
+    holder changed meanwhile (see the module)."""
+    keys = list(keys)
+    before = [holder(cluster, k) for k in keys]
+
+    def check() -> None:
+        gone = [k for k, was in zip(keys, before, strict=True) if holder(cluster, k) != was]
+        if gone:
+            raise moved(cluster, gone, "no longer holds", "they moved while it waited", shown)
+
+    return check
+
+
 def _shown(keys: Sequence[str]) -> str:
     return ", ".join(repr(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
 
@@ -236,15 +264,7 @@ async def pass_on(
             raise ConnectError(f"node {target} is not linked")
         return [await send(link, keys, bool(tried))]
     except Moved as exc:
-        if moves >= len(FORWARD_RETRY_DELAYS):
-            raise RequestError(
-                ErrorCode.UNAVAILABLE,
-                f"{what} of {_shown(keys)} not applied: the nodes disagree on where they are "
-                f"held ({exc.message}); try again",
-                cluster.epoch,
-            ) from None
-        await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
-        moves += 1
+        moves = await _again(cluster, exc, keys, moves, what)
         last: Exception = exc
     except ConnectError as exc:
         tried = tried | {target}
@@ -258,6 +278,56 @@ async def pass_on(
             ) from exc
         tried = tried | {target}
         last = exc
+    return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, last)
+
+
+async def serve_here(
+    cluster: Holders,
+    keys: list[str],
+    send: Callable[[Any, list[str], bool], Awaitable[T]],
+    here: Callable[[list[str]], Awaitable[T]],
+    *,
+    what: str,
+    idempotent: bool = False,
+    tried: frozenset[str] = frozenset(),
+    moves: int = 0,
+) -> list[T]:
+    """Serve ``keys`` here (this node is their holder); should they have moved while it
+    waited to (``here`` raised :class:`Moved`: see :func:`unmoved`), pass them on to their
+    holders as this node sees them now, by the policy. Arguments as :func:`pass_on`'s."""
+    try:
+        return [await here(keys)]
+    except Moved as exc:
+        moves = await _again(cluster, exc, keys, moves, what)
+        return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, exc)
+
+
+async def _again(cluster: Holders, exc: Moved, keys: list[str], moves: int, what: str) -> int:
+    """After ``exc``: wait before the keys go again (the count of tries so far: ``moves``);
+    answer the count; past the last wait, fail UNAVAILABLE (nothing applied)."""
+    if moves >= len(FORWARD_RETRY_DELAYS):
+        raise RequestError(
+            ErrorCode.UNAVAILABLE,
+            f"{what} of {_shown(keys)} not applied: the nodes disagree on where they are "
+            f"held ({exc.message}); try again",
+            cluster.epoch,
+        ) from None
+    await asyncio.sleep(FORWARD_RETRY_DELAYS[moves])
+    return moves + 1
+
+
+async def _onwards(
+    cluster: Holders,
+    keys: list[str],
+    send: Callable[[Any, list[str], bool], Awaitable[T]],
+    here: Callable[[list[str]], Awaitable[T]],
+    what: str,
+    idempotent: bool,
+    tried: frozenset[str],
+    moves: int,
+    last: Exception,
+) -> list[T]:
+    """``keys`` to their holders as this node sees them now, ``tried`` left out."""
     groups = by_holder(cluster, keys, tried)
     lost = groups.pop(None, None)
     if lost:
@@ -268,26 +338,13 @@ async def pass_on(
             cluster.epoch,
         ) from last
     me = cluster.me.node_id
+    kw: dict[str, Any] = {"what": what, "idempotent": idempotent, "tried": tried, "moves": moves}
     answers = await asyncio.gather(
         *(
-            _here(here, ks)
+            serve_here(cluster, ks, send, here, **kw)
             if node == me
-            else pass_on(
-                cluster,
-                node,  # type: ignore[arg-type]
-                ks,
-                send,
-                here,
-                what=what,
-                idempotent=idempotent,
-                tried=tried,
-                moves=moves,
-            )
+            else pass_on(cluster, node, ks, send, here, **kw)  # type: ignore[arg-type]
             for node, ks in groups.items()
         )
     )
     return [a for answer in answers for a in answer]
-
-
-async def _here(here: Callable[[list[str]], Awaitable[T]], keys: list[str]) -> list[T]:
-    return [await here(keys)]

@@ -425,7 +425,16 @@ class GradientPushes:
 
         async def folded() -> Any:
             if settling is not None:
+                # (the names may move meanwhile, claimed by a member: see forward.unmoved)
+                assert self.cluster is not None  # (settling: a cluster's)
+                unmoved = forward.unmoved(self.cluster, [g.name for g in grads])
                 await settling
+                if push.forwarded:
+                    unmoved()  # (Moved: the node that passed it on sends it on)
+                else:
+                    parts = self._parts(push, grads)
+                    if any(node is not None for node in parts):
+                        return await self._forward(method, push, parts, timestamp, before)
             applied = await self.store.submit(decoded, timestamp, gradients=True, call=push.call)
             if acks_all:
                 assert self.cluster is not None  # (acks=all: a cluster's)
@@ -480,7 +489,9 @@ class GradientPushes:
 
         async def here(names: list[str]) -> Any:
             if cluster.settling is not None:
+                unmoved = forward.unmoved(cluster, names)  # (see forward.unmoved)
                 await cluster.settling
+                unmoved()
             grads = decoded_parameters([by_name[n] for n in names], self.max_decoded_bytes)
             applied = await self.store.submit(grads, timestamp, gradients=True, call=call)
             if acks == "all":
@@ -490,8 +501,9 @@ class GradientPushes:
         async def fold(node: str | None, grads: list[Any]) -> Any:
             names = [g.name for g in grads]
             if node is None:
-                return await here(names)
-            done = await forward.pass_on(cluster, node, names, send, here, what="gradients")
+                done = await forward.serve_here(cluster, names, send, here, what="gradients")
+            else:
+                done = await forward.pass_on(cluster, node, names, send, here, what="gradients")
             return merge_results(done)
 
         results = await asyncio.gather(

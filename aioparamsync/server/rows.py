@@ -317,14 +317,18 @@ class RowService:
     ) -> tuple[int, int]:
         cluster = self.cluster
         settling = cluster.settling if cluster is not None else None
-        if settling is not None:
-            await settling
-        if cluster is not None and cluster.coordinator is not None:
-            # (acks=all: refused before it is folded while a live replica of one of its
-            # buckets cannot be reached, as a write of parameters is)
-            acks = push.acks or cluster.acks
-            buckets = np.unique(table.buckets_of(ids)) if acks == "all" else ()
-            cluster.check_writable([bucket_key(table.spec.name, int(b)) for b in buckets], acks)
+        if cluster is not None and (settling is not None or cluster.coordinator is not None):
+            keys = [bucket_key(table.spec.name, int(b)) for b in np.unique(table.buckets_of(ids))]
+            if settling is not None:
+                # (its buckets may move meanwhile, claimed by a member: see forward.unmoved)
+                unmoved = forward.unmoved(cluster, keys, _bucket_shown)
+                await settling
+                unmoved()
+            if cluster.coordinator is not None:
+                # (acks=all: refused before it is folded while a live replica of one of its
+                # buckets cannot be reached, as a write of parameters is)
+                acks = push.acks or cluster.acks
+                cluster.check_writable(keys if acks == "all" else [], acks)
         changed, created = (table.assign if push.assign else table.fold)(ids, grads, time.time())
         folded = {b: len(c) for b, c in changed.items()}
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
@@ -371,9 +375,9 @@ class RowService:
             return result.rows, result.created
 
         async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:
-            if node is None:
-                return [await here(keys)]
             what = f"rows of table {table.spec.name!r}"
+            if node is None:
+                return await forward.serve_here(cluster, keys, send, here, what=what)
             return await forward.pass_on(cluster, node, keys, send, here, what=what)
 
         results = await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
