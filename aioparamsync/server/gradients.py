@@ -434,6 +434,7 @@ class GradientPushes:
                 else:
                     parts = self._parts(push, grads)
                     if any(node is not None for node in parts):
+                        self._check(parts)  # (as _fold does: refused before any part folds)
                         return await self._forward(method, push, parts, timestamp, before)
             applied = await self.store.submit(decoded, timestamp, gradients=True, call=push.call)
             if acks_all:
