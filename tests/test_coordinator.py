@@ -1100,3 +1100,69 @@ async def test_members_claim_keys_through_their_records_and_lose_no_fold(etcd: E
                         assert got[name].tolist() == [float(pushes)] * (nbytes // 4), name
     finally:
         await cluster.close()
+
+
+async def test_a_claim_written_but_answered_as_failed_is_taken_back(etcd: Etcd) -> None:
+    """etcd applies a claim's write but its answer is lost (the claimer sees a failure),
+    and the write taking it back fails too: the claimer writes it back again until etcd
+    answers, so its record claims nothing it has not settled, and every node places the
+    key where it was, as the claimer does. (The fault is put in the claimer's own calls:
+    the claim's write goes to etcd and is answered as failed; the first write taking it
+    back fails without being sent.)"""
+    prefix = new_prefix()
+    cluster = LocalCluster(replication_factor=1)
+    kw: dict[str, Any] = {
+        "coordinator": etcd.endpoint,
+        "coordinator_prefix": prefix,
+        "failure_timeout": TTL,
+        "balance_interval": 0,
+    }
+    try:
+        a, b = await cluster.start(**kw), await cluster.start(**kw)
+
+        def formed() -> None:
+            for node in (a, b):
+                assert node.cluster.state == "up"
+                assert set(node.cluster.view.live) == {a.node_id, b.node_id}
+
+        await eventually(formed, timeout=30)
+        key = next(
+            k
+            for k in (f"w{i}" for i in range(100))
+            if a.cluster.placement.primary(k, a.cluster.live) == a.node_id
+        )
+        coordinator = b.cluster.coordinator
+        assert coordinator is not None
+        real = coordinator.set_state
+        faults = ["lost answer", "not sent"]
+
+        async def faulty(state: str, claims: Any = None, claiming: Any = None) -> bool:
+            if claims and key in claims and faults[:1] == ["lost answer"]:
+                faults.pop(0)
+                await real(state, claims, claiming)
+                return False
+            if faults == ["not sent"] and not (claims and key in claims):
+                faults.pop(0)
+                return False
+            return await real(state, claims, claiming)
+
+        coordinator.set_state = faulty  # type: ignore[method-assign]
+        assert not await b.cluster.transitions.claim([key])
+        assert not faults  # (both faults met)
+        assert key not in b.cluster.claims
+
+        async def taken_back() -> None:
+            held = await members_in_etcd(etcd, prefix)
+            claimed = {k for value, _ in held.values() for k in value.get("claims", {})}
+            assert key not in claimed, held
+            for node in (a, b):
+                assert node.cluster.placement.primary(key, node.cluster.live) == a.node_id
+
+        await eventually(taken_back, timeout=30)
+        async with ParameterClient(b.address, timeout=30) as client:
+            await client.update_arrays({key: np.zeros(4, np.float32)}, rules=sum_rule())
+            await client.push_gradients({key: np.ones(4, np.float32)})
+            got = await client.get_arrays([key])
+            assert got[key].tolist() == [1.0] * 4
+    finally:
+        await cluster.close()

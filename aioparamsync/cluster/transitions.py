@@ -233,6 +233,7 @@ class Transitions:
         taking = cluster.claiming = dict.fromkeys(keys, epoch)
         if not await self._claims_said():
             cluster.claiming = {}
+            await self._said_again()  # (it may have been written: its answer lost)
             return False
         cluster.refresh()  # (its pending placement: the keys are this node's)
         await self.tell_all()  # (they replicate to this node what they apply from now on)
@@ -251,7 +252,7 @@ class Transitions:
                 log.warning("claim of %d keys given up: not pulled from every member", len(keys))
             if cluster.claiming is taking:
                 cluster.claiming = {}
-                await self._claims_said()  # (not written: others stop at its lease's end)
+                await self._said_again()  # (the others replicate to it until they see it)
                 cluster.refresh()
                 await self.tell_all()
             return False
@@ -260,11 +261,9 @@ class Transitions:
             cluster.claims.update(taking)
             cluster.claiming = {}
             if not await self._claims_said():
-                # (etcd did not take it: the keys stay where they were, for every node)
-                for key in taking:
-                    cluster.claims.pop(key, None)
-                await self._claims_said()
-                cluster.refresh()
+                # (etcd did not take it, or did and its answer was lost: taken back, so
+                # the keys stay where they were, for every node)
+                await self._take_back(taking)
                 return False
             cluster.refresh()
             log.info(
@@ -276,6 +275,26 @@ class Transitions:
             self.settling = None
             settling.set_result(None)
         return True
+
+    async def _take_back(self, taking: Collection[str]) -> None:
+        """Take back a claim whose write failed: etcd may still have applied it (the
+        answer was lost), and every node but this one would then place the keys here.
+        Written again until etcd answers, while this node is up and settling (it folds
+        nothing meanwhile); once etcd answers, the write lands, or finds the key changed
+        under it and the node registers anew (its record rewritten, claiming nothing)."""
+        cluster = self.cluster
+        for key in taking:
+            cluster.claims.pop(key, None)
+        await self._said_again()
+        cluster.refresh()
+
+    async def _said_again(self) -> None:
+        """:meth:`_claims_said`, again until it is, while this node is up (its lease
+        lost, its record goes, claims and all)."""
+        while not await self._claims_said():
+            if self.cluster.state != UP:
+                break
+            await asyncio.sleep(PUBLISH_RETRY)
 
     async def _claims_said(self) -> bool:
         """With a coordinator: write what this node claims and is claiming into its record,
