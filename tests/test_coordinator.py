@@ -1122,7 +1122,7 @@ async def test_a_claim_written_but_answered_as_failed_is_taken_back(etcd: Etcd) 
 
         def formed() -> None:
             for node in (a, b):
-                assert node.cluster.state == "up"
+                assert node.cluster.state == "up" and node.cluster.settling is None
                 assert set(node.cluster.view.live) == {a.node_id, b.node_id}
 
         await eventually(formed, timeout=30)

@@ -930,3 +930,53 @@ async def test_a_node_of_another_replication_factor_is_refused_both_ways(
                 got = await client.get_arrays(names)
                 assert sorted(got) == names, f"{where} lacks {sorted(set(names) - set(got))}"
         assert (await odd_client.info()).parameter_count == 0  # (none placed on it)
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/net/tcp"), reason="the fault proxy tells a node's links by /proc"
+)
+async def test_a_push_at_the_primary_waits_for_a_parameter_just_made_at_another_replica(
+    procs: ProcessCluster,
+) -> None:
+    """An update is applied at any replica of its names; a gradient is folded at the
+    primary. A parameter made at one replica and pushed to at once at its primary, before
+    replication brought it there, waits there for it (a bounded time) rather than being
+    refused as unknown. Here A's links to B are held back while A makes the parameter."""
+    async with contextlib.AsyncExitStack() as stack:
+        proxies = [FaultProxy(free_port()) for _ in range(2)]
+        for proxy in proxies:
+            await proxy.start()
+            stack.push_async_callback(proxy.close)
+        pa, pb = proxies
+
+        def flags(proxy: FaultProxy, *seeds: FaultProxy) -> list[str]:
+            extra = ["--replication-factor", "2", "--advertise", proxy.address_text]
+            extra += ["--balance-interval", "0"]
+            return extra + (["--peers", ",".join(s.address_text for s in seeds)] if seeds else [])
+
+        a = await procs.spawn(port=pa.target[1], extra=flags(pa))
+        b = await procs.spawn(port=pb.target[1], extra=flags(pb, pa))
+        clients = await open_clients(stack, [a, b])
+        ca, cb = clients.values()
+        await wait_formed(clients)
+        members = list(clients)  # (ids: where peers reach them)
+        name = next(
+            n
+            for n in (f"w{i}" for i in range(100))
+            if Placement(members, 2).replicas(n)[0] == pb.address_text
+        )
+        pb.stall_from(a.pid)  # (A's links to B carry nothing until healed)
+        await ca.update_arrays({name: np.zeros(4, np.float32)}, rules=sum_rule())
+        asyncio.get_running_loop().call_later(0.3, pb.heal)
+        await cb.push_gradients({name: np.ones(4, np.float32)})
+        for client in (ca, cb):
+            got = await eventually(
+                lambda c=client: _one_fold(c, name), timeout=FORM_TIMEOUT, interval=POLL
+            )
+            assert got == [1.0] * 4
+
+
+async def _one_fold(client: ParameterClient, name: str) -> list[float]:
+    values = (await client.get_arrays([name]))[name].tolist()
+    assert values == [1.0] * 4, values
+    return values

@@ -76,6 +76,9 @@ MAX_REQUEST_ID_BYTES = 256
 # After a push folded by another node, how long its reply waits for the
 # results to replicate here, so the pusher's next read here sees them (ms).
 ARRIVAL_WAIT_MS = 2_000
+# How long a push waits here for a parameter this node holds by placement but lacks, made
+# at another of its replicas a moment ago, before it is refused UNKNOWN_PARAMETER (ms).
+UNKNOWN_WAIT_MS = 1_000
 # Waits before asking a primary again to fold gradients of a parameter it does
 # not hold yet (just made elsewhere) (seconds): as long as after a MOVED.
 UNKNOWN_RETRY_DELAYS = forward.FORWARD_RETRY_DELAYS
@@ -418,17 +421,20 @@ class GradientPushes:
         decoded = decoded_parameters(grads, self.max_decoded_bytes)
         acks_all = self._acks_all(push)
         settling = self.cluster.settling if self.cluster is not None else None
-        if settling is None and not acks_all:
+        arriving = self._arriving(grads)
+        if settling is None and not acks_all and not arriving:
             return self.store.submit(
                 decoded, timestamp, gradients=True, then=result, call=push.call
             )
 
         async def folded() -> Any:
-            if settling is not None:
+            if settling is not None or arriving:
                 # (the names may move meanwhile, claimed by a member: see forward.unmoved)
-                assert self.cluster is not None  # (settling: a cluster's)
+                assert self.cluster is not None  # (settling, arriving: a cluster's)
                 unmoved = forward.unmoved(self.cluster, [g.name for g in grads])
-                await settling
+                await self._arrived(arriving)
+                if self.cluster.settling is not None:
+                    await self.cluster.settling
                 if push.forwarded:
                     unmoved()  # (Moved: the node that passed it on sends it on)
                 else:
@@ -443,6 +449,23 @@ class GradientPushes:
             return result(applied)
 
         return asyncio.ensure_future(folded())
+
+    def _arriving(self, grads: Sequence[Any]) -> list[str]:
+        """The names of ``grads`` this node holds by placement but not in its table yet
+        (none outside a cluster): a parameter made at another of its replicas a moment
+        ago reaches this one by replication."""
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return []
+        table = self.store.table
+        return [g.name for g in grads if g.name not in table and cluster.holds_here(g.name)]
+
+    async def _arrived(self, names: list[str]) -> None:
+        """Wait (up to ``UNKNOWN_WAIT_MS``) for ``names`` (see :meth:`_arriving`) to come;
+        those that do not are refused by the fold, as unknown."""
+        if names:
+            polls = [self.waiting.poll([n], 1, UNKNOWN_WAIT_MS) for n in names]
+            await asyncio.gather(*polls, return_exceptions=True)
 
     async def _forward(
         self,
@@ -489,9 +512,12 @@ class GradientPushes:
             return result
 
         async def here(names: list[str]) -> Any:
-            if cluster.settling is not None:
+            arriving = self._arriving([by_name[n] for n in names])
+            if cluster.settling is not None or arriving:
                 unmoved = forward.unmoved(cluster, names)  # (see forward.unmoved)
-                await cluster.settling
+                await self._arrived(arriving)
+                if cluster.settling is not None:
+                    await cluster.settling
                 unmoved()
             grads = decoded_parameters([by_name[n] for n in names], self.max_decoded_bytes)
             applied = await self.store.submit(grads, timestamp, gradients=True, call=call)
