@@ -38,7 +38,7 @@ it waited, and folds them from then on. Folded here, the part would make a
 second primary's version of a key (one of the two lost by last-writer-wins),
 or would land in a bucket this node handed off and dropped meanwhile, started
 anew. A part that moved goes on to its holder as this node now sees it
-(:func:`serve_here`), as a part answered ``Moved`` does.
+(:func:`pass_on`, this node the target), as a part answered ``Moved`` does.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ __all__ = [
     "holder",
     "moved",
     "pass_on",
-    "serve_here",
     "unmoved",
 ]
 
@@ -245,6 +244,10 @@ async def pass_on(
 ) -> list[T]:
     """Send ``keys``' part to ``target`` by the policy (see the module); answer every result.
 
+    ``target`` may be this node: the part is served here, and should its keys have
+    moved while it waited to (``here`` raised :class:`Moved`: see :func:`unmoved`),
+    it goes on to their holders as this node sees them now.
+
     Args:
         send: ``send(link, keys, fallback)`` calls the node of ``link`` for
             ``keys`` (``fallback``: it is not their primary in this view).
@@ -258,6 +261,12 @@ async def pass_on(
             ``Indeterminate`` when it may have been (see the module); a node's
             refusal as it is.
     """
+    if target == cluster.me.node_id:
+        try:
+            return [await here(keys)]
+        except Moved as exc:
+            moves = await _again(cluster, exc, keys, moves, what)
+            return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, exc)
     link = cluster.by_id.get(target)
     try:
         if link is None:
@@ -279,27 +288,6 @@ async def pass_on(
         tried = tried | {target}
         last = exc
     return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, last)
-
-
-async def serve_here(
-    cluster: Holders,
-    keys: list[str],
-    send: Callable[[Any, list[str], bool], Awaitable[T]],
-    here: Callable[[list[str]], Awaitable[T]],
-    *,
-    what: str,
-    idempotent: bool = False,
-    tried: frozenset[str] = frozenset(),
-    moves: int = 0,
-) -> list[T]:
-    """Serve ``keys`` here (this node is their holder); should they have moved while it
-    waited to (``here`` raised :class:`Moved`: see :func:`unmoved`), pass them on to their
-    holders as this node sees them now, by the policy. Arguments as :func:`pass_on`'s."""
-    try:
-        return [await here(keys)]
-    except Moved as exc:
-        moves = await _again(cluster, exc, keys, moves, what)
-        return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, exc)
 
 
 async def _again(cluster: Holders, exc: Moved, keys: list[str], moves: int, what: str) -> int:
@@ -337,14 +325,8 @@ async def _onwards(
             f"({last}); try again",
             cluster.epoch,
         ) from last
-    me = cluster.me.node_id
     kw: dict[str, Any] = {"what": what, "idempotent": idempotent, "tried": tried, "moves": moves}
     answers = await asyncio.gather(
-        *(
-            serve_here(cluster, ks, send, here, **kw)
-            if node == me
-            else pass_on(cluster, node, ks, send, here, **kw)  # type: ignore[arg-type]
-            for node, ks in groups.items()
-        )
+        *(pass_on(cluster, node, ks, send, here, **kw) for node, ks in groups.items())  # type: ignore[arg-type]
     )
     return [a for answer in answers for a in answer]

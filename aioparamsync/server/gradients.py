@@ -527,10 +527,8 @@ class GradientPushes:
 
         async def fold(node: str | None, grads: list[Any]) -> Any:
             names = [g.name for g in grads]
-            if node is None:
-                done = await forward.serve_here(cluster, names, send, here, what="gradients")
-            else:
-                done = await forward.pass_on(cluster, node, names, send, here, what="gradients")
+            target = cluster.me.node_id if node is None else node  # (None: here, see pass_on)
+            done = await forward.pass_on(cluster, target, names, send, here, what="gradients")
             return merge_results(done)
 
         results = await asyncio.gather(

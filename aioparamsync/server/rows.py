@@ -377,7 +377,7 @@ class RowService:
         async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:
             what = f"rows of table {table.spec.name!r}"
             if node is None:
-                return await forward.serve_here(cluster, keys, send, here, what=what)
+                node = cluster.me.node_id  # (served here, or where its keys went)
             return await forward.pass_on(cluster, node, keys, send, here, what=what)
 
         results = await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
