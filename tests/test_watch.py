@@ -178,6 +178,11 @@ async def test_a_watch_follows_names_held_by_different_nodes() -> None:
         placement = Placement(ids, 1)
         live = frozenset(ids)
         names = [f"p{i}" for i in range(12)]
+        # (and a name each node holds: 12 hashed over 3 random ids miss one node in ~2%)
+        names += [
+            next(q for q in (f"q{i}" for i in range(10_000)) if placement.primary(q, live) == m)
+            for m in ids
+        ]
         assert len({placement.primary(n, live) for n in names}) == 3  # (every node holds some)
         holders = {placement.primary(partition_key("big", i), live) for i in range(8)}
         assert len(holders) > 1  # (big's 8 partitions at several nodes)
