@@ -47,9 +47,9 @@ class BucketMoves:
         # the bucket's primary then; or the placement it last handed it off at
         self._synced: dict[tuple[str, int], tuple[Any, bool]] = {}
         self._handed: dict[tuple[str, int], Any] = {}
-        # (table, bucket, member) -> when (by that member's clock) it last read this
-        # node the rows of the bucket (see _take)
-        self._as_of: dict[tuple[str, int, str], float] = {}
+        # (table, bucket) -> member -> when (by that member's clock) it last read this
+        # node the rows of the bucket (see _take); dropped with the bucket's mark
+        self._as_of: dict[tuple[str, int], dict[str, float]] = {}
 
     @property
     def cluster(self) -> ClusterView | None:
@@ -99,6 +99,7 @@ class BucketMoves:
                             waiting += 1
                     continue
                 self._synced.pop(mark, None)
+                self._as_of.pop(mark, None)
                 if bucket not in table.blocks:
                     continue
                 if self._handed.get(mark) != after:
@@ -133,8 +134,8 @@ class BucketMoves:
         ok = True
         for member in others:
             offset, total = 0, 1
-            mark = (table.spec.name, bucket, member)
-            touched_since = self._as_of.get(mark) if since else None
+            read_at = self._as_of.setdefault((table.spec.name, bucket), {})
+            touched_since = read_at.get(member) if since else None
             while offset < total:
                 request = thrift.BucketRequest(
                     table=table.spec.name,
@@ -157,7 +158,7 @@ class BucketMoves:
                 if table.merge(delta, time.time()) and self.rows.log is not None:
                     await self.rows.log([delta])
                 if offset == 0 and delta.as_of is not None:
-                    self._as_of[mark] = delta.as_of  # (read before its first page's rows)
+                    read_at[member] = delta.as_of  # (read before its first page's rows)
                 total = delta.total or 0
                 offset += page
         return ok
