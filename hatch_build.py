@@ -6,6 +6,8 @@ What is compiled (with Cython, into C extensions):
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
 * ``aioparamsync/values/_crows.pyx``: the embedding rows' index lookup and row
   copy (``aioparamsync.values.rowindex`` and ``.rowcopy`` use it when present);
+* ``aioparamsync/values/_cfold.pyx``: the training rules' arithmetic, one pass
+  a fold (``aioparamsync.values.rules`` uses it when present);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -64,7 +66,11 @@ HERE = Path(__file__).resolve().parent
 # one. A module goes here when such a figure shows it gains 10% or more.
 COMPILED_MODULES: list[str] = []
 # Written for Cython.
-CYTHON_MODULES = ["aioparamsync/wire/_cbinary.pyx", "aioparamsync/values/_crows.pyx"]
+CYTHON_MODULES = [
+    "aioparamsync/wire/_cbinary.pyx",
+    "aioparamsync/values/_crows.pyx",
+    "aioparamsync/values/_cfold.pyx",
+]
 
 # Where extensions are kept between builds, under the project's root.
 CACHE = Path("build", "aioparamsync-ext")
@@ -83,6 +89,11 @@ COMPILER_DIRECTIVES = {
 # information, the same code; a quarter less time to compile (-O2 would halve it, but ran
 # the codec up to 4% slower).
 EXTRA_COMPILE_ARGS = ["-g0"]
+# Added always (GCC and clang): the compiled folds (_cfold.pyx) round each operation as
+# numpy does, so no multiply and add may be fused into one (which rounds once: GCC fuses
+# by default where the target has the instruction, e.g. on arm64); and sqrt may vectorize
+# (nothing reads errno).
+FLOAT_COMPILE_ARGS = ["-ffp-contract=off", "-fno-math-errno"]
 # The environment's variables that change what the compiler makes.
 COMPILER_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS")
 
@@ -142,6 +153,7 @@ def compile_modules(sources: list[str], work: Path) -> dict[str, Path]:
     from setuptools.command.build_ext import build_ext
 
     extra = [] if os.environ.get("CFLAGS") or os.name == "nt" else EXTRA_COMPILE_ARGS
+    extra = extra + ([] if os.name == "nt" else FLOAT_COMPILE_ARGS)
     extensions = [Extension(module_name(s), [s], extra_compile_args=extra) for s in sources]
     lock, done, started = threading.Lock(), [], time.monotonic()
 

@@ -157,6 +157,12 @@ _set_applied_entries = vars(Applied)["entries"].__set__
 _set_applied_timestamp = vars(Applied)["timestamp"].__set__
 
 
+def _bytes_of(value: np.ndarray) -> memoryview:
+    """The bytes of a folded value, as its entry keeps them: the array is new and ours alone
+    (C-contiguous and made read-only), so they are a view of it, as they are."""
+    return (value if value.ndim == 1 else value.reshape(-1)).data.cast("B")
+
+
 def _readonly(data: Any, together: int = 0) -> memoryview:
     """``data`` as an entry keeps it: read-only, and keeping no more than its share alive.
 
@@ -424,7 +430,7 @@ class ParameterTable:
                 made.append(
                     Entry(
                         current.name,
-                        _readonly(value.reshape(-1).view(np.uint8)),
+                        _bytes_of(value),
                         current.version + 1,
                         current.dtype,
                         current.shape,

@@ -1,0 +1,401 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The rules' arithmetic, compiled: one pass over memory per fold, no temporaries.
+
+The same contract as :func:`aioparamsync.values.rules.fold_into` for the common
+case: a float32 or float64 parameter and a gradient of its dtype, both
+C-contiguous (the caller checks, and folds every other case with numpy). numpy
+computes a fold as a few whole-array operations, each a pass over memory into a
+new temporary, and each with ~1 us of fixed cost: most of a small tensor's fold.
+Here each element goes through the rule at once.
+
+The answers are the same bits as numpy's, operation by operation: each step
+below is the one numpy makes, in the same order, rounded to the array's type as
+numpy rounds it (a Python float scalar is first converted to the array's type,
+as numpy 2 converts it). Only a NaN's payload may differ (which NaN an operation
+of two passes on is the hardware's choice, and numpy's loops order operands
+their own way). Nothing is fused: ``hatch_build.py`` compiles this with
+``-ffp-contract=off``, since a fused multiply-add rounds once where numpy rounds
+twice. The tests compare every rule's bits with numpy's.
+
+A gradient is read where it arrived, in the frame, and so is an updated value:
+at any byte offset. Those two are read through an aligned buffer, a chunk at a
+time (every array this module writes is new, and aligned).
+
+:mod:`.rules` uses it unless the pure path is asked for (see
+:mod:`aioparamsync._ext`).
+"""
+
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_FORMAT,
+    PyBUF_WRITABLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from libc.math cimport isfinite, sqrt, sqrtf
+from libc.string cimport memcpy
+
+ctypedef fused real:
+    float
+    double
+
+cdef enum:
+    # Elements read through an aligned buffer at a time, where an input is not aligned.
+    CHUNK = 1024
+    # The most arrays one fold holds (adam's: w, g, out, m, v, m_old, v_old).
+    MOST = 7
+
+cdef enum Kind:
+    ADD
+    SGD
+    ADAM
+
+ctypedef struct Scalars:
+    # A rule's numbers, as Python computed them (converted to the arrays' type in the loops).
+    double neg_lr
+    double weight_decay
+    bint decay  # (decided on the rule's own value: one that is 0 in float32 still decays)
+    double momentum
+    double beta1
+    double beta2
+    double sqrt_bias2
+    double eps
+
+
+cdef class _Arrays:
+    """The buffers of one fold's arrays, held while it runs (released when dropped)."""
+
+    cdef Py_buffer views[MOST]
+    cdef int held
+    cdef Py_ssize_t count
+    cdef char kind  # b'f' (float32) or b'd' (float64)
+
+    def __cinit__(self):
+        self.held = 0
+
+    def __dealloc__(self):
+        cdef int i
+        for i in range(self.held):
+            PyBuffer_Release(&self.views[i])
+
+    cdef const char* take(self, object array, bint writable, bint unaligned=False) except NULL:
+        """A C-contiguous array of the fold's dtype and length (checked), held: aligned,
+        unless ``unaligned`` (then :meth:`aligned` says which it is)."""
+        if self.held == MOST:
+            raise ValueError(f"a fold takes at most {MOST} arrays")
+        cdef Py_buffer* view = &self.views[self.held]
+        cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+        if writable:
+            flags |= PyBUF_WRITABLE
+        PyObject_GetBuffer(array, view, flags)
+        self.held += 1
+        cdef char code = _code(view)
+        if self.held == 1:
+            if code == 0:
+                raise TypeError(f"a fold's arrays are float32 or float64, not {_format(view)}")
+            self.kind = code
+            self.count = view.len // view.itemsize
+        elif code != self.kind or view.len != self.count * view.itemsize:
+            raise TypeError(
+                f"a fold's arrays are of one dtype and length: {view.len} bytes of "
+                f"{_format(view)}, after {self.count} of {chr(self.kind)}"
+            )
+        if not unaligned and not _aligned(view):
+            raise ValueError("a fold's arrays are aligned, but its inputs w and g")
+        return <const char*>view.buf
+
+    cdef bint aligned(self, int i):
+        return _aligned(&self.views[i])
+
+
+cdef char _code(Py_buffer* view):
+    """b'f' or b'd' for a float32 or float64 buffer of this machine's byte order, else 0.
+
+    numpy's format is ``f`` for an aligned array, ``=f`` for one that is not (both this
+    machine's order)."""
+    cdef const char* fmt = view.format
+    if fmt == NULL:
+        return 0
+    if fmt[0] == b'=' or fmt[0] == b'@':
+        fmt += 1
+    if fmt[0] == b'f' and fmt[1] == 0 and view.itemsize == 4:
+        return b'f'
+    if fmt[0] == b'd' and fmt[1] == 0 and view.itemsize == 8:
+        return b'd'
+    return 0
+
+
+cdef inline bint _aligned(Py_buffer* view):
+    return (<size_t>view.buf) % (<size_t>view.itemsize) == 0
+
+
+cdef str _format(Py_buffer* view):
+    return "no format" if view.format == NULL else repr(view.format.decode("ascii", "replace"))
+
+
+def all_finite(object g):
+    """True if the float32 or float64 array ``g`` holds no NaN or inf."""
+    cdef _Arrays a = _Arrays()
+    cdef const char* p = a.take(g, False, True)
+    cdef bint aligned = a.aligned(0), ok
+    with nogil:
+        if a.kind == b'f':
+            ok = _all_finite(p, aligned, <float*>NULL, a.count)
+        else:
+            ok = _all_finite(p, aligned, <double*>NULL, a.count)
+    return ok
+
+
+cdef bint _all_finite(const char* g, bint aligned, real* kind, Py_ssize_t n) noexcept nogil:
+    # (kind: NULL, of the elements' type)
+    cdef real chunk[CHUNK]
+    cdef const real* p
+    cdef Py_ssize_t start = 0, k, i
+    cdef bint ok = True
+    while start < n:
+        k = n - start if aligned else min(CHUNK, n - start)
+        p = _read(g, start, k, aligned, chunk)
+        for i in range(k):  # (no early exit: a loop the compiler vectorizes)
+            ok &= isfinite(p[i]) != 0
+        start += k
+    return ok
+
+
+def add(object w, object g, object out):
+    """``out = w + g``."""
+    _run(ADD, w, g, out, None, None, None, None, _scalars(0, 0, 0, 0, 0, 0, 0))
+
+
+def sgd(
+    object w,
+    object g,
+    object out,
+    object buf,
+    object old,
+    double neg_lr,
+    double weight_decay,
+    double momentum,
+):
+    """torch.optim.SGD's step: ``out = w - lr * d`` (as ``d * -lr + w``), where
+    ``d`` is the gradient ``g' = g + weight_decay * w`` (``g`` when it is 0), or
+    with a momentum ``buf = momentum * old + g'`` (``buf = g'`` when ``old`` is
+    None: the first step). ``buf`` is None without a momentum.
+    """
+    cdef Scalars s = _scalars(neg_lr, weight_decay, momentum, 0, 0, 0, 0)
+    if buf is None and old is not None:
+        raise ValueError("sgd's old momentum needs a buffer for the new one")
+    _run(SGD, w, g, out, buf, None, old, None, s)
+
+
+def adam(
+    object w,
+    object g,
+    object out,
+    object m,
+    object v,
+    object m_old,
+    object v_old,
+    double neg_lr,
+    double weight_decay,
+    double beta1,
+    double beta2,
+    double sqrt_bias2,
+    double eps,
+):
+    """torch.optim.Adam's step, with ``g' = g + weight_decay * w``:
+    ``m = beta1 * m_old + (1 - beta1) * g'``, ``v = beta2 * v_old + (1 - beta2) * g'^2``
+    (``m_old`` and ``v_old`` zero when None: the first step), and
+    ``out = (m / (sqrt(v) / sqrt_bias2 + eps)) * neg_lr + w``, where the caller
+    gives ``neg_lr = -lr / (1 - beta1^t)`` and ``sqrt_bias2 = sqrt(1 - beta2^t)``.
+    """
+    cdef Scalars s = _scalars(neg_lr, weight_decay, 0, beta1, beta2, sqrt_bias2, eps)
+    if m is None or v is None or (m_old is None) != (v_old is None):
+        raise ValueError("adam writes both moments, and reads both or neither")
+    _run(ADAM, w, g, out, m, v, m_old, v_old, s)
+
+
+cdef Scalars _scalars(
+    double neg_lr, double weight_decay, double momentum, double beta1, double beta2,
+    double sqrt_bias2, double eps,
+):
+    cdef Scalars s
+    s.neg_lr = neg_lr
+    s.weight_decay = weight_decay
+    s.decay = weight_decay != 0
+    s.momentum = momentum
+    s.beta1 = beta1
+    s.beta2 = beta2
+    s.sqrt_bias2 = sqrt_bias2
+    s.eps = eps
+    return s
+
+
+cdef void _run(
+    Kind kind, object w, object g, object out, object new1, object new2, object old1,
+    object old2, Scalars s,
+) except *:
+    """Hold the arrays (None: not used), check them, and fold, without the GIL."""
+    cdef _Arrays a = _Arrays()
+    cdef const char* pw = a.take(w, False, True)
+    cdef const char* pg = a.take(g, False, True)
+    cdef bint wa = a.aligned(0), ga = a.aligned(1)
+    cdef const char* po = a.take(out, True)
+    cdef const char* n1 = a.take(new1, True) if new1 is not None else NULL
+    cdef const char* n2 = a.take(new2, True) if new2 is not None else NULL
+    cdef const char* o1 = a.take(old1, False) if old1 is not None else NULL
+    cdef const char* o2 = a.take(old2, False) if old2 is not None else NULL
+    with nogil:
+        if a.kind == b'f':
+            _chunks(kind, pw, wa, pg, ga, <float*>po, <float*>n1, <float*>n2,
+                    <const float*>o1, <const float*>o2, &s, a.count)
+        else:
+            _chunks(kind, pw, wa, pg, ga, <double*>po, <double*>n1, <double*>n2,
+                    <const double*>o1, <const double*>o2, &s, a.count)
+
+
+cdef inline const real* _read(
+    const char* p, Py_ssize_t start, Py_ssize_t k, bint aligned, real* chunk
+) noexcept nogil:
+    """Elements ``start`` to ``start + k`` of ``p``: where they are, or copied to ``chunk``."""
+    if aligned:
+        return (<const real*>p) + start
+    memcpy(chunk, p + start * sizeof(real), k * sizeof(real))
+    return chunk
+
+
+cdef inline real* _at(real* p, Py_ssize_t start) noexcept nogil:
+    return p + start if p != NULL else NULL
+
+
+cdef inline const real* _from(const real* p, Py_ssize_t start) noexcept nogil:
+    return p + start if p != NULL else NULL
+
+
+cdef void _chunks(
+    Kind kind, const char* w, bint w_aligned, const char* g, bint g_aligned, real* out,
+    real* new1, real* new2, const real* old1, const real* old2, Scalars* s, Py_ssize_t n,
+) noexcept nogil:
+    # The whole at once where both inputs are aligned; else a chunk at a time.
+    cdef real wc[CHUNK]
+    cdef real gc[CHUNK]
+    cdef const real* pw
+    cdef const real* pg
+    cdef Py_ssize_t start = 0, k
+    cdef bint whole = w_aligned and g_aligned
+    while start < n:
+        k = n - start if whole else min(CHUNK, n - start)
+        pw = _read(w, start, k, w_aligned, wc)
+        pg = _read(g, start, k, g_aligned, gc)
+        if kind == ADD:
+            _add(pw, pg, out + start, k)
+        elif kind == SGD:
+            _sgd(pw, pg, out + start, _at(new1, start), _from(old1, start), s, k)
+        else:
+            _adam(pw, pg, out + start, new1 + start, new2 + start, _from(old1, start),
+                  _from(old2, start), s, k)
+        start += k
+
+
+cdef void _add(const real* w, const real* g, real* out, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = w[i] + g[i]
+
+
+cdef void _sgd(
+    const real* w, const real* g, real* out, real* buf, const real* old, Scalars* s,
+    Py_ssize_t n,
+) noexcept nogil:
+    # Each case its own loop, with no branch in it (one that vectorizes): the flags are
+    # constants in each call of the inlined loop.
+    cdef real lr = <real>s.neg_lr, wd = <real>s.weight_decay, mu = <real>s.momentum
+    if buf == NULL:
+        if s.decay:
+            _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, True, False, False)
+        else:
+            _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, False, False, False)
+    elif old == NULL:
+        if s.decay:
+            _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, True, True, False)
+        else:
+            _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, False, True, False)
+    elif s.decay:
+        _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, True, True, True)
+    else:
+        _sgd_loop(w, g, out, buf, old, lr, wd, mu, n, False, True, True)
+
+
+cdef inline void _sgd_loop(
+    const real* w, const real* g, real* out, real* buf, const real* old,
+    real neg_lr, real weight_decay, real momentum, Py_ssize_t n,
+    bint decay, bint has_buf, bint has_old,
+) noexcept nogil:
+    # numpy's steps (rules.fold_into), each rounded: g' = g + wd * w; buf = mu * old + g'
+    # (g' on the first step); out = d * -lr + w.
+    cdef Py_ssize_t i
+    cdef real d
+    for i in range(n):
+        d = g[i]
+        if decay:
+            d = d + weight_decay * w[i]
+        if has_old:
+            d = momentum * old[i] + d
+        if has_buf:
+            buf[i] = d
+        out[i] = d * neg_lr + w[i]
+
+
+cdef inline real _sqrt(real x) noexcept nogil:
+    if real is float:
+        return sqrtf(x)
+    else:
+        return sqrt(x)
+
+
+cdef void _adam(
+    const real* w, const real* g, real* out, real* m, real* v, const real* m_old,
+    const real* v_old, Scalars* s, Py_ssize_t n,
+) noexcept nogil:
+    # (one loop per case, as in _sgd)
+    cdef real lr = <real>s.neg_lr, wd = <real>s.weight_decay, b1 = <real>s.beta1
+    cdef real b2 = <real>s.beta2, sb2 = <real>s.sqrt_bias2, eps = <real>s.eps
+    # (1 - beta) is computed as numpy's path computes it: in Python's floats
+    cdef real c1 = <real>(1.0 - s.beta1), c2 = <real>(1.0 - s.beta2)
+    if m_old == NULL:
+        if s.decay:
+            _adam_loop(w, g, out, m, v, m_old, v_old, lr, wd, b1, c1, b2, c2, sb2, eps, n,
+                       True, False)
+        else:
+            _adam_loop(w, g, out, m, v, m_old, v_old, lr, wd, b1, c1, b2, c2, sb2, eps, n,
+                       False, False)
+    elif s.decay:
+        _adam_loop(w, g, out, m, v, m_old, v_old, lr, wd, b1, c1, b2, c2, sb2, eps, n,
+                   True, True)
+    else:
+        _adam_loop(w, g, out, m, v, m_old, v_old, lr, wd, b1, c1, b2, c2, sb2, eps, n,
+                   False, True)
+
+
+cdef inline void _adam_loop(
+    const real* w, const real* g, real* out, real* m, real* v,
+    const real* m_old, const real* v_old, real neg_lr, real weight_decay,
+    real beta1, real one_minus_beta1, real beta2, real one_minus_beta2,
+    real sqrt_bias2, real eps, Py_ssize_t n, bint decay, bint has_old,
+) noexcept nogil:
+    # numpy's steps (rules.fold_into), each rounded, with zeros for the first step's
+    # moments, as numpy starts them (0 + -0 is 0: the zeros are added, not left out).
+    cdef Py_ssize_t i
+    cdef real d, mi, vi, mo = 0, vo = 0, denom
+    for i in range(n):
+        d = g[i]
+        if decay:
+            d = d + weight_decay * w[i]
+        if has_old:
+            mo = m_old[i]
+            vo = v_old[i]
+        mi = beta1 * mo + one_minus_beta1 * d
+        vi = beta2 * vo + one_minus_beta2 * (d * d)
+        m[i] = mi
+        v[i] = vi
+        denom = _sqrt(vi) / sqrt_bias2 + eps
+        out[i] = (mi / denom) * neg_lr + w[i]

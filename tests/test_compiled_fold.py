@@ -1,0 +1,155 @@
+"""The compiled folds (``values/_cfold.pyx``) against numpy's, bit for bit.
+
+A float32 or float64 parameter folds a gradient of its dtype by the compiled
+loop where it was built (the first CI pass), and by numpy everywhere else (the
+pure pass runs ``tests/test_rules.py`` on numpy's). These compare the two on
+the same input: every rule and option, every state a step leaves, values from
+1e-30 to 1e30 and the special ones, sizes about the loop's chunk, and inputs at
+every byte offset (a gradient is read where it arrived in its frame).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aioparamsync import ErrorCode, RequestError, adam, sgd, sum_rule
+from aioparamsync.store.table import ParameterTable
+from aioparamsync.values import rules
+from aioparamsync.values.arrays import to_parameter
+
+pytestmark = pytest.mark.skipif(rules._cfold is None, reason="the compiled path is not built")
+
+RULES = {
+    "sum": sum_rule(),
+    "sgd": sgd(0.1),
+    "sgd-decay": sgd(0.05, weight_decay=1e-3),
+    "sgd-tiny-decay": sgd(1e-3, weight_decay=1e-50),  # 0 in float32, yet numpy decays by it
+    "momentum": sgd(0.037, momentum=0.9),
+    "momentum-decay": sgd(0.3, momentum=0.5, weight_decay=0.01),
+    "adam": adam(),
+    "adam-decay": adam(0.01, betas=(0.5, 0.77), eps=1e-6, weight_decay=0.1),
+}
+SIZES = [0, 1, 7, 1023, 1024, 1025, 3000]  # (about the chunk an unaligned input is read in)
+
+
+def wild(rng: np.random.Generator, n: int, dtype: type) -> np.ndarray:
+    """Values of every magnitude, with some NaN, inf and signed zeros."""
+    a = (rng.standard_normal(n) * 10 ** rng.uniform(-30, 30, n)).astype(dtype)
+    if n > 4:
+        a[rng.integers(0, n, 4)] = [np.inf, -np.inf, np.nan, -0.0]
+    return a
+
+
+def at_offset(a: np.ndarray, offset: int) -> np.ndarray:
+    """A read-only copy of ``a`` starting ``offset`` bytes into its buffer (unaligned)."""
+    view = np.frombuffer(b"\0" * offset + a.tobytes(), a.dtype, a.size, offset)
+    assert offset == 0 or a.size == 0 or not view.flags.aligned
+    return view
+
+
+def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """The same bits, but for a NaN's payload (which NaN an operation passes on is the
+    hardware's choice, and numpy's loops order operands their own way)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b))) and a[~nan].tobytes() == b[~nan].tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_a_compiled_fold_is_numpys_bit_for_bit(name: str, dtype: type) -> None:
+    rule = RULES[name]
+    rng = np.random.default_rng(sum(map(ord, name)) + dtype().itemsize)
+    for n in SIZES:
+        for offset in range(dtype().itemsize):
+            w = wild(rng, n, dtype)
+            mine = theirs = None
+            for _ in range(3):  # (each step from the state the one before left)
+                g = wild(rng, n, dtype)
+                with np.errstate(all="ignore"):
+                    expected, theirs = rules._fold_numpy(rule, w, g, theirs or rules.State())
+                    got, mine = rules.fold_into(
+                        rule, at_offset(w, offset), at_offset(g, offset), mine
+                    )
+                where = f"{name} {dtype.__name__} n={n} offset={offset}"
+                assert same(got, expected), where
+                assert mine.step == theirs.step, where
+                assert same(mine.momentum, theirs.momentum), where
+                assert same(mine.variance, theirs.variance), where
+                w = expected
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_check_finds_every_nan_and_inf(dtype: type) -> None:
+    for n in (1, 1023, 1024, 1025, 5000):
+        for offset in range(0, dtype().itemsize, 3):
+            clean = np.full(n, 1.5, dtype)
+            assert rules._cfold.all_finite(at_offset(clean, offset))
+            for bad in (np.nan, np.inf, -np.inf):
+                for position in (0, n // 2, n - 1):
+                    a = clean.copy()
+                    a[position] = bad
+                    assert not rules._cfold.all_finite(at_offset(a, offset)), (n, position)
+    assert rules._cfold.all_finite(np.zeros(0, dtype))
+
+
+def test_a_push_with_nan_at_an_odd_offset_is_refused_and_changes_nothing() -> None:
+    table = ParameterTable()
+    w = to_parameter("w", np.zeros(3000, np.float32))
+    w.rule = sgd(0.1)
+    table.apply([w], 1)
+    grad = np.ones(3000, np.float32)
+    grad[2999] = np.nan
+    g = to_parameter("w", grad)
+    g.data = at_offset(grad, 1).view(np.uint8)  # as it lies in a frame
+    with pytest.raises(RequestError, match="holds 1 of 3000 values that are not finite") as caught:
+        table.fold([g], 2)
+    assert caught.value.code == ErrorCode.BAD_REQUEST
+    entry = table.entry("w")
+    assert entry is not None and entry.version == 1
+    assert not np.frombuffer(entry.data, np.float32).any()
+
+
+def test_a_compiled_fold_refuses_arrays_it_cannot_fold() -> None:
+    c = rules._cfold
+    w, g = np.ones(8, np.float32), np.ones(8, np.float32)
+    out = np.empty(8, np.float32)
+    with pytest.raises(TypeError, match="float32 or float64, not 'i'"):
+        c.add(np.ones(8, np.int32), g, out)
+    with pytest.raises(TypeError, match="of one dtype and length"):
+        c.add(w, np.ones(8, np.float64), out)
+    with pytest.raises(TypeError, match="of one dtype and length"):
+        c.add(w, np.ones(9, np.float32), out)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        c.add(np.ones(16, np.float32)[::2], g, out)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        c.add(np.ones((4, 4), np.float32).T[:2], np.ones((2, 4), np.float32), out)
+    frozen = np.empty(8, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match=r"read-only|not writable"):
+        c.add(w, g, frozen)
+    with pytest.raises(ValueError, match="aligned"):
+        c.add(w, g, np.frombuffer(bytearray(33), np.float32, 8, 1))
+    with pytest.raises(ValueError, match="both moments"):
+        c.adam(w, g, out, np.empty(8, np.float32), np.empty(8, np.float32), w, None,
+               -0.1, 0.0, 0.9, 0.999, 1.0, 1e-8)  # fmt: skip
+    with pytest.raises(ValueError, match="needs a buffer"):
+        c.sgd(w, g, out, None, w, -0.1, 0.0, 0.9)
+
+
+def test_other_dtypes_and_layouts_fold_with_numpy() -> None:
+    # A float16 parameter is computed in float32, a gradient of another dtype is converted,
+    # and a strided array is read as it is: numpy's path, the same as before.
+    for w, g in (
+        (np.ones(5, np.float16), np.ones(5, np.float16)),
+        (np.ones(5, np.float32), np.ones(5, np.float16)),
+        (np.ones(10, np.float32)[::2], np.ones(5, np.float32)),
+        (np.ones((3, 3), np.float64).T, np.ones((3, 3), np.float64)),
+    ):
+        got, _ = rules.fold(sgd(0.5), w, g, None)
+        assert got.dtype == w.dtype
+        np.testing.assert_array_equal(got, np.full(w.shape, 0.5, w.dtype))
