@@ -18,8 +18,9 @@ their own way). Nothing is fused: ``hatch_build.py`` compiles this with
 twice. The tests compare every rule's bits with numpy's.
 
 A gradient is read where it arrived, in the frame, and so is an updated value:
-at any byte offset. Those two are read through an aligned buffer, a chunk at a
-time (every array this module writes is new, and aligned).
+at any byte offset. Those two are read by ``memcpy`` of an element (C's
+well-defined unaligned load, which the compiler makes one load instruction, and
+vectorizes); every array this module writes is new, and aligned.
 
 :mod:`.rules` uses it unless the pure path is asked for (see
 :mod:`aioparamsync._ext`).
@@ -40,8 +41,6 @@ ctypedef fused real:
     double
 
 cdef enum:
-    # Elements read through an aligned buffer at a time, where an input is not aligned.
-    CHUNK = 1024
     # The most arrays one fold holds (adam's: w, g, out, m, v, m_old, v_old).
     MOST = 7
 
@@ -80,7 +79,7 @@ cdef class _Arrays:
 
     cdef const char* take(self, object array, bint writable, bint unaligned=False) except NULL:
         """A C-contiguous array of the fold's dtype and length (checked), held: aligned,
-        unless ``unaligned`` (then :meth:`aligned` says which it is)."""
+        unless ``unaligned`` (an input read by :func:`_get`)."""
         if self.held == MOST:
             raise ValueError(f"a fold takes at most {MOST} arrays")
         cdef Py_buffer* view = &self.views[self.held]
@@ -103,9 +102,6 @@ cdef class _Arrays:
         if not unaligned and not _aligned(view):
             raise ValueError("a fold's arrays are aligned, but its inputs w and g")
         return <const char*>view.buf
-
-    cdef bint aligned(self, int i):
-        return _aligned(&self.views[i])
 
 
 cdef char _code(Py_buffer* view):
@@ -137,28 +133,29 @@ def all_finite(object g):
     """True if the float32 or float64 array ``g`` holds no NaN or inf."""
     cdef _Arrays a = _Arrays()
     cdef const char* p = a.take(g, False, True)
-    cdef bint aligned = a.aligned(0), ok
+    cdef bint ok
     with nogil:
         if a.kind == b'f':
-            ok = _all_finite(p, aligned, <float*>NULL, a.count)
+            ok = _all_finite(p, <float*>NULL, a.count)
         else:
-            ok = _all_finite(p, aligned, <double*>NULL, a.count)
+            ok = _all_finite(p, <double*>NULL, a.count)
     return ok
 
 
-cdef bint _all_finite(const char* g, bint aligned, real* kind, Py_ssize_t n) noexcept nogil:
+cdef bint _all_finite(const char* g, real* kind, Py_ssize_t n) noexcept nogil:
     # (kind: NULL, of the elements' type)
-    cdef real chunk[CHUNK]
-    cdef const real* p
-    cdef Py_ssize_t start = 0, k, i
+    cdef Py_ssize_t i
     cdef bint ok = True
-    while start < n:
-        k = n - start if aligned else min(CHUNK, n - start)
-        p = _read(g, start, k, aligned, chunk)
-        for i in range(k):  # (no early exit: a loop the compiler vectorizes)
-            ok &= isfinite(p[i]) != 0
-        start += k
+    cdef real x
+    for i in range(n):  # (no early exit: a loop the compiler vectorizes)
+        _get(&x, g, i)
+        ok &= isfinite(x) != 0
     return ok
+
+
+cdef inline void _get(real* x, const char* p, Py_ssize_t i) noexcept nogil:
+    """``*x = p[i]``, of an array at any byte offset."""
+    memcpy(x, p + i * <Py_ssize_t>sizeof(real), sizeof(real))
 
 
 def add(object w, object g, object out):
@@ -238,7 +235,6 @@ cdef void _run(
     cdef _Arrays a = _Arrays()
     cdef const char* pw = a.take(w, False, True)
     cdef const char* pg = a.take(g, False, True)
-    cdef bint wa = a.aligned(0), ga = a.aligned(1)
     cdef const char* po = a.take(out, True)
     cdef const char* n1 = a.take(new1, True) if new1 is not None else NULL
     cdef const char* n2 = a.take(new2, True) if new2 is not None else NULL
@@ -246,64 +242,36 @@ cdef void _run(
     cdef const char* o2 = a.take(old2, False) if old2 is not None else NULL
     with nogil:
         if a.kind == b'f':
-            _chunks(kind, pw, wa, pg, ga, <float*>po, <float*>n1, <float*>n2,
-                    <const float*>o1, <const float*>o2, &s, a.count)
+            _fold(kind, pw, pg, <float*>po, <float*>n1, <float*>n2, <const float*>o1,
+                  <const float*>o2, &s, a.count)
         else:
-            _chunks(kind, pw, wa, pg, ga, <double*>po, <double*>n1, <double*>n2,
-                    <const double*>o1, <const double*>o2, &s, a.count)
+            _fold(kind, pw, pg, <double*>po, <double*>n1, <double*>n2, <const double*>o1,
+                  <const double*>o2, &s, a.count)
 
 
-cdef inline const real* _read(
-    const char* p, Py_ssize_t start, Py_ssize_t k, bint aligned, real* chunk
+cdef void _fold(
+    Kind kind, const char* w, const char* g, real* out, real* new1, real* new2,
+    const real* old1, const real* old2, Scalars* s, Py_ssize_t n,
 ) noexcept nogil:
-    """Elements ``start`` to ``start + k`` of ``p``: where they are, or copied to ``chunk``."""
-    if aligned:
-        return (<const real*>p) + start
-    memcpy(chunk, p + start * sizeof(real), k * sizeof(real))
-    return chunk
+    if kind == ADD:
+        _add(w, g, out, n)
+    elif kind == SGD:
+        _sgd(w, g, out, new1, old1, s, n)
+    else:
+        _adam(w, g, out, new1, new2, old1, old2, s, n)
 
 
-cdef inline real* _at(real* p, Py_ssize_t start) noexcept nogil:
-    return p + start if p != NULL else NULL
-
-
-cdef inline const real* _from(const real* p, Py_ssize_t start) noexcept nogil:
-    return p + start if p != NULL else NULL
-
-
-cdef void _chunks(
-    Kind kind, const char* w, bint w_aligned, const char* g, bint g_aligned, real* out,
-    real* new1, real* new2, const real* old1, const real* old2, Scalars* s, Py_ssize_t n,
-) noexcept nogil:
-    # The whole at once where both inputs are aligned; else a chunk at a time.
-    cdef real wc[CHUNK]
-    cdef real gc[CHUNK]
-    cdef const real* pw
-    cdef const real* pg
-    cdef Py_ssize_t start = 0, k
-    cdef bint whole = w_aligned and g_aligned
-    while start < n:
-        k = n - start if whole else min(CHUNK, n - start)
-        pw = _read(w, start, k, w_aligned, wc)
-        pg = _read(g, start, k, g_aligned, gc)
-        if kind == ADD:
-            _add(pw, pg, out + start, k)
-        elif kind == SGD:
-            _sgd(pw, pg, out + start, _at(new1, start), _from(old1, start), s, k)
-        else:
-            _adam(pw, pg, out + start, new1 + start, new2 + start, _from(old1, start),
-                  _from(old2, start), s, k)
-        start += k
-
-
-cdef void _add(const real* w, const real* g, real* out, Py_ssize_t n) noexcept nogil:
+cdef void _add(const char* w, const char* g, real* out, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
+    cdef real wi, gi
     for i in range(n):
-        out[i] = w[i] + g[i]
+        _get(&wi, w, i)
+        _get(&gi, g, i)
+        out[i] = wi + gi
 
 
 cdef void _sgd(
-    const real* w, const real* g, real* out, real* buf, const real* old, Scalars* s,
+    const char* w, const char* g, real* out, real* buf, const real* old, Scalars* s,
     Py_ssize_t n,
 ) noexcept nogil:
     # Each case its own loop, with no branch in it (one that vectorizes): the flags are
@@ -326,23 +294,24 @@ cdef void _sgd(
 
 
 cdef inline void _sgd_loop(
-    const real* w, const real* g, real* out, real* buf, const real* old,
+    const char* w, const char* g, real* out, real* buf, const real* old,
     real neg_lr, real weight_decay, real momentum, Py_ssize_t n,
     bint decay, bint has_buf, bint has_old,
 ) noexcept nogil:
     # numpy's steps (rules.fold_into), each rounded: g' = g + wd * w; buf = mu * old + g'
     # (g' on the first step); out = d * -lr + w.
     cdef Py_ssize_t i
-    cdef real d
+    cdef real d, wi
     for i in range(n):
-        d = g[i]
+        _get(&wi, w, i)
+        _get(&d, g, i)
         if decay:
-            d = d + weight_decay * w[i]
+            d = d + weight_decay * wi
         if has_old:
             d = momentum * old[i] + d
         if has_buf:
             buf[i] = d
-        out[i] = d * neg_lr + w[i]
+        out[i] = d * neg_lr + wi
 
 
 cdef inline real _sqrt(real x) noexcept nogil:
@@ -353,7 +322,7 @@ cdef inline real _sqrt(real x) noexcept nogil:
 
 
 cdef void _adam(
-    const real* w, const real* g, real* out, real* m, real* v, const real* m_old,
+    const char* w, const char* g, real* out, real* m, real* v, const real* m_old,
     const real* v_old, Scalars* s, Py_ssize_t n,
 ) noexcept nogil:
     # (one loop per case, as in _sgd)
@@ -377,7 +346,7 @@ cdef void _adam(
 
 
 cdef inline void _adam_loop(
-    const real* w, const real* g, real* out, real* m, real* v,
+    const char* w, const char* g, real* out, real* m, real* v,
     const real* m_old, const real* v_old, real neg_lr, real weight_decay,
     real beta1, real one_minus_beta1, real beta2, real one_minus_beta2,
     real sqrt_bias2, real eps, Py_ssize_t n, bint decay, bint has_old,
@@ -385,11 +354,12 @@ cdef inline void _adam_loop(
     # numpy's steps (rules.fold_into), each rounded, with zeros for the first step's
     # moments, as numpy starts them (0 + -0 is 0: the zeros are added, not left out).
     cdef Py_ssize_t i
-    cdef real d, mi, vi, mo = 0, vo = 0, denom
+    cdef real d, wi, mi, vi, mo = 0, vo = 0, denom
     for i in range(n):
-        d = g[i]
+        _get(&wi, w, i)
+        _get(&d, g, i)
         if decay:
-            d = d + weight_decay * w[i]
+            d = d + weight_decay * wi
         if has_old:
             mo = m_old[i]
             vo = v_old[i]
@@ -398,4 +368,4 @@ cdef inline void _adam_loop(
         m[i] = mi
         v[i] = vi
         denom = _sqrt(vi) / sqrt_bias2 + eps
-        out[i] = (mi / denom) * neg_lr + w[i]
+        out[i] = (mi / denom) * neg_lr + wi
