@@ -43,6 +43,8 @@ ctypedef fused real:
 cdef enum:
     # The most arrays one fold holds (adam's: w, g, out, m, v, m_old, v_old).
     MOST = 7
+    # Elements adam's two loops take at a time (its moments stay in L1 between them).
+    BLOCK = 1024
 
 cdef enum Kind:
     ADD
@@ -353,19 +355,25 @@ cdef inline void _adam_loop(
 ) noexcept nogil:
     # numpy's steps (rules.fold_into), each rounded, with zeros for the first step's
     # moments, as numpy starts them (0 + -0 is 0: the zeros are added, not left out).
-    cdef Py_ssize_t i
-    cdef real d, wi, mi, vi, mo = 0, vo = 0, denom
-    for i in range(n):
-        _get(&wi, w, i)
-        _get(&d, g, i)
-        if decay:
-            d = d + weight_decay * wi
-        if has_old:
-            mo = m_old[i]
-            vo = v_old[i]
-        mi = beta1 * mo + one_minus_beta1 * d
-        vi = beta2 * vo + one_minus_beta2 * (d * d)
-        m[i] = mi
-        v[i] = vi
-        denom = _sqrt(vi) / sqrt_bias2 + eps
-        out[i] = (mi / denom) * neg_lr + wi
+    # Two loops a block (each vectorizes: the compiler checks that arrays do not overlap
+    # before it does, and gives up past a few pairs of them), the second reading back in
+    # L1 the moments the first wrote.
+    cdef Py_ssize_t i, start = 0, end
+    cdef real d, wi, mo = 0, vo = 0, denom
+    while start < n:
+        end = min(n, start + BLOCK)
+        for i in range(start, end):
+            _get(&wi, w, i)
+            _get(&d, g, i)
+            if decay:
+                d = d + weight_decay * wi
+            if has_old:
+                mo = m_old[i]
+                vo = v_old[i]
+            m[i] = beta1 * mo + one_minus_beta1 * d
+            v[i] = beta2 * vo + one_minus_beta2 * (d * d)
+        for i in range(start, end):
+            _get(&wi, w, i)
+            denom = _sqrt(v[i]) / sqrt_bias2 + eps
+            out[i] = (m[i] / denom) * neg_lr + wi
+        start = end
