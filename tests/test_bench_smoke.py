@@ -226,3 +226,30 @@ def test_bench_percall_refuses_bad_arguments() -> None:
         rc, _, stderr = run_bounded([sys.executable, str(PERCALL), *bad], timeout=60)
         assert rc == 2, (bad, stderr)
         assert "error:" in stderr
+
+
+PUSH = BENCH.parent / "bench_push.py"
+
+
+def test_bench_push_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "push.json"
+    cmd = [
+        sys.executable, str(PUSH), "--sizes", "4KiB,64KiB", "--rules", "sgd,adam",
+        "--count", "2", "--paths", "compiled,pure", "--json", str(out),
+    ]  # fmt: skip
+    rc, stdout, stderr = run_bounded(cmd, timeout=100)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    rows = json.loads(out.read_text())
+    expected = [
+        (p, b, r) for p in ("compiled", "pure") for b in (4096, 65536) for r in ("sgd", "adam")
+    ]
+    assert [(r["path"], r["bytes"], r["rule"]) for r in rows] == expected
+    assert all(r["update_s"] > 0 and r["push_s"] > 0 for r in rows)
+    assert len([line for line in stdout.splitlines() if "push / update" in line]) == len(rows)
+
+
+def test_bench_push_refuses_bad_arguments() -> None:
+    for bad in (["--rules", "rmsprop"], ["--paths", "fast"], ["--sizes", "lots"]):
+        rc, _, stderr = run_bounded([sys.executable, str(PUSH), *bad], timeout=60)
+        assert rc == 2, (bad, stderr)
+        assert "error:" in stderr
