@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from aioparamsync import adagrad as adagrad_rule
 from aioparamsync import adam as adam_rule
+from aioparamsync import placement
 from aioparamsync import sgd as sgd_rule
 from aioparamsync.errors import ErrorCode, RequestError
 from aioparamsync.values import rowcopy, rowindex
@@ -596,3 +597,33 @@ def test_the_compiled_row_copy_refuses_rows_out_of_bounds_and_writes_nothing() -
         assert not out.any()
     with pytest.raises(ValueError, match="one length"):
         put_rows(out, arr([0, 1]), source, arr([0]))
+
+
+@pytest.mark.skipif(rowindex._crows is None, reason="the compiled path is not built")
+@pytest.mark.parametrize("buckets", [1, 7, 64, 1000, 2**20, 2**31 - 1])
+def test_the_compiled_hashes_are_placements(buckets: int) -> None:
+    rng = np.random.default_rng(buckets)
+    extremes = [0, 1, -1, 2**63 - 1, -(2**63), 2**32, -(2**32)]
+    ids = np.concatenate([np.array(extremes, np.int64), rng.integers(-(2**63), 2**63 - 1, 5000)])
+    expected = placement.bucket_of(ids, buckets)
+    assert rowindex.bucket_of(ids, buckets).tolist() == expected.tolist()
+    index = RowIndex()
+    index.insert(ids[: buckets % 3000 + 1])  # (tables of several sizes, so masks)
+    mask = index._mask
+    assert index._home(ids).tolist() == (placement.mix64(ids.view(np.uint64)) & mask).tolist()
+
+
+@pytest.mark.skipif(rowindex._crows is None, reason="the compiled path is not built")
+def test_the_compiled_hashes_refuse_what_they_cannot_hash() -> None:
+    c, ids = rowindex._crows, np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="one bucket or more"):
+        c.buckets(ids, 0, np.empty(4, np.int64))
+    with pytest.raises(ValueError, match="one length"):
+        c.buckets(ids, 8, np.empty(3, np.int64))
+    with pytest.raises(ValueError, match="not negative"):
+        c.homes(ids, -1, np.empty(4, np.int64))
+    # Other dtypes and layouts are hashed by numpy, the same
+    strided = np.arange(20, dtype=np.int64)[::2]
+    assert rowindex.bucket_of(strided, 8).tolist() == placement.bucket_of(strided, 8).tolist()
+    small = np.arange(10, dtype=np.int32)
+    assert rowindex.bucket_of(small, 8).tolist() == placement.bucket_of(small, 8).tolist()

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..errors import ErrorCode, RequestError
-from ..placement import bucket_key, bucket_of
+from ..placement import bucket_key
 from ..values.arrays import is_bfloat16, parse_dtype, wire_dtype
 from ..values.rowcopy import put_rows, take_rows
+from ..values.rowindex import bucket_of
 from ..values.rowwire import ROW_ENCODINGS, decode_rows, encode_ids, encode_rows
 from ..wire import METHODS, thrift
 from .fetch import gather_all

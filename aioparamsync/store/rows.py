@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, RequestError
-from ..placement import bucket_of
 from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
 from ..values.rowcopy import take_rows
+from ..values.rowindex import bucket_of
 from ..values.rows import BlockSpec, Init, RowBlock, RowRule
 from ..values.rowwire import decode_ids, encode_ids
 from ..wire import thrift

@@ -1,20 +1,86 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The row index's lookup, compiled: one probe loop per id in C.
+"""The row index's lookup, compiled: one probe loop per id in C; and the ids' hashes
+and the rows' copy.
 
 The same contract as :meth:`aioparamsync.values.rowindex.RowIndex.lookup` (its
 numpy version probes every id at once, a round per bucket of the longest probe
 path, with a few array operations a round: ~35 us of fixed cost per call and
 ~17 ns an id). Here each id walks its own probe path from its home bucket,
-which the caller computes with the index's own hash (so there is one hash, in
-:mod:`aioparamsync.placement`), to the bucket holding its slot or to an empty
-one. The table is never full (its load is at most one half), so every walk ends.
+which the caller computes with the index's own hash (:func:`homes`), to the
+bucket holding its slot or to an empty one. The table is never full (its load is
+at most one half), so every walk ends.
+
+The hash is :func:`aioparamsync.placement.mix64` (splitmix64's finaliser): here
+:func:`homes` (an index's home buckets) and :func:`buckets` (a table's buckets,
+as :func:`~aioparamsync.placement.bucket_of`) compute it in one pass, where numpy
+makes seven; the tests compare them with placement's. Walks and copies fetch what
+they read a few ids ahead (the rows are scattered over memory: a pull is mostly
+waiting for them).
 
 :mod:`.rowindex` uses it unless the pure path is asked for (see
 :mod:`aioparamsync._ext`); the tests run both against the same model.
 """
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define APS_PREFETCH(p) __builtin_prefetch((p), 0, 0)
+    #else
+    #define APS_PREFETCH(p) ((void)0)
+    #endif
+    """
+    void APS_PREFETCH(const void* p) nogil
+
+cdef enum:
+    # How many ids ahead a walk or a copy fetches what it will read (measured: 16 took a
+    # pull's copy of 10^5 rows of 64 float32 from 2.7 to 2.1 ms; 8 did nearly as well).
+    AHEAD = 16
+    # A cache line's bytes (where the prefetches of a row fall).
+    LINE = 64
+
+
+cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
+    # splitmix64's finaliser, as placement.mix64 computes it (modulo 2**64)
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9ULL
+    x ^= x >> 27
+    x *= 0x94D049BB133111EBULL
+    x ^= x >> 31
+    return x
+
+
+def homes(const int64_t[::1] ids, int64_t mask, int64_t[::1] out):
+    """``out[i] = mix64(ids[i]) & mask`` (the ids' bits as uint64): a row index's home
+    buckets."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    if out.shape[0] != n:
+        raise ValueError("ids and out are of one length")
+    if mask < 0:
+        raise ValueError(f"a mask is not negative, not {mask}")
+    with nogil:
+        for i in range(n):
+            out[i] = <int64_t>(_mix64(<uint64_t>ids[i]) & <uint64_t>mask)
+
+
+def buckets(const int64_t[::1] ids, int64_t count, int64_t[::1] out):
+    """``out[i] = (mix64(ids[i]) >> 32) % count``: the bucket of each id in a table of
+    ``count`` buckets (:func:`aioparamsync.placement.bucket_of`)."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    if out.shape[0] != n:
+        raise ValueError("ids and out are of one length")
+    if count <= 0:
+        raise ValueError(f"a table has one bucket or more, not {count}")
+    cdef uint64_t c = <uint64_t>count
+    with nogil:
+        if c & (c - 1) == 0:  # (a power of two, as most tables have: no division)
+            for i in range(n):
+                out[i] = <int64_t>((_mix64(<uint64_t>ids[i]) >> 32) & (c - 1))
+        else:
+            for i in range(n):
+                out[i] = <int64_t>((_mix64(<uint64_t>ids[i]) >> 32) % c)
 
 
 def probe(
@@ -36,6 +102,8 @@ def probe(
         raise ValueError("ids, home and out are of one length")
     with nogil:
         for i in range(n):
+            if i + AHEAD < n:
+                APS_PREFETCH(&table[home[i + AHEAD] & mask])
             want = ids[i]
             pos = home[i] & mask
             while True:
@@ -57,7 +125,8 @@ def copy_rows(
 ):
     """``out[where[i]] = source[slots[i]]``, each row's bytes copied once (no temporary:
     numpy's ``out[where] = source[slots]`` gathers into one, then scatters it)."""
-    cdef Py_ssize_t i, n = slots.shape[0], width = source.shape[1]
+    cdef Py_ssize_t i, line, n = slots.shape[0], width = source.shape[1]
+    cdef const unsigned char* row
     cdef Py_ssize_t rows_in = source.shape[0], rows_out = out.shape[0]
     if where.shape[0] != n or out.shape[1] != width:
         raise ValueError("slots and where are of one length, source and out of one width")
@@ -68,4 +137,10 @@ def copy_rows(
         return
     with nogil:
         for i in range(n):
+            if i + AHEAD < n:
+                row = &source[slots[i + AHEAD], 0]
+                line = 0
+                while line < width:
+                    APS_PREFETCH(row + line)
+                    line += LINE
             memcpy(&out[where[i], 0], &source[slots[i], 0], width)

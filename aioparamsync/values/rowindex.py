@@ -31,9 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._ext import compiled
+from ..placement import bucket_of as placement_bucket_of
 from ..placement import mix64
 
-__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "RowIndex"]
+__all__ = ["EMPTY", "MAX_LOAD", "TOMBSTONE", "RowIndex", "bucket_of"]
 
 # Most (full + tombstone) buckets per bucket: linear probing degrades past 1/2.
 MAX_LOAD = 0.5
@@ -163,6 +164,10 @@ class RowIndex:
         return movers, holes
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
+        if _crows is not None and _flat_ids(ids):
+            out = np.empty(len(ids), np.int64)
+            _crows.homes(ids, int(self._mask), out)
+            return out
         return (mix64(ids.view(np.uint64)) & self._mask).astype(np.int64)
 
     def _find(self, ids: np.ndarray) -> np.ndarray:
@@ -238,6 +243,19 @@ def _first_appearance(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty_like(by_first)
     rank[by_first] = np.arange(len(by_first))
     return rank[inverse.reshape(-1)], uniq[by_first]
+
+
+def bucket_of(ids: np.ndarray, buckets: int) -> np.ndarray:
+    """:func:`aioparamsync.placement.bucket_of`, in one compiled pass where it was built."""
+    if _crows is not None and _flat_ids(ids):
+        out = np.empty(len(ids), np.int64)
+        _crows.buckets(ids, buckets, out)
+        return out
+    return placement_bucket_of(ids, buckets)
+
+
+def _flat_ids(ids: np.ndarray) -> bool:
+    return ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous
 
 
 def _as_ids(ids: np.ndarray) -> np.ndarray:
