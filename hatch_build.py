@@ -4,8 +4,9 @@ What is compiled (with Cython, into C extensions):
 
 * ``aioparamsync/wire/_cbinary.pyx``: the binary protocol's struct reader and
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
-* ``aioparamsync/values/_crows.pyx``: the embedding rows' index lookup and row
-  copy (``aioparamsync.values.rowindex`` and ``.rowcopy`` use it when present);
+* ``aioparamsync/values/_crows.pyx``: the embedding rows' hashes, index lookup
+  and row copy (``aioparamsync.values.rowindex`` and ``.rowcopy`` use it when
+  present);
 * ``aioparamsync/values/_cfold.pyx``: the training rules' arithmetic, one pass
   a fold (``aioparamsync.values.rules`` uses it when present);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
