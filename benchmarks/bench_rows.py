@@ -27,14 +27,13 @@ node's ``info()`` counters ``row_bytes`` / ``rows`` (everything a row holds:
 values, the rule's state, version and time, the index, spare capacity
 included), beside the values' ``dim * 4``.
 
-The client and the node share the machine's cores: the figures are one machine's
-loopback, not a network's.
+The client runs on uvloop (``aioparamsync.run``). The client and the node share the
+machine's cores: the figures are one machine's loopback, not a network's.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 from bench_node import NODE_ARGS, ServerProcess
 
+import aioparamsync
 from aioparamsync import ParameterClient, adagrad, sgd
 
 ID_SPACE = 2**40
@@ -156,7 +156,7 @@ def main() -> int:
     p.add_argument("--memory-dim", type=int, default=64)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    result = asyncio.run(run(args))
+    result = aioparamsync.run(run(args))  # (the client on uvloop, as users are told)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -15,6 +15,7 @@ from aioparamsync import placement
 from aioparamsync import sgd as sgd_rule
 from aioparamsync.errors import ErrorCode, RequestError
 from aioparamsync.values import rowcopy, rowindex
+from aioparamsync.values import rows as rows_module
 from aioparamsync.values.arrays import parse_dtype
 from aioparamsync.values.rowcopy import put_rows, take_rows
 from aioparamsync.values.rowindex import RowIndex
@@ -627,3 +628,62 @@ def test_the_compiled_hashes_refuse_what_they_cannot_hash() -> None:
     assert rowindex.bucket_of(strided, 8).tolist() == placement.bucket_of(strided, 8).tolist()
     small = np.arange(10, dtype=np.int32)
     assert rowindex.bucket_of(small, 8).tolist() == placement.bucket_of(small, 8).tolist()
+
+
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rule", [sgd(0.1), adagrad(0.5, eps=1e-6), adagrad(1e-3, eps=1e-50)])
+def test_a_compiled_row_fold_is_numpys_bit_for_bit(rule: RowRule, dtype: str) -> None:
+    rng = np.random.default_rng(len(dtype))
+    spec = BlockSpec("emb", 17, dtype, init=normal(1.0, seed=5), rule=rule)
+    compiled = RowBlock(spec)
+    start = rng.standard_normal((300, 17)) * 10 ** rng.uniform(-20, 20, (300, 17))
+    compiled.assign(np.arange(300, dtype=np.int64), start.astype(dtype), 1.0)
+    numpy_block = RowBlock.from_export(spec, compiled.export())
+    for _ in range(3):
+        slots = rng.permutation(300)[:200].astype(np.int64)
+        g = (rng.standard_normal((200, 17)) * 10 ** rng.uniform(-30, 30, (200, 17))).astype(dtype)
+        g[rng.integers(0, 200, 3), rng.integers(0, 17, 3)] = [np.inf, -0.0, np.nan]
+        compiled._fold_rows(slots, g)
+        with np.errstate(all="ignore"):
+            numpy_block._fold_chunk(slots, g)
+        for name, mine in compiled.export().items():
+            theirs = numpy_block.export()[name]
+            nan = np.isnan(theirs) if theirs.dtype.kind == "f" else np.zeros(theirs.shape, bool)
+            assert np.array_equal(np.isnan(mine) if mine.dtype.kind == "f" else nan, nan), name
+            assert mine[~nan].tobytes() == theirs[~nan].tobytes(), name
+
+
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+def test_a_compiled_row_fold_refuses_bad_slots_and_writes_nothing() -> None:
+    rows, sums = np.ones((4, 3), np.float32), np.ones((4, 3), np.float32)
+    g = np.ones((2, 3), np.float32)
+    fold = rows_module._crows.fold_rows
+    for slots, error, match in (
+        ([0, 4], IndexError, "out of bounds"),
+        ([-1, 0], IndexError, "out of bounds"),
+        ([1, 1], ValueError, "folded twice"),
+    ):
+        with pytest.raises(error, match=match):
+            fold(rows, sums, arr(slots), g, 0.1, 1e-6, True)
+        assert (rows == 1).all() and (sums == 1).all()
+    with pytest.raises(ValueError, match="len\\(slots\\)"):
+        fold(rows, sums, arr([0]), g, 0.1, 1e-6, True)
+    with pytest.raises(ValueError, match="sums are of the rows' shape"):
+        fold(rows, sums[:2], arr([0, 1]), g, 0.1, 1e-6, True)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 15, 16, 17, 1000, 100_000])
+def test_duplicates_are_found_wherever_they_are(n: int) -> None:
+    rng = np.random.default_rng(n)
+    ids = rng.choice(2**62, n, replace=False).astype(np.int64) - 2**61
+    assert not rowindex.has_duplicates(ids)
+    for first, second in ((0, n - 1), (n // 2, n // 2 + 1), (n - 2, n - 1)):
+        if 0 <= first < second < n:
+            twice = ids.copy()
+            twice[second] = twice[first]
+            assert rowindex.has_duplicates(twice), (n, first, second)
+    extremes = np.array([-(2**63), 2**63 - 1, 0, -1], np.int64)
+    assert not rowindex.has_duplicates(extremes)
+    assert rowindex.has_duplicates(np.append(extremes, -(2**63)))
+    assert rowindex.has_duplicates(np.zeros(n + 2, np.int64))

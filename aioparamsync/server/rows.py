@@ -276,7 +276,7 @@ class RowService:
         # here from another node, while this node passes a part to that one) go on, or
         # the two nodes would wait for each other.
         key = (push.request_id, table.spec.name)
-        mine = frozenset(np.unique(table.buckets_of(ids)).tolist())
+        mine = frozenset(table.buckets_in(ids))
         while waits := [f for buckets, f in self._pushing.get(key, ()) if buckets & mine]:
             await asyncio.wait(waits)
         entry = (mine, asyncio.get_running_loop().create_future())
@@ -318,7 +318,7 @@ class RowService:
         cluster = self.cluster
         settling = cluster.settling if cluster is not None else None
         if cluster is not None and (settling is not None or cluster.coordinator is not None):
-            keys = [bucket_key(table.spec.name, int(b)) for b in np.unique(table.buckets_of(ids))]
+            keys = [bucket_key(table.spec.name, b) for b in table.buckets_in(ids)]
             if settling is not None:
                 # (its buckets may move meanwhile, claimed by a member: see forward.unmoved)
                 unmoved = forward.unmoved(cluster, keys, _bucket_shown)

@@ -176,6 +176,11 @@ class RowTable:
     def buckets_of(self, ids: np.ndarray) -> np.ndarray:
         return bucket_of(ids, self.spec.buckets)
 
+    def buckets_in(self, ids: np.ndarray) -> list[int]:
+        """The buckets ``ids`` fall in, each once, ascending (counted: numpy's unique sorts)."""
+        counts = np.bincount(self.buckets_of(ids), minlength=self.spec.buckets)
+        return np.flatnonzero(counts).tolist()
+
     def by_bucket(self, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """``(bucket, positions)`` of ``ids``, positions ascending, each bucket once."""
         buckets = self.buckets_of(ids)

@@ -21,7 +21,9 @@ waiting for them).
 :mod:`aioparamsync._ext`); the tests run both against the same model.
 """
 
+from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cdef extern from *:
@@ -144,3 +146,112 @@ def copy_rows(
                     APS_PREFETCH(row + line)
                     line += LINE
             memcpy(&out[where[i], 0], &source[slots[i], 0], width)
+
+
+ctypedef fused real:
+    float
+    double
+
+
+def fold_rows(
+    real[:, ::1] rows,
+    real[:, ::1] sums,
+    const int64_t[::1] slots,
+    const real[:, ::1] grads,
+    double lr,
+    double eps,
+    bint adagrad,
+):
+    """Fold ``grads[i]`` into ``rows[slots[i]]`` in place, by ``sgd``
+    (``w -= lr * g``) or, with ``adagrad``, by Adagrad (``s += g * g``, then
+    ``w -= lr * (g / (sqrt(s) + eps))``, ``s`` the row's ``sums``; ``sums`` is
+    ``rows`` itself for ``sgd``, and not read).
+
+    Each element as numpy computes :meth:`RowBlock._fold_chunk
+    <aioparamsync.values.rows.RowBlock>`'s gathered rows, operation by operation,
+    the scalars first converted to the rows' type: the same bits (the tests
+    compare them). The slots are distinct (a row folded twice would see its own
+    first fold, where numpy's gather sees the old row for both); checked first,
+    with their bounds: a bad one raises, and nothing is written.
+    """
+    cdef Py_ssize_t i, j, n = slots.shape[0], dim = rows.shape[1], held = rows.shape[0]
+    cdef int64_t slot
+    cdef real r_lr = <real>lr, r_eps = <real>eps, g, s
+    cdef real* w
+    cdef real* acc
+    if grads.shape[0] != n or grads.shape[1] != dim:
+        raise ValueError("grads are (len(slots), the rows' width)")
+    if adagrad and (sums.shape[0] != held or sums.shape[1] != dim):
+        raise ValueError("adagrad's sums are of the rows' shape")
+    for i in range(n):  # (checked first: a bad slot raises, nothing is written)
+        if not 0 <= slots[i] < held:
+            raise IndexError(f"row {slots[i]} is out of bounds")
+    _check_distinct(slots, held)
+    with nogil:
+        for i in range(n):
+            if i + AHEAD < n:
+                APS_PREFETCH(&rows[slots[i + AHEAD], 0])
+                if adagrad:
+                    APS_PREFETCH(&sums[slots[i + AHEAD], 0])
+            slot = slots[i]
+            w = &rows[slot, 0]
+            if adagrad:
+                acc = &sums[slot, 0]
+                for j in range(dim):
+                    g = grads[i, j]
+                    s = acc[j] + g * g
+                    acc[j] = s
+                    w[j] = w[j] - r_lr * (g / (_sqrt(s) + r_eps))
+            else:
+                for j in range(dim):
+                    w[j] = w[j] - r_lr * grads[i, j]
+
+
+cdef inline real _sqrt(real x) noexcept nogil:
+    if real is float:
+        return sqrtf(x)
+    else:
+        return sqrt(x)
+
+
+cdef void _check_distinct(const int64_t[::1] slots, Py_ssize_t held) except *:
+    """Raise ValueError if a slot (each in [0, held)) occurs twice."""
+    cdef Py_ssize_t i, n = slots.shape[0]
+    cdef bytearray seen = bytearray(held)
+    cdef unsigned char* mark = seen
+    for i in range(n):
+        if mark[slots[i]]:
+            raise ValueError(f"row {slots[i]} is folded twice in one call")
+        mark[slots[i]] = 1
+
+
+def has_duplicates(const int64_t[::1] ids):
+    """True if an id occurs twice in ``ids``: one pass, each id put in a hash set of its
+    own (open addressing, by :func:`homes`' hash), where numpy sorts them."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    cdef uint64_t size = 16, mask, pos
+    cdef int64_t want
+    cdef bint found = False
+    while size < 2 * <uint64_t>n:
+        size *= 2
+    mask = size - 1
+    cdef unsigned char* used = <unsigned char*>calloc(size, 1)
+    cdef int64_t* held = <int64_t*>malloc(size * sizeof(int64_t))
+    if used == NULL or held == NULL:
+        free(used)
+        free(held)
+        raise MemoryError()
+    with nogil:
+        for i in range(n):
+            want = ids[i]
+            pos = _mix64(<uint64_t>want) & mask
+            while used[pos] and held[pos] != want:
+                pos = (pos + 1) & mask
+            if used[pos]:
+                found = True
+                break
+            used[pos] = 1
+            held[pos] = want
+    free(used)
+    free(held)
+    return found

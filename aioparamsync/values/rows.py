@@ -42,9 +42,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._ext import compiled
 from ..errors import ErrorCode
 from .rowcopy import put_rows, take_rows
-from .rowindex import RowIndex
+from .rowindex import RowIndex, has_duplicates
 from .rowspec import (
     DTYPES,
     INIT_KINDS,
@@ -58,6 +59,7 @@ from .rowspec import (
     uniform,
     zeros,
 )
+from .rules import all_finite
 
 __all__ = [
     "DTYPES",
@@ -80,16 +82,13 @@ GROW_ROWS = 64
 SUM_CHUNK = 1 << 21
 # Elements folded at once (the same cache argument: 2x faster for adam than all at once).
 FOLD_CHUNK = 1 << 16
+# The compiled row folds (see _crows.pyx), unless the pure path is asked for or not built.
+_crows = compiled("values._crows")
 
 
 def _is_float(dtype: np.dtype) -> bool:
     ml = sys.modules.get("ml_dtypes")  # a bfloat16 array means ml_dtypes was imported
     return dtype.kind == "f" or (ml is not None and dtype == np.dtype(ml.bfloat16))
-
-
-def _has_duplicates(ids: np.ndarray) -> bool:
-    ranked = np.sort(ids)  # numpy's default sort: much faster than np.unique's
-    return bool((ranked[1:] == ranked[:-1]).any())
 
 
 def sum_duplicates(
@@ -106,7 +105,7 @@ def sum_duplicates(
         ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
         id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
     """
-    if not _has_duplicates(ids):
+    if not has_duplicates(ids):
         return ids, grads.astype(dtype, copy=False)
     # np.bincount over flat (row, column) indices: measured faster, for 10^5 x 64,
     # than np.add.at on np.unique's inverse or np.add.reduceat over a sort.
@@ -316,7 +315,7 @@ class RowBlock:
                 The block is then unchanged.
         """
         ids = _check_ids(ids)
-        if _has_duplicates(ids):
+        if has_duplicates(ids):
             raise _bad(f"table {self._spec.name!r}: ids repeat; each row is set once")
         finite = not self._spec.rule.allow_nonfinite
         rows = _check_rows("rows", rows, len(ids), self._spec.dim, finite=finite)
@@ -461,8 +460,16 @@ class RowBlock:
         self._state = {name: moved(a) for name, a in self._state.items()}
 
     def _fold_rows(self, slots: np.ndarray, g: np.ndarray) -> None:
-        # Each slot once; g is (len(slots), dim) in the working dtype. By chunks of
-        # rows whose temporaries stay in the cache.
+        # Each slot once; g is (len(slots), dim) in the working dtype. sgd and adagrad on
+        # float32 and float64 compiled, in place (the same bits as _fold_chunk's); else by
+        # chunks of rows whose temporaries stay in the cache.
+        rule, rows, adagrad = self._spec.rule, self._rows, self._spec.rule.kind == "adagrad"
+        fits = rows.dtype == g.dtype and rows.dtype in (np.float32, np.float64)
+        if _crows is not None and (adagrad or rule.kind == "sgd") and fits:
+            g, slots = np.require(g, None, ("C", "A")), np.ascontiguousarray(slots, np.int64)
+            sums, eps = (self._state["sum"], rule.eps) if adagrad else (rows, 0.0)
+            _crows.fold_rows(rows, sums, slots, g, rule.lr, eps, adagrad)
+            return
         step = max(1, FOLD_CHUNK // self._spec.dim)
         for start in range(0, len(slots), step):
             self._fold_chunk(slots[start : start + step], g[start : start + step])
@@ -498,7 +505,7 @@ class RowBlock:
         self, ids: Any, rows: Any, state: Mapping[str, np.ndarray] | None
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         ids = _check_ids(ids)
-        if _has_duplicates(ids):
+        if has_duplicates(ids):
             raise _bad(f"table {self._spec.name!r}: ids repeat; each row is installed once")
         dim, n = self._spec.dim, len(ids)
         # (rows a rule that allows non-finite gradients folded may hold NaN or inf)
@@ -557,7 +564,7 @@ def _check_rows(what: str, rows: Any, n: int, dim: int, *, finite: bool = True) 
             f"{what} must have shape ({n}, {dim}) (a row of {dim} per id), not {rows.shape}",
             ErrorCode.SHAPE_MISMATCH,
         )
-    if finite:
+    if finite and not all_finite(rows):
         ok = np.isfinite(rows)
         if not ok.all():
             raise _bad(f"{what} has {ok.size - np.count_nonzero(ok)} NaN or infinite values")

@@ -43,6 +43,7 @@ __all__ = [
     "KINDS",
     "State",
     "adagrad",
+    "all_finite",
     "adam",
     "check_finite",
     "check_rule",
@@ -133,17 +134,24 @@ def check_finite(what: str, grad: np.ndarray, rule: Any) -> None:
     """
     if grad.dtype.kind in "iub" or (rule is not None and rule.allow_nonfinite):
         return
-    if _cfold is not None and _compiled_dtype(grad) and _cfold.all_finite(grad):
+    if all_finite(grad):
         return
     finite = np.isfinite(grad)
-    if _all(finite.reshape(-1)):  # (the ufunc's own reduce: ndarray.all wraps it in Python)
-        return
     bad = finite.size - int(np.count_nonzero(finite))
     raise RequestError(
         ErrorCode.BAD_REQUEST,
         f"{what} holds {bad} of {finite.size} values that are not finite (NaN or inf): "
         "nothing of the push was folded (a rule made with allow_nonfinite=True folds them)",
     )
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """True if the float array ``a`` holds no NaN or inf: one compiled pass where it was
+    built (float32 and float64, C-contiguous), else numpy's."""
+    if _cfold is not None and _compiled_dtype(a):
+        return bool(_cfold.all_finite(a))
+    # (the ufunc's own reduce: ndarray.all wraps it in Python)
+    return bool(_all(np.isfinite(a).reshape(-1)))
 
 
 def _number(name: str, rule: Any, field: str, low: float, high: float, *, open_high: bool) -> None:
