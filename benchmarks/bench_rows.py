@@ -16,12 +16,15 @@ and a push sums many gradients into each row):
   rows);
 * ``pull``: ``--count`` timed ``pull_rows`` of the same ids;
 * ``dense get``: beside them, the node's own ``get_arrays`` of one float32 parameter
-  of ROWS x DIM values (the same bytes as the pulled rows), ``--count`` timed.
+  of ROWS x DIM values (the same bytes as the pulled rows), ``--count`` timed;
+* ``dense push``: ``push_gradients`` of the same bytes into that parameter (rule
+  ``sgd``: the dense rules have no ``adagrad``; both are one pass of a compiled loop),
+  ``--count`` timed.
 
 Reported per case: rows/s and MB/s (the rows' values, ROWS x DIM x 4 bytes, over
-the median call), and ``pull / dense`` (the ratio of the two medians' throughput;
-the target is >= 0.5 at 10^5 rows x 64). Then memory, for a table of the ``sgd``
-rule (no state) and one of ``adagrad`` (one state array as large as the values),
+the median call), ``pull / dense`` and ``push / dense`` (the ratios of the medians'
+throughput; the target is >= 0.6 for both at 10^5 rows x 64). Then memory, for a table
+of the ``sgd`` rule (no state) and one of ``adagrad`` (one state array as large as the values),
 their rows made by pushes of ``--memory-rows`` ids of dim ``--memory-dim``: the
 node's ``info()`` counters ``row_bytes`` / ``rows`` (everything a row holds:
 values, the rule's state, version and time, the index, spare capacity
@@ -77,8 +80,9 @@ async def case(client: ParameterClient, rows: int, dim: int, pattern: str, count
     push = await timed(count, lambda: client.push_row_gradients(table, ids, grads))
     pull = await timed(count, lambda: client.pull_rows(table, ids))
     name = f"dense{rows}x{dim}"
-    await client.update_arrays({name: np.zeros((rows, dim), np.float32)})
+    await client.update_arrays({name: np.zeros((rows, dim), np.float32)}, rules=sgd(0.01))
     dense = await timed(count, lambda: client.get_arrays([name]))
+    dense_push = await timed(count, lambda: client.push_gradients({name: grads}))
     mb = rows * dim * 4 / 1e6
     return {
         "rows": rows,
@@ -91,6 +95,8 @@ async def case(client: ParameterClient, rows: int, dim: int, pattern: str, count
         "pull_MBps": mb / pull,
         "dense_MBps": mb / dense,
         "pull_over_dense": dense / pull,
+        "dense_push_MBps": mb / dense_push,
+        "push_over_dense": dense_push / push,
     }
 
 
@@ -117,7 +123,8 @@ def describe(r: dict) -> str:
         f"{r['rows']:>7} x {r['dim']:<4} {r['ids']:<6} ({r['distinct']:>6} distinct): "
         f"push {r['push_rows_per_s']:>10,.0f} rows/s {r['push_MBps']:>7.1f} MB/s | "
         f"pull {r['pull_rows_per_s']:>10,.0f} rows/s {r['pull_MBps']:>7.1f} MB/s | "
-        f"dense get {r['dense_MBps']:>7.1f} MB/s | pull / dense {r['pull_over_dense']:.2f}"
+        f"dense get {r['dense_MBps']:>7.1f} MB/s | pull / dense {r['pull_over_dense']:.2f} | "
+        f"dense push {r['dense_push_MBps']:>7.1f} MB/s | push / dense {r['push_over_dense']:.2f}"
     )
 
 
