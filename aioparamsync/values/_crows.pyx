@@ -186,7 +186,8 @@ def fold_rows(
     for i in range(n):  # (checked first: a bad slot raises, nothing is written)
         if not 0 <= slots[i] < held:
             raise IndexError(f"row {slots[i]} is out of bounds")
-    _check_distinct(slots, held)
+    if has_duplicates(slots):  # (a hash set of the slots: not a mark per row held)
+        raise ValueError("a row is folded twice in one call")
     with nogil:
         for i in range(n):
             if i + AHEAD < n:
@@ -212,17 +213,6 @@ cdef inline real _sqrt(real x) noexcept nogil:
         return sqrtf(x)
     else:
         return sqrt(x)
-
-
-cdef void _check_distinct(const int64_t[::1] slots, Py_ssize_t held) except *:
-    """Raise ValueError if a slot (each in [0, held)) occurs twice."""
-    cdef Py_ssize_t i, n = slots.shape[0]
-    cdef bytearray seen = bytearray(held)
-    cdef unsigned char* mark = seen
-    for i in range(n):
-        if mark[slots[i]]:
-            raise ValueError(f"row {slots[i]} is folded twice in one call")
-        mark[slots[i]] = 1
 
 
 def has_duplicates(const int64_t[::1] ids):
