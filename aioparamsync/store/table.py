@@ -157,12 +157,6 @@ _set_applied_entries = vars(Applied)["entries"].__set__
 _set_applied_timestamp = vars(Applied)["timestamp"].__set__
 
 
-def _bytes_of(value: np.ndarray) -> memoryview:
-    """The bytes of a folded value, as its entry keeps them: the array is new and ours alone
-    (C-contiguous and made read-only), so they are a view of it, as they are."""
-    return (value if value.ndim == 1 else value.reshape(-1)).data.cast("B")
-
-
 def _readonly(data: Any, together: int = 0) -> memoryview:
     """``data`` as an entry keeps it: read-only, and keeping no more than its share alive.
 
@@ -426,11 +420,13 @@ class ParameterTable:
             for current, weights, grad in work:
                 state = self._states.get(current.name)
                 value, states[current.name] = rules.fold_into(current.rule, weights, grad, state)
-                value.flags.writeable = False  # ours alone: the entry keeps it, uncopied
+                # ours alone (new, C-contiguous): the entry keeps its bytes, uncopied
+                value.flags.writeable = False
+                flat = value if value.ndim == 1 else value.reshape(-1)
                 made.append(
                     Entry(
                         current.name,
-                        _bytes_of(value),
+                        flat.data.cast("B"),
                         current.version + 1,
                         current.dtype,
                         current.shape,
