@@ -364,3 +364,54 @@ async def test_a_gradient_push_held_while_its_node_settles_is_folded_where_its_k
                 assert (await at_b.get_arrays([name]))[name].tolist() == [2.0] * 8
     finally:
         await cluster.close()
+
+
+# -- a fold that waits for the writer while its key moves; claims at once ---------------------
+
+
+@pytest.mark.parametrize("route", [False, True])
+async def test_a_fold_waiting_for_the_writer_while_its_key_is_claimed_is_folded_at_the_new_primary(
+    route: bool,
+) -> None:
+    """A push taken by its key's primary waits in that node's writer (here: a checkpoint's
+    hold keeps it out of the table) while another member claims the key and takes it
+    over. Applied where it waited, it would make the old primary's next version beside
+    the new one's, and last-writer-wins would lose one: it is refused there instead, and
+    folded once, at the new primary (the node passes it on; a routed client sends it
+    there itself)."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=route, timeout=30) as client:
+            names = [f"w{i}" for i in range(16)]
+            await client.update_arrays(
+                dict.fromkeys(names, np.zeros(8, np.float32)), rules=sum_rule()
+            )
+            name = next(
+                n
+                for n in names
+                if a.cluster.placement.primary(n, a.cluster.live) == a.cluster.me.node_id
+            )
+            ones = np.ones(8, np.float32)
+            await client.push_gradients({name: ones})
+            a.store.start_hold()
+            try:
+                pushing = asyncio.ensure_future(client.push_gradients({name: ones}))
+                await eventually(lambda: _held(a, 1))
+                assert await b.cluster.transitions.claim([name])
+                assert a.cluster.placement.primary(name, a.cluster.live) == b.node_id
+                # (the new primary folds meanwhile: its version 3)
+                async with ParameterClient(b.address, route=False, timeout=30) as at_b:
+                    assert await at_b.push_gradients({name: ones}) == {name: 3}
+            finally:
+                a.store.release()
+            assert await asyncio.wait_for(pushing, 30) == {name: 4}
+            for node in (a, b):
+                async with ParameterClient(node.address, route=False, timeout=30) as alone:
+                    assert (await alone.get_arrays([name]))[name].tolist() == [3.0] * 8
+    finally:
+        await cluster.close()
+
+
+def _held(node: Node, count: int) -> None:
+    hold = node.store.hold
+    assert hold is not None and len(hold.held) == count

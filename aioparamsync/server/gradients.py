@@ -21,24 +21,16 @@ node sees them by then (views differ for a moment while a member joins or
 leaves). A part passed on to a next replica because its primary could not be
 reached goes without an epoch, and is folded where it arrives. A node that
 joins folds nothing until the others have stopped folding its keys (see
-``Cluster.settling``).
+``Cluster.settling``). A fold taken here waits in the writer's queue; the
+writer applies it only if this node is still the names' primary then (a
+member may have claimed them meanwhile): else it is refused ``MOVED``, and
+goes on to their primary (see ``GradientPushes._still_here``).
 
 Idempotence: a push may carry a request id, so that a push sent again (after
-a timeout or a lost connection, at this node or another) folds nothing twice.
-The :class:`PushLedger` keeps two records, each of the latest
-``MAX_REQUEST_IDS`` request ids:
-
-* the reply of each push by its request id and names (the parts of one push
-  differ by their names), kept while it has not failed: a push sent again
-  answers the first one's reply, in flight or done, and folds nothing;
-* under each request id, the names this node has folded and the versions
-  made: a push folded in parts may have some parts folded and others failed;
-  sent again, it folds only the names no part has folded yet, and answers the
-  versions the others made.
-
-The ledger is pure bookkeeping (no event loop); :class:`GradientPushes` does
-the folding and the forwarding. The decoding of encoded parameters and the
-result of an update are here too: the update handlers use them as well.
+a timeout or a lost connection, at this node or another) folds nothing twice:
+see :mod:`.ledger`. :class:`GradientPushes` does the folding and the
+forwarding. The decoding of encoded parameters and the result of an update are
+here too: the update handlers use them as well.
 """
 
 from __future__ import annotations
@@ -48,10 +40,10 @@ import collections
 import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConnectError, ErrorCode, RequestError
+from ..errors import ConnectError, ErrorCode, Moved, RequestError
 from ..placement import parse_key
 from ..routing.merge import merge_results
 from ..routing.partitions import collapse, cut, readable_error
@@ -60,19 +52,17 @@ from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
 from .clusterview import ClusterView
+from .ledger import PushLedger
 
 if TYPE_CHECKING:
     from ..store.table import Applied
     from ..store.writer import ParameterStore
     from .holds import Waiting
 
-__all__ = ["GradientPushes", "PushLedger", "decode_parameter", "update_result"]
+__all__ = ["GradientPushes", "decode_parameter", "update_result"]
 
 log = logging.getLogger(__name__)
 
-# Request ids of gradient pushes remembered (with their outcome) for retries.
-MAX_REQUEST_IDS = 100_000
-MAX_REQUEST_ID_BYTES = 256
 # After a push folded by another node, how long its reply waits for the
 # results to replicate here, so the pusher's next read here sees them (ms).
 ARRIVAL_WAIT_MS = 2_000
@@ -130,88 +120,6 @@ def _collapsed(future: asyncio.Future, chosen: Mapping[str, Any]) -> asyncio.Fut
         return reply
 
     return asyncio.ensure_future(collapsed())
-
-
-class PushLedger:
-    """The pushes seen by request id, and the parts of them folded here (see the module).
-
-    It only keeps, looks up and forgets: the futures it holds are given a
-    done callback, no more.
-    """
-
-    def __init__(self) -> None:
-        # request id -> the future of that push's reply (kept while it succeeds)
-        self.replies: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
-        # request id -> the names this node has folded under it, and the versions
-        # made: in a cluster a push is folded in parts, at each name's owner, and
-        # a push sent again (after one part failed, or at another node) folds
-        # only what no part has folded yet.
-        self.folded: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
-        self.repeated = 0  # pushes sent again, whole or in part
-
-    @staticmethod
-    def key(push: Any) -> str | None:
-        """What the reply to ``push`` is remembered by; None for a push without a request id.
-
-        Raises:
-            RequestError: (BAD_REQUEST) the request id is empty or too long.
-        """
-        request_id = push.request_id
-        if request_id is None:
-            return None
-        if not request_id or len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"a request id has 1 to {MAX_REQUEST_ID_BYTES} bytes",
-            )
-        # By its names too: the parts of one push (forwarded here by another
-        # node, or sent here by a client that cut it by primary, several of
-        # them to one node when their primaries are down) are told apart, and
-        # a push sent again is sent with the same names.
-        return request_id + "\0" + "\0".join(sorted(g.name for g in push.grads))
-
-    def first_reply(self, key: str) -> asyncio.Future | None:
-        """The reply to the push first sent under ``key``, if this is a retry of one."""
-        first = self.replies.get(key)
-        if first is not None:  # a retry: the first push's outcome
-            self.repeated += 1
-            self.replies.move_to_end(key)
-        return first
-
-    def unfolded(self, push: Any) -> tuple[list[Any], dict[str, int]]:
-        """The gradients of ``push`` not folded yet, and the versions made by those that were."""
-        request_id = push.request_id
-        folded = self.folded.get(request_id) if request_id is not None else None
-        grads = push.grads
-        if folded:  # parts of it were folded before: not again
-            grads = [g for g in grads if g.name not in folded]
-            self.repeated += 1
-        before = {g.name: folded[g.name] for g in push.grads if folded and g.name in folded}
-        return grads, before
-
-    def remember_reply(self, key: str, future: asyncio.Future) -> None:
-        """Answer ``future`` to a push sent again under ``key``, unless it fails."""
-        pushes = self.replies
-        pushes[key] = future
-        if len(pushes) > MAX_REQUEST_IDS:
-            pushes.popitem(last=False)
-
-        def forget_failure(done: asyncio.Future) -> None:
-            # A retry may try again (what was folded of it, it folds no more).
-            if (done.cancelled() or done.exception()) and pushes.get(key) is done:
-                del pushes[key]
-
-        future.add_done_callback(forget_failure)
-
-    def remember_folded(self, request_id: str | None, versions: Mapping[str, int]) -> None:
-        """Note that the names of ``versions`` were folded under ``request_id``."""
-        if request_id is None or not versions:
-            return
-        folded = self.folded
-        folded.setdefault(request_id, {}).update(versions)
-        folded.move_to_end(request_id)
-        if len(folded) > MAX_REQUEST_IDS:
-            folded.popitem(last=False)
 
 
 class GradientPushes:
@@ -419,22 +327,33 @@ class GradientPushes:
             return method.result(success=made)
 
         decoded = decoded_parameters(grads, self.max_decoded_bytes)
-        acks_all = self._acks_all(push)
-        settling = self.cluster.settling if self.cluster is not None else None
-        arriving = self._arriving(grads)
-        if settling is None and not acks_all and not arriving:
+        cluster = self.cluster
+        if cluster is None or not cluster.links:  # (a node alone: it folds all)
             return self.store.submit(
                 decoded, timestamp, gradients=True, then=result, call=push.call
+            )
+        names = [g.name for g in grads]
+        acks_all = self._acks_all(push)
+        settling = cluster.settling
+        arriving = self._arriving(grads)
+        if settling is None and not acks_all and not arriving and push.epoch is not None:
+            # (refused Moved, the node that passed it on, or the routed client, sends it on)
+            return self.store.submit(
+                decoded,
+                timestamp,
+                gradients=True,
+                then=result,
+                call=push.call,
+                check=self._still_here(push, names),
             )
 
         async def folded() -> Any:
             if settling is not None or arriving:
                 # (the names may move meanwhile, claimed by a member: see forward.unmoved)
-                assert self.cluster is not None  # (settling, arriving: a cluster's)
-                unmoved = forward.unmoved(self.cluster, [g.name for g in grads])
+                unmoved = forward.unmoved(cluster, names)
                 await self._arrived(arriving)
-                if self.cluster.settling is not None:
-                    await self.cluster.settling
+                if cluster.settling is not None:
+                    await cluster.settling
                 if push.forwarded:
                     unmoved()  # (Moved: the node that passed it on sends it on)
                 else:
@@ -442,13 +361,50 @@ class GradientPushes:
                     if any(node is not None for node in parts):
                         self._check(parts)  # (as _fold does: refused before any part folds)
                         return await self._forward(method, push, parts, timestamp, before)
-            applied = await self.store.submit(decoded, timestamp, gradients=True, call=push.call)
+            check = self._still_here(push, names)
+            try:
+                applied = await self.store.submit(
+                    decoded, timestamp, gradients=True, call=push.call, check=check
+                )
+            except Moved:
+                if push.forwarded:
+                    raise
+                # (they moved while the fold waited for the writer: on to their holders now)
+                parts = self._parts(push, grads)
+                return await self._forward(method, push, parts, timestamp, before)
             if acks_all:
-                assert self.cluster is not None  # (acks=all: a cluster's)
-                await self.cluster.replicated([e.name for e in applied.entries])
+                await cluster.replicated([e.name for e in applied.entries])
             return result(applied)
 
         return asyncio.ensure_future(folded())
+
+    def _still_here(self, push: Any, names: list[str]) -> Callable[[], None] | None:
+        """The check a fold here makes as the writer applies it (see ``ParameterStore.submit``).
+
+        Taken as the names' primary, a fold may wait in the writer's queue while
+        this node's view changes (a member claims the names): applied then, it
+        would make the next version beside the new primary's, and last-writer-wins
+        would drop one of the two. So the writer applies it only if this node is
+        still their primary (a part passed on here as a fallback, its primary out
+        of reach: if their holders did not change); else it is refused ``Moved``,
+        nothing folded, and goes on to their primary.
+        """
+        cluster = self.cluster
+        if cluster is None or not cluster.links:
+            return None
+        if push.forwarded and push.epoch is None:
+            return forward.unmoved(cluster, names)
+
+        def check() -> None:
+            forward.gate(
+                cluster,
+                names,
+                primary=True,
+                what="is no longer the primary of",
+                then="nothing was folded",
+            )
+
+        return check
 
     def _arriving(self, grads: Sequence[Any]) -> list[str]:
         """The names of ``grads`` this node holds by placement but not in its table yet
@@ -520,7 +476,11 @@ class GradientPushes:
                     await cluster.settling
                 unmoved()
             grads = decoded_parameters([by_name[n] for n in names], self.max_decoded_bytes)
-            applied = await self.store.submit(grads, timestamp, gradients=True, call=call)
+            # (Moved, the names moved while the fold waited for the writer: pass_on
+            # sends them on to their holders now)
+            applied = await self.store.submit(
+                grads, timestamp, gradients=True, call=call, check=self._still_here(push, names)
+            )
             if acks == "all":
                 await cluster.replicated([e.name for e in applied.entries])
             return update_result(applied)

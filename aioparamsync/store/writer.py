@@ -104,7 +104,15 @@ class ParameterStore:
         self._snapshots: set[asyncio.Future[Any]] = set()
         self._drops = 0  # drops since the last snapshot was asked for
         self._queue: collections.deque[
-            tuple[Sequence[Any], int, int, Answer, Callable[[Applied], Any] | None, str | None]
+            tuple[
+                Sequence[Any],
+                int,
+                int,
+                Answer,
+                Callable[[Applied], Any] | None,
+                str | None,
+                Callable[[], None] | None,
+            ]
         ] = collections.deque()
         #: the split calls applied lately, and the hold of a cut being made (see .cuts)
         self.calls = CallLog()
@@ -169,6 +177,7 @@ class ParameterStore:
         gradients: bool = False,
         then: Callable[[Applied], Any] | None = None,
         call: str | None = None,
+        check: Callable[[], None] | None = None,
     ) -> asyncio.Future[Any]:
         """Queue an update; answer a future of its :class:`Applied`.
 
@@ -185,6 +194,11 @@ class ParameterStore:
 
         ``call``: the stamp of the split call the update is a part of (see
         :mod:`.cuts`), which the writer remembers, and which a cut's hold admits.
+
+        ``check``: called by the writer just before it applies the update; a
+        ``RequestError`` it raises fails the update, nothing of it applied. (A
+        cluster's primary checks it still is one: a fold it took as primary may
+        wait here while its view changes.)
 
         Raises:
             RequestError: (UNAVAILABLE) the queue is full or the store is closed.
@@ -209,7 +223,7 @@ class ParameterStore:
         future = Answer(loop=loop)
         future.eager = None
         mode = _MERGE if replicated else _FOLD if gradients else _APPLY
-        self._queue.append((params, timestamp, mode, future, then, call))
+        self._queue.append((params, timestamp, mode, future, then, call, check))
         wakeup = self._wakeup  # (self._wake(), inlined)
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -242,7 +256,7 @@ class ParameterStore:
         loop = self._loop = asyncio.get_running_loop()
         future = Answer(loop=loop)
         future.eager = None
-        self._queue.append((dict(held), 0, _DROP, future, None, None))  # type: ignore[arg-type]
+        self._queue.append((dict(held), 0, _DROP, future, None, None, None))  # type: ignore[arg-type]
         self._wake()
         return await future
 
@@ -257,7 +271,7 @@ class ParameterStore:
         future = Answer(loop=self._loop or asyncio.get_running_loop())
         future.eager = None
         # (an empty drop: in order with the others, and no more)
-        self._queue.append(({}, 0, _DROP, future, None, None))  # type: ignore[arg-type]
+        self._queue.append(({}, 0, _DROP, future, None, None, None))  # type: ignore[arg-type]
         self._wake()
         await future
 
@@ -372,7 +386,7 @@ class ParameterStore:
         table = self.table
         hold = self.hold
         for item in batch:
-            params, timestamp, mode, future, then, call = item
+            params, timestamp, mode, future, then, call, check = item
             if future.cancelled():
                 continue  # its caller gave up before it was applied
             if hold is not None and mode != _MERGE and mode != _DROP and not hold.admits(call):
@@ -385,6 +399,8 @@ class ParameterStore:
                     if dropped:
                         self._drops += 1
                     continue
+                if check is not None:
+                    check()
                 if mode == _APPLY:
                     applied = table.apply(params, timestamp)
                 elif mode == _MERGE:
