@@ -415,3 +415,64 @@ async def test_a_fold_waiting_for_the_writer_while_its_key_is_claimed_is_folded_
 def _held(node: Node, count: int) -> None:
     hold = node.store.hold
     assert hold is not None and len(hold.held) == count
+
+
+async def test_two_members_claim_one_key_at_once_the_later_claim_wins_the_other_gives_up() -> None:
+    """Two members claim one key at once (each ran its round before it saw the other's
+    claim). The claim that would lose (the earlier, then the larger member id) is given up
+    before it takes the key over: never two primaries of one key, each folding its own next
+    version until it sees the other's claim."""
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        first = await cluster.start(balance_interval=0)
+        nodes = [first] + [await cluster.start(peers=[first], balance_interval=0) for _ in range(2)]
+        await cluster.formed(nodes)
+        key = next(
+            k
+            for k in (f"k{i}" for i in range(100))
+            if first.cluster.placement.primary(k, first.cluster.live) == first.node_id
+        )
+        b, c = nodes[1], nodes[2]
+        claimed = await asyncio.gather(
+            b.cluster.transitions.claim([key]), c.cluster.transitions.claim([key])
+        )
+        assert sorted(claimed) == [False, True], claimed
+        winner = b if claimed[0] else c
+
+        def agreed() -> None:
+            for node in nodes:
+                assert node.cluster.placement.primary(key, node.cluster.live) == winner.node_id
+
+        await eventually(agreed)
+        loser = c if winner is b else b
+        assert key not in loser.cluster.claims and not loser.cluster.claiming
+    finally:
+        await cluster.close()
+
+
+async def test_two_rounds_at_once_hand_a_claimed_bucket_off_and_drop_it_once() -> None:
+    """A bucket claimed away is handed off by whichever round of its old holder comes
+    (the claim's own, the periodic one), two at once: both hand it off, one drops it, and
+    neither fails (a round that failed left the claim half made, and no member claimed
+    anything again)."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=False, timeout=30) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            ids = np.arange(4000, dtype=np.int64)
+            await client.push_row_gradients("emb", ids, np.ones((len(ids), 4), np.float32))
+            table = a.service.rows.tables.tables["emb"]
+            bucket = next(
+                x
+                for x in range(8)
+                if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live) == a.node_id
+                and x in table.blocks
+            )
+            assert await b.cluster.transitions.claim([bucket_key("emb", bucket)])
+            rounds = a.cluster.rebalancer.other_rounds
+            await asyncio.gather(rounds(), rounds(), rounds())
+            assert bucket not in table.blocks
+            expected = np.full((len(ids), 4), -1.0, np.float32)
+            np.testing.assert_array_equal(await client.pull_rows("emb", ids), expected)
+    finally:
+        await cluster.close()

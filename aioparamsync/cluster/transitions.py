@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from ..errors import ErrorCode, RequestError
@@ -246,10 +246,16 @@ class Transitions:
                 pulled = await cluster.rebalancer.other_rounds() == 0 and pulled
         except TimeoutError:
             pulled = False
+        except Exception:  # (a bug: the claim is given up, not left half made)
+            log.exception("claim of %d keys given up: its pulls failed", len(keys))
+            pulled = False
         changed = dict(cluster.view.states) != members
-        if not pulled or changed or cluster.claiming is not taking or cluster.state != UP:
+        beaten = self._beaten(taking)
+        if not pulled or changed or beaten or cluster.claiming is not taking or cluster.state != UP:
             if not pulled:
                 log.warning("claim of %d keys given up: not pulled from every member", len(keys))
+            elif beaten:
+                log.info("claim of %d keys given up: %s", len(keys), beaten)
             if cluster.claiming is taking:
                 cluster.claiming = {}
                 await self._said_again()  # (the others replicate to it until they see it)
@@ -275,6 +281,29 @@ class Transitions:
             self.settling = None
             settling.set_result(None)
         return True
+
+    def _beaten(self, taking: Mapping[str, int]) -> str:
+        """Whose claim of one of ``taking``'s keys, made or being made, wins over this
+        node's ("": none's).
+
+        Two members may claim one key at once (each ran its round before it saw the
+        other's). Of two claims the later wins, then the smaller member id (see
+        :func:`~aioparamsync.placement.claims_of`): the one that would lose gives its
+        claim up before it takes any key over, rather than be the keys' primary until
+        it sees the other claim win.
+        """
+        cluster = self.cluster
+        me = cluster.me.node_id
+        view = cluster.view
+        for said in (view.claims, view.claiming):
+            for member, keys in said.items():
+                if member == me:
+                    continue
+                for key, epoch in keys.items():
+                    mine = taking.get(key)
+                    if mine is not None and (epoch > mine or (epoch == mine and member < me)):
+                        return f"{member} claims {key!r} too, at epoch {epoch}"
+        return ""
 
     async def _take_back(self, taking: Collection[str]) -> None:
         """Take back a claim whose write failed: etcd may still have applied it (the

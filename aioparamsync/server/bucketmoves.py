@@ -115,7 +115,9 @@ class BucketMoves:
                         # next round, which that epoch starts, decides)
                         waiting += 1
                         continue
-                    del table.blocks[bucket]
+                    # (another round, the claim's or the periodic one, may have
+                    # dropped it meanwhile)
+                    table.blocks.pop(bucket, None)
                     self._handed.pop(mark, None)
         return waiting
 
