@@ -374,3 +374,86 @@ async def test_parts_of_one_push_for_other_buckets_do_not_wait_for_each_other() 
     await asyncio.wait_for(asyncio.gather(first, again), 5)
     # each row folded once (sgd at 1.0 from zeros): the resend found its buckets folded
     assert table.pull(np.concatenate([a, b])).tolist() == [[-1.0, -1.0]] * 6
+
+
+@pytest.mark.parametrize("buckets", [1, 7, 64, 1000])
+@pytest.mark.parametrize("dtype", ["<f4", "<f8", "<f2", "bfloat16"])
+def test_a_pull_in_one_pass_reads_what_a_read_bucket_by_bucket_does(
+    buckets: int, dtype: str
+) -> None:
+    """A table's pull reads every bucket's rows in one compiled pass (rowcopy.gather):
+    each id's row from its bucket's block, or its initial row where it has none (no
+    block, or no row in it, or one evicted: walked past); the same bytes as the read
+    bucket by bucket (what the pure path does, and a read into chosen positions)."""
+    from aioparamsync.store.rows import RowTable, table_spec
+    from aioparamsync.values import rowcopy
+
+    spec = table_spec(
+        thrift.Table(
+            name="t",
+            dim=5,
+            dtype=dtype,
+            buckets=buckets,
+            rule=thrift.Rule(kind="sgd", lr=0.5),
+            init="normal",
+            scale=1.0,
+            row_ttl_seconds=10.0,
+        )
+    )
+    table = RowTable(spec)
+    rng = np.random.default_rng(buckets)
+    extremes = np.array([0, -1, 2**63 - 1, -(2**63)], np.int64)
+    old = np.concatenate([extremes, rng.integers(-(2**63), 2**63 - 1, 3000)])
+    table.fold(old, rng.standard_normal((len(old), 5)).astype(np.float32), 100.0)
+    new = rng.integers(-(2**63), 2**63 - 1, 3000)
+    table.fold(new, rng.standard_normal((len(new), 5)).astype(np.float32), 105.0)
+    assert table.evict(111.0) > 0  # (the old rows gone: their index's buckets tombstones)
+    absent = rng.integers(-(2**63), 2**63 - 1, 500)
+    asked = rng.permutation(np.concatenate([old[:500], new, new[:100], absent, extremes]))
+    got = table.pull(asked)
+    expected = np.empty_like(got)
+    table.read_into(asked, expected, np.arange(len(asked)))  # (bucket by bucket)
+    assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+    missing = rowcopy.gather(
+        [table.blocks[b].layout() if b in table.blocks else None for b in range(buckets)],
+        asked,
+        np.empty_like(got),
+    )
+    if rowcopy._crows is not None:  # (the pure path reads bucket by bucket)
+        assert missing is not None
+        have = {int(i) for i in new}
+        assert missing.tolist() == [i for i, x in enumerate(asked.tolist()) if x not in have]
+
+
+def test_the_compiled_gather_refuses_what_it_cannot_read() -> None:
+    from aioparamsync.values import rowcopy
+
+    c = rowcopy._crows
+    if c is None:
+        pytest.skip("the compiled path is not built")
+    table, sids = np.full(8, -1, np.int64), np.zeros(4, np.int64)
+    rows = np.zeros((4, 8), np.uint8)
+    ids, out, missing = (
+        np.arange(3, dtype=np.int64),
+        np.zeros((3, 8), np.uint8),
+        np.empty(3, np.int64),
+    )
+    with pytest.raises(ValueError, match="one length"):
+        c.gather_rows([table], [sids], [rows], ids, out[:2], missing)
+    with pytest.raises(ValueError, match="one per bucket"):
+        c.gather_rows([table], [sids, sids], [rows], ids, out, missing)
+    with pytest.raises(ValueError, match="one per bucket"):
+        c.gather_rows([], [], [], ids, out, missing)
+    with pytest.raises(ValueError, match="as wide"):
+        c.gather_rows([table], [sids], [np.zeros((4, 4), np.uint8)], ids, out, missing)
+    with pytest.raises(ValueError, match="power of two"):
+        c.gather_rows([table[:6]], [sids], [rows], ids, out, missing)
+    # A slot past the block's rows is no row (never read out of bounds), and a walk
+    # ends after every bucket, though none is empty
+    table[:4] = 7
+    assert c.gather_rows([table], [sids], [rows], ids, out, missing) == 3
+    table[:] = 7
+    assert c.gather_rows([table], [sids], [rows], ids, out, missing) == 3
+    # rows of another dtype than out's: not gathered (the caller reads bucket by bucket)
+    f4 = np.zeros((4, 2), np.float32)
+    assert rowcopy.gather([(table, sids, f4)], ids, np.zeros((3, 2), np.float64)) is None

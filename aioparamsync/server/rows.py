@@ -225,24 +225,17 @@ class RowService:
 
     def _pull_held(self, table: RowTable, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids``, all in buckets held here (else MOVED: see _check_held)."""
-        groups = list(table.by_bucket(ids))  # (cut once: for the check and the read)
-        self._check_held(table, ids, "does not hold", groups=groups)
-        return table.pull(ids, groups)
+        self._check_held(table, ids, "does not hold")
+        return table.pull(ids)
 
     def _check_held(
-        self,
-        table: RowTable,
-        ids: np.ndarray,
-        what: str,
-        primary: bool = False,
-        groups: list[tuple[int, np.ndarray]] | None = None,
+        self, table: RowTable, ids: np.ndarray, what: str, primary: bool = False
     ) -> None:
         """Refuse (MOVED) a routed call for buckets this node does not hold (is not the
-        primary of, with ``primary``) at its epoch. ``groups``: ``table.by_bucket(ids)``."""
+        primary of, with ``primary``) at its epoch."""
         cluster = self.cluster
-        if cluster is not None:
-            cut = table.by_bucket(ids) if groups is None else groups
-            keys = [bucket_key(table.spec.name, bucket) for bucket, _ in cut]
+        if cluster is not None and cluster.links:
+            keys = [bucket_key(table.spec.name, bucket) for bucket in table.buckets_in(ids)]
             forward.gate(cluster, keys, primary=primary, what=what, shown=_bucket_shown)
 
     # -- pushes ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..errors import ErrorCode, RequestError
 from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
-from ..values.rowcopy import take_rows
+from ..values.rowcopy import gather, take_rows
 from ..values.rowindex import bucket_of
 from ..values.rows import BlockSpec, Init, RowBlock, RowRule
 from ..values.rowwire import decode_ids, encode_ids
@@ -191,27 +191,28 @@ class RowTable:
             if len(positions):
                 yield int(buckets[positions[0]]), positions
 
-    def pull(
-        self, ids: np.ndarray, groups: Iterable[tuple[int, np.ndarray]] | None = None
-    ) -> np.ndarray:
+    def pull(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` in their order: those held here, else their initial values
-        (a read makes no row: only a push does, so reads cost no memory). ``groups``:
-        ``by_bucket(ids)``, if the caller has it."""
+        (a read makes no row: only a push does, so reads cost no memory)."""
         out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
-        self.read_into(ids, out, groups=groups)
+        self.read_into(ids, out)
         return out
 
-    def read_into(
-        self,
-        ids: np.ndarray,
-        out: np.ndarray,
-        where: np.ndarray | None = None,
-        groups: Iterable[tuple[int, np.ndarray]] | None = None,
-    ) -> None:
+    def read_into(self, ids: np.ndarray, out: np.ndarray, where: np.ndarray | None = None) -> None:
         """``out[where[i]] =`` the row of ``ids[i]`` (``where`` None: ``out[i]``), as
         :meth:`pull` reads it, with no array of its own in between."""
         s = self.spec
-        for bucket, positions in self.by_bucket(ids) if groups is None else groups:
+        if where is None and len(self.blocks) <= len(ids):
+            # (in one pass over every bucket, where it is compiled: see rowcopy.gather)
+            layouts: list[Any] = [None] * s.buckets
+            for bucket, held in self.blocks.items():
+                layouts[bucket] = held.layout()
+            missing = gather(layouts, ids, out)
+            if missing is not None:
+                if len(missing):
+                    out[missing] = s.rows.init.values(s.name, ids[missing], s.dim, s.dtype)
+                return
+        for bucket, positions in self.by_bucket(ids):
             block = self.blocks.get(bucket)
             wanted = ids[positions]
             at = positions if where is None else where[positions]

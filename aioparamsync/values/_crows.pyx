@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The row index's lookup, compiled: one probe loop per id in C; and the ids' hashes
-and the rows' copy.
+"""The row index's lookup, compiled: one probe loop per id in C; and the ids' hashes,
+the rows' copy, a pull's read of every bucket at once (:func:`gather_rows`) and the
+row rules' folds.
 
 The same contract as :meth:`aioparamsync.values.rowindex.RowIndex.lookup` (its
 numpy version probes every id at once, a round per bucket of the longest probe
@@ -146,6 +147,113 @@ def copy_rows(
                     APS_PREFETCH(row + line)
                     line += LINE
             memcpy(&out[where[i], 0], &source[slots[i], 0], width)
+
+
+def gather_rows(
+    list tables,
+    list slot_ids,
+    list rows,
+    const int64_t[::1] ids,
+    unsigned char[:, ::1] out,
+    int64_t[::1] missing,
+):
+    """``out[i] =`` the row of ``ids[i]`` in the block of its bucket, for rows of many
+    blocks in one pass: answers how many ids have no row, their positions put in
+    ``missing[:count]`` (ascending; their rows in ``out`` are left as they were).
+
+    ``tables[b]``, ``slot_ids[b]`` and ``rows[b]`` are bucket ``b``'s block: its
+    index's buckets and slots' ids (as :func:`probe` walks them) and its rows as
+    bytes, or None where the table holds no block of ``b``; their length is the
+    table's bucket count (the bucket of an id as :func:`buckets` computes it).
+    What a pull spends where the rows of each bucket are read apart (ids cut by
+    bucket, a walk and a copy a bucket, ``out`` written all over) is one walk here,
+    and ``out`` written in order.
+    """
+    cdef Py_ssize_t i, b, line, n = ids.shape[0], width = out.shape[1]
+    cdef Py_ssize_t count = len(tables), lost = 0
+    if out.shape[0] != n or missing.shape[0] != n:
+        raise ValueError("ids, out and missing are of one length")
+    if count <= 0 or len(slot_ids) != count or len(rows) != count:
+        raise ValueError("tables, slot_ids and rows are one per bucket, one or more")
+    cdef const int64_t[::1] table
+    cdef const int64_t[::1] sids
+    cdef const unsigned char[:, ::1] block
+    cdef const int64_t** tab = <const int64_t**>calloc(count, sizeof(int64_t*))
+    cdef const int64_t** sid = <const int64_t**>calloc(count, sizeof(int64_t*))
+    cdef const unsigned char** first = <const unsigned char**>calloc(count, sizeof(void*))
+    cdef int64_t* masks = <int64_t*>calloc(count, sizeof(int64_t))
+    cdef int64_t* held = <int64_t*>calloc(count, sizeof(int64_t))
+    cdef int64_t* slots = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
+    cdef int64_t* homes = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
+    cdef int64_t* owner = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
+    cdef uint64_t h, c = <uint64_t>count
+    cdef int64_t pos, slot, want, mask, steps
+    cdef const unsigned char* row
+    try:
+        if not (tab and sid and first and masks and held and slots and homes and owner):
+            raise MemoryError()
+        for b in range(count):
+            if tables[b] is None:
+                continue
+            table, sids, block = tables[b], slot_ids[b], rows[b]
+            if block.shape[1] != width:
+                raise ValueError("every block's rows are as wide as out's")
+            if table.shape[0] == 0 or table.shape[0] & (table.shape[0] - 1):
+                raise ValueError("an index's buckets are a power of two")
+            tab[b], sid[b], masks[b] = &table[0], &sids[0], table.shape[0] - 1
+            # (a slot past the block's rows or ids would read out of bounds)
+            held[b] = min(sids.shape[0], block.shape[0])
+            first[b] = &block[0, 0] if block.shape[0] else NULL
+        with nogil:
+            for i in range(n):  # (each id's bucket and home, hashed once)
+                h = _mix64(<uint64_t>ids[i])
+                b = <Py_ssize_t>((h >> 32) & (c - 1) if c & (c - 1) == 0 else (h >> 32) % c)
+                owner[i] = b
+                homes[i] = <int64_t>(h & <uint64_t>masks[b])
+            for i in range(n):  # (the walks, as probe's)
+                if i + AHEAD < n and tab[owner[i + AHEAD]] != NULL:
+                    APS_PREFETCH(&tab[owner[i + AHEAD]][homes[i + AHEAD]])
+                b = owner[i]
+                slots[i] = -1
+                if tab[b] == NULL:
+                    continue
+                want, mask, pos = ids[i], masks[b], homes[i]
+                steps = mask  # (a walk ends at an empty bucket, or after every one)
+                while True:
+                    slot = tab[b][pos]
+                    if slot == -1:
+                        break
+                    if 0 <= slot < held[b] and sid[b][slot] == want:
+                        slots[i] = slot
+                        break
+                    if steps == 0:
+                        break
+                    steps -= 1
+                    pos = (pos + 1) & mask
+            if width:
+                for i in range(n):  # (the copies, as copy_rows')
+                    if i + AHEAD < n and slots[i + AHEAD] >= 0:
+                        row = first[owner[i + AHEAD]] + slots[i + AHEAD] * width
+                        line = 0
+                        while line < width:
+                            APS_PREFETCH(row + line)
+                            line += LINE
+                    if slots[i] >= 0:
+                        memcpy(&out[i, 0], first[owner[i]] + slots[i] * width, width)
+            for i in range(n):
+                if slots[i] < 0:
+                    missing[lost] = i
+                    lost += 1
+        return lost
+    finally:
+        free(tab)
+        free(sid)
+        free(first)
+        free(masks)
+        free(held)
+        free(slots)
+        free(homes)
+        free(owner)
 
 
 ctypedef fused real:

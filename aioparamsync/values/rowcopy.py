@@ -10,11 +10,13 @@ dtype, or arrays that are not C-contiguous, go as numpy does it (converting).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .._ext import compiled
 
-__all__ = ["put_rows", "records", "take_rows"]
+__all__ = ["gather", "put_rows", "records", "take_rows"]
 
 # The compiled row copy (see _crows.pyx), unless the pure path is asked for or not built.
 _crows = compiled("values._crows")
@@ -71,3 +73,38 @@ def put_rows(
 def _as_bytes(rows: np.ndarray) -> np.ndarray:
     # (n, dim) C-contiguous rows as (n, dim * itemsize) bytes: a view
     return rows.view(np.uint8).reshape(rows.shape[0], rows.shape[1] * rows.itemsize)
+
+
+def gather(
+    blocks: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray] | None],
+    ids: np.ndarray,
+    out: np.ndarray,
+) -> np.ndarray | None:
+    """``out[i] =`` the row of ``ids[i]`` in ``blocks[its bucket]``, all ids in one
+    compiled pass; answers the positions of the ids with no row there (their rows in
+    ``out`` left as they were), ascending.
+
+    ``blocks``: one per bucket of the table (the bucket of an id as
+    :func:`~aioparamsync.placement.bucket_of` computes it), each a block's
+    ``layout()`` or None. Answers None, having done nothing, where this cannot be done
+    so (the pure path, or rows not of ``out``'s dtype, both C-contiguous): the caller
+    reads the rows bucket by bucket.
+    """
+    if _crows is None or out.ndim != 2 or not out.flags.c_contiguous:
+        return None
+    tables: list[np.ndarray | None] = []
+    slot_ids: list[np.ndarray | None] = []
+    rows: list[np.ndarray | None] = []
+    for block in blocks:
+        table, sids, values = block if block is not None else (None, None, None)
+        if values is not None and (
+            values.dtype != out.dtype or values.ndim != 2 or not values.flags.c_contiguous
+        ):
+            return None
+        tables.append(table)
+        slot_ids.append(sids)
+        rows.append(None if values is None else _as_bytes(values))
+    missing = np.empty(len(ids), np.int64)
+    want = np.ascontiguousarray(ids, np.int64)
+    lost = _crows.gather_rows(tables, slot_ids, rows, want, _as_bytes(out), missing)
+    return missing[:lost]

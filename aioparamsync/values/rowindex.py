@@ -163,6 +163,11 @@ class RowIndex:
             self._rebuild(self._len)
         return movers, holes
 
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Its buckets and its slots' ids, as the compiled walks read them (see _crows)."""
+        return self._table, self._slot_ids
+
     def _home(self, ids: np.ndarray) -> np.ndarray:
         if _crows is not None and _flat_ids(ids):
             out = np.empty(len(ids), np.int64)

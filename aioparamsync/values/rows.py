@@ -238,6 +238,10 @@ class RowBlock:
         put_rows(out, where[found], self._rows, slots[found])
         out[where[~found]] = self._initial(ids[~found])
 
+    def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Its index's buckets and slots' ids, and its rows: what a compiled read walks."""
+        return (*self._index.arrays, self._rows)
+
     def rows_of(
         self,
         ids: np.ndarray | None = None,
