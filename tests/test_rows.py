@@ -304,6 +304,44 @@ def test_sum_duplicates_matches_a_loop() -> None:
     assert same_ids.tolist() == [3, 1] and np.array_equal(same, grads[:2])
 
 
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("n", "dim"), [(100_000, 64), (70_000, 3), (5, 1), (2, 1), (9000, 300)])
+def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
+    n: int, dim: int, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled sums add each row into its sum as numpy's chunked bincount does (the
+    same order, so the same bits), across chunks and with values far apart in size."""
+    rng = np.random.default_rng(n + dim)
+    ids = (rng.zipf(1.2, n) % 5000).astype(np.int64)
+    ids[:2] = 7  # (repeats, so summed)
+    grads = (rng.standard_normal((n, dim)) * 10 ** rng.uniform(-30, 30, (n, dim))).astype(dtype)
+    uniq, sums = sum_duplicates(ids, grads, np.float64)
+    monkeypatch.setattr(rows_module, "_crows", None)
+    numpy_uniq, numpy_sums = sum_duplicates(ids, grads, np.float64)
+    assert uniq.tolist() == numpy_uniq.tolist()
+    assert sums.shape == numpy_sums.shape and sums.tobytes() == numpy_sums.tobytes()
+
+
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+def test_compiled_sums_refuse_bad_rows_and_add_nothing() -> None:
+    sum_rows = rows_module._crows.sum_rows
+    grads, sums = np.ones((3, 2), np.float32), np.zeros((2, 2))
+    with pytest.raises(IndexError, match="out of 2"):
+        sum_rows(arr([0, 2, 1]), grads, sums, 4)
+    with pytest.raises(IndexError, match="out of 2"):
+        sum_rows(arr([0, -1, 1]), grads, sums, 4)
+    assert not sums.any()
+    with pytest.raises(ValueError, match="a row a gradient"):
+        sum_rows(arr([0, 1]), grads, sums, 4)
+    with pytest.raises(ValueError, match="as wide"):
+        sum_rows(arr([0, 1, 1]), grads, np.zeros((2, 3)), 4)
+    with pytest.raises(ValueError, match="one row or more"):
+        sum_rows(arr([0, 1, 1]), grads, sums, 0)
+    sum_rows(arr([0, 1, 1]), grads, sums, 1)
+    assert sums.tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
 def reference(rule: RowRule, w0: dict, batches) -> dict:
     """The rules in float64, one row at a time; adam counts each row's own steps.
 

@@ -353,3 +353,64 @@ def has_duplicates(const int64_t[::1] ids):
     free(used)
     free(held)
     return found
+
+
+def sum_rows(
+    const int64_t[::1] inverse,
+    const real[:, ::1] grads,
+    double[:, ::1] sums,
+    Py_ssize_t step,
+):
+    """``sums[inverse[i]] += grads[i]`` for every row ``i``, in float64, as
+    :func:`aioparamsync.values.rows.sum_duplicates` adds them with numpy (a
+    ``bincount`` a chunk of ``step`` rows: each row of a chunk summed from 0.0 in
+    order, then into ``sums``): the same bits, with no array of a chunk's every sum
+    (numpy makes and adds one of ``len(sums) * dim`` a chunk) and no float64 copy of
+    the gradients. ``sums`` starts as zeros; its rows a chunk does not touch get
+    nothing (numpy adds 0.0 to them, which changes no sum that is not -0.0, and
+    none is: a sum from 0.0 is never -0.0)."""
+    cdef Py_ssize_t i, j, t, r, start, end, n = grads.shape[0], dim = grads.shape[1]
+    cdef Py_ssize_t count = sums.shape[0], touched_count
+    if inverse.shape[0] != n or sums.shape[1] != dim:
+        raise ValueError("inverse has a row a gradient, and sums are as wide as grads")
+    if step < 1:
+        raise ValueError(f"a chunk has one row or more, not {step}")
+    for i in range(n):  # (checked first: a bad index raises, nothing is added)
+        if not 0 <= inverse[i] < count:
+            raise IndexError(f"row {i} sums into {inverse[i]}, out of {count}")
+    cdef double* partial = <double*>malloc(max(count * dim, 1) * sizeof(double))
+    cdef int64_t* mark = <int64_t*>malloc(max(count, 1) * sizeof(int64_t))
+    cdef int64_t* touched = <int64_t*>malloc(max(min(step, n), 1) * sizeof(int64_t))
+    if partial == NULL or mark == NULL or touched == NULL:
+        free(partial)
+        free(mark)
+        free(touched)
+        raise MemoryError()
+    cdef double* row
+    with nogil:
+        for r in range(count):
+            mark[r] = -1
+        start = 0
+        while start < n:
+            end = min(start + step, n)
+            touched_count = 0
+            for i in range(start, end):
+                r = inverse[i]
+                row = partial + r * dim
+                if mark[r] != start:
+                    mark[r] = start
+                    touched[touched_count] = r
+                    touched_count += 1
+                    for j in range(dim):
+                        row[j] = 0.0
+                for j in range(dim):
+                    row[j] += <double>grads[i, j]
+            for t in range(touched_count):
+                r = touched[t]
+                row = partial + r * dim
+                for j in range(dim):
+                    sums[r, j] += row[j]
+            start = end
+    free(partial)
+    free(mark)
+    free(touched)

@@ -82,8 +82,7 @@ GROW_ROWS = 64
 SUM_CHUNK = 1 << 21
 # Elements folded at once (the same cache argument: 2x faster for adam than all at once).
 FOLD_CHUNK = 1 << 16
-# The compiled row folds (see _crows.pyx), unless the pure path is asked for or not built.
-_crows = compiled("values._crows")
+_crows = compiled("values._crows")  # (see _crows.pyx; None: the pure path)
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -104,18 +103,21 @@ def sum_duplicates(
     Returns:
         ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
         id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
+
+    Added by ``_crows.sum_rows``, or by ``np.bincount`` a chunk at a time: the same bits.
     """
     if not has_duplicates(ids):
         return ids, grads.astype(dtype, copy=False)
-    # np.bincount over flat (row, column) indices: measured faster, for 10^5 x 64,
-    # than np.add.at on np.unique's inverse or np.add.reduceat over a sort.
     uniq, inverse = np.unique(ids, return_inverse=True)
     k, dim = len(uniq), grads.shape[1]
-    sums = np.zeros(k * dim, np.float64)
-    columns = np.arange(dim, dtype=np.int64)
-    step = max(1, SUM_CHUNK // dim)
+    step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
+    if _crows is not None and grads.dtype in (np.float32, np.float64):
+        sums = np.zeros((k, dim), np.float64)
+        _crows.sum_rows(inverse, np.ascontiguousarray(grads), sums, step)
+        return uniq, sums.astype(dtype)
+    sums, columns = np.zeros(k * dim, np.float64), np.arange(dim, dtype=np.int64)
     for start in range(0, len(ids), step):
-        flat = (inverse.reshape(-1)[start : start + step, None] * dim + columns).reshape(-1)
+        flat = (inverse[start : start + step, None] * dim + columns).reshape(-1)
         weights = grads[start : start + step].astype(np.float64).reshape(-1)
         sums += np.bincount(flat, weights=weights, minlength=k * dim)
     return uniq, sums.reshape(k, dim).astype(dtype)
@@ -170,10 +172,8 @@ class RowBlock:
 
     def __repr__(self) -> str:
         s = self._spec
-        return (
-            f"<RowBlock {s.name!r} dim={s.dim} {s.dtype} {s.rule.kind}: "
-            f"{len(self)} rows, {self.nbytes / 1e6:.1f} MB>"
-        )
+        kind = f"{s.name!r} dim={s.dim} {s.dtype} {s.rule.kind}"
+        return f"<RowBlock {kind}: {len(self)} rows, {self.nbytes / 1e6:.1f} MB>"
 
     def memory(self) -> dict[str, int]:
         """Bytes held by part: ``index``, ``rows``, ``touched``, ``state`` (spare capacity too)."""
