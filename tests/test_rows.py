@@ -317,7 +317,7 @@ def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
     ids[:2] = 7  # (repeats, so summed)
     grads = (rng.standard_normal((n, dim)) * 10 ** rng.uniform(-30, 30, (n, dim))).astype(dtype)
     uniq, sums = sum_duplicates(ids, grads, np.float64)
-    monkeypatch.setattr(rows_module, "_crows", None)
+    monkeypatch.setattr(rowcopy, "_crows", None)
     numpy_uniq, numpy_sums = sum_duplicates(ids, grads, np.float64)
     assert uniq.tolist() == numpy_uniq.tolist()
     assert sums.shape == numpy_sums.shape and sums.tobytes() == numpy_sums.tobytes()
@@ -709,6 +709,14 @@ def test_a_compiled_row_fold_refuses_bad_slots_and_writes_nothing() -> None:
         fold(rows, sums, arr([0]), g, 0.1, 1e-6, True)
     with pytest.raises(ValueError, match="sums are of the rows' shape"):
         fold(rows, sums[:2], arr([0, 1]), g, 0.1, 1e-6, True)
+    # gradients by index (a table's push, each bucket's where it lies)
+    for grad_rows, error in (([0, 2], IndexError), ([-1, 0], IndexError), ([0], ValueError)):
+        with pytest.raises(error):
+            fold(rows, sums, arr([0, 1]), g, 0.1, 1e-6, True, arr(grad_rows))
+        assert (rows == 1).all() and (sums == 1).all()
+    grads = np.array([[9.0] * 3, [3.0] * 3], np.float32)
+    fold(rows, sums, arr([2, 0]), grads, 1.0, 1e-6, False, arr([1, 1]))
+    assert rows[:, 0].tolist() == [-2.0, 1.0, -2.0, 1.0]
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 15, 16, 17, 1000, 100_000])

@@ -457,3 +457,37 @@ def test_the_compiled_gather_refuses_what_it_cannot_read() -> None:
     # rows of another dtype than out's: not gathered (the caller reads bucket by bucket)
     f4 = np.zeros((4, 2), np.float32)
     assert rowcopy.gather([(table, sids, f4)], ids, np.zeros((3, 2), np.float64)) is None
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f8", "<f2"])
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("repeats", [False, True])
+def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
+    dtype: str, rule: str, repeats: bool
+) -> None:
+    """A table folds each bucket's part of a push where its gradients lie in the push
+    (the compiled fold reads them by index, uncopied): the same rows, state and versions,
+    bit for bit, as each block folding its own part gathered; with repeated ids, other
+    dtypes or rules (which the compiled fold does not take) too."""
+    from aioparamsync.store.rows import RowTable, table_spec
+
+    wire = thrift.Table(name="t", dim=7, dtype=dtype, buckets=16, rule=thrift.Rule(kind=rule))
+    by_table, by_block = RowTable(table_spec(wire)), RowTable(table_spec(wire))
+    rng = np.random.default_rng(len(dtype) + len(rule) + repeats)
+    for step in range(3):
+        ids = rng.integers(0, 3000 if repeats else 2**62, 5000)
+        grads = rng.standard_normal((5000, 7)).astype(np.float32 if step else np.float64)
+        before = by_block.rows
+        changed, created = by_table.fold(ids, grads, 10.0 + step)
+        for bucket, positions in by_block.by_bucket(ids):
+            block = by_block.block(bucket)
+            assert block.fold(ids[positions], grads[positions], 10.0 + step).tolist() == (
+                changed[bucket].tolist()
+            )
+        assert created == by_block.rows - before
+    assert set(by_table.blocks) == set(by_block.blocks)
+    for bucket, block in by_table.blocks.items():
+        mine, theirs = block.export(), by_block.blocks[bucket].export()
+        assert set(mine) == set(theirs)
+        for name, values in mine.items():
+            assert values.tobytes() == theirs[name].tobytes(), (bucket, name)

@@ -238,26 +238,25 @@ class RowTable:
 
         Answers the distinct ids folded, by bucket, and how many rows were made.
         """
-        return self._by_block(ids, grads, lambda block, i, g: block.fold(i, g, now))
+        # (each bucket's gradients folded where they lie in the push: see RowBlock.fold)
+        return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
 
     def assign(
         self, ids: np.ndarray, rows: np.ndarray, now: float
     ) -> tuple[dict[int, np.ndarray], int]:
         """Set the rows of ``ids`` to ``rows`` (see :meth:`RowBlock.assign`); answers as
         :meth:`fold` does."""
-        return self._by_block(ids, rows, lambda block, i, r: block.assign(i, r, now))
+        return self._by_block(ids, lambda block, i, at: block.assign(i, take_rows(rows, at), now))
 
-    def _by_block(
-        self, ids: np.ndarray, values: np.ndarray, change: Any
-    ) -> tuple[dict[int, np.ndarray], int]:
-        """``change(block, ids, values)`` of each bucket's part; the ids it changed by bucket,
-        and how many rows were made."""
+    def _by_block(self, ids: np.ndarray, change: Any) -> tuple[dict[int, np.ndarray], int]:
+        """``change(block, ids, positions)`` of each bucket's part (``ids`` at
+        ``positions``); the ids it changed by bucket, and how many rows were made."""
         changed: dict[int, np.ndarray] = {}
         created = 0
         for bucket, positions in self.by_bucket(ids):
             block = self.block(bucket)
             before = len(block)
-            changed[bucket] = change(block, ids[positions], take_rows(values, positions))
+            changed[bucket] = change(block, ids[positions], positions)
             created += len(block) - before
         return changed, created
 

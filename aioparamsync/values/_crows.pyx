@@ -269,6 +269,7 @@ def fold_rows(
     double lr,
     double eps,
     bint adagrad,
+    const int64_t[::1] grad_rows=None,
 ):
     """Fold ``grads[i]`` into ``rows[slots[i]]`` in place, by ``sgd``
     (``w -= lr * g``) or, with ``adagrad``, by Adagrad (``s += g * g``, then
@@ -281,14 +282,25 @@ def fold_rows(
     compare them). The slots are distinct (a row folded twice would see its own
     first fold, where numpy's gather sees the old row for both); checked first,
     with their bounds: a bad one raises, and nothing is written.
+
+    With ``grad_rows``, the gradient of ``slots[i]`` is ``grads[grad_rows[i]]``
+    (a table's push folds each bucket's part where it lies in the push, with no
+    copy of it).
     """
     cdef Py_ssize_t i, j, n = slots.shape[0], dim = rows.shape[1], held = rows.shape[0]
+    cdef Py_ssize_t given = grads.shape[0], at
     cdef int64_t slot
     cdef real r_lr = <real>lr, r_eps = <real>eps, g, s
     cdef real* w
     cdef real* acc
-    if grads.shape[0] != n or grads.shape[1] != dim:
-        raise ValueError("grads are (len(slots), the rows' width)")
+    cdef const real* gr
+    cdef bint indexed = grad_rows is not None
+    if grads.shape[1] != dim or (grads.shape[0] != n if not indexed else grad_rows.shape[0] != n):
+        raise ValueError("grads are (len(slots), the rows' width), or indexed by grad_rows")
+    if indexed:
+        for i in range(n):
+            if not 0 <= grad_rows[i] < given:
+                raise IndexError(f"gradient {grad_rows[i]} is out of bounds")
     if adagrad and (sums.shape[0] != held or sums.shape[1] != dim):
         raise ValueError("adagrad's sums are of the rows' shape")
     for i in range(n):  # (checked first: a bad slot raises, nothing is written)
@@ -296,24 +308,34 @@ def fold_rows(
             raise IndexError(f"row {slots[i]} is out of bounds")
     if has_duplicates(slots):  # (a hash set of the slots: not a mark per row held)
         raise ValueError("a row is folded twice in one call")
+    if n == 0 or dim == 0:
+        return
     with nogil:
         for i in range(n):
             if i + AHEAD < n:
                 APS_PREFETCH(&rows[slots[i + AHEAD], 0])
                 if adagrad:
                     APS_PREFETCH(&sums[slots[i + AHEAD], 0])
+                if indexed:
+                    gr = &grads[grad_rows[i + AHEAD], 0]
+                    j = 0
+                    while j < dim:
+                        APS_PREFETCH(gr + j)
+                        j += LINE // sizeof(real)
             slot = slots[i]
             w = &rows[slot, 0]
+            at = grad_rows[i] if indexed else i
+            gr = &grads[at, 0]
             if adagrad:
                 acc = &sums[slot, 0]
                 for j in range(dim):
-                    g = grads[i, j]
+                    g = gr[j]
                     s = acc[j] + g * g
                     acc[j] = s
                     w[j] = w[j] - r_lr * (g / (_sqrt(s) + r_eps))
             else:
                 for j in range(dim):
-                    w[j] = w[j] - r_lr * grads[i, j]
+                    w[j] = w[j] - r_lr * gr[j]
 
 
 cdef inline real _sqrt(real x) noexcept nogil:

@@ -1,4 +1,5 @@
-"""Whole rows moved by index: ``out[where] = rows[slots]`` of ``(n, dim)`` arrays.
+"""Whole rows moved by index: ``out[where] = rows[slots]`` of ``(n, dim)`` arrays; and
+the rows of repeated ids summed (:func:`sum_duplicates`).
 
 numpy moves a 2-D array's rows by an index array element by element, through a
 temporary (``out[where] = rows[slots]`` gathers, then scatters). An embedding table
@@ -11,12 +12,17 @@ dtype, or arrays that are not C-contiguous, go as numpy does it (converting).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .._ext import compiled
+from .rowindex import has_duplicates
 
-__all__ = ["gather", "put_rows", "records", "take_rows"]
+__all__ = ["gather", "put_rows", "records", "sum_duplicates", "take_rows"]
+
+# Most gradient elements summed at once (bounds the flat index array np.bincount takes).
+SUM_CHUNK = 1 << 21
 
 # The compiled row copy (see _crows.pyx), unless the pure path is asked for or not built.
 _crows = compiled("values._crows")
@@ -108,3 +114,36 @@ def gather(
     want = np.ascontiguousarray(ids, np.int64)
     lost = _crows.gather_rows(tables, slot_ids, rows, want, _as_bytes(out), missing)
     return missing[:lost]
+
+
+def sum_duplicates(
+    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the rows of ``grads`` whose ids are equal.
+
+    Args:
+        ids: int64, ``(n,)``.
+        grads: ``(n, dim)``, any float dtype.
+        dtype: the dtype of the answered sums (they are added in float64).
+
+    Returns:
+        ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
+        id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
+
+    Added by ``_crows.sum_rows``, or by ``np.bincount`` a chunk at a time: the same bits.
+    """
+    if not has_duplicates(ids):
+        return ids, grads.astype(dtype, copy=False)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    k, dim = len(uniq), grads.shape[1]
+    step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
+    if _crows is not None and grads.dtype in (np.float32, np.float64):
+        sums = np.zeros((k, dim), np.float64)
+        _crows.sum_rows(inverse, np.ascontiguousarray(grads), sums, step)
+        return uniq, sums.astype(dtype)
+    sums, columns = np.zeros(k * dim, np.float64), np.arange(dim, dtype=np.int64)
+    for start in range(0, len(ids), step):
+        flat = (inverse[start : start + step, None] * dim + columns).reshape(-1)
+        weights = grads[start : start + step].astype(np.float64).reshape(-1)
+        sums += np.bincount(flat, weights=weights, minlength=k * dim)
+    return uniq, sums.reshape(k, dim).astype(dtype)

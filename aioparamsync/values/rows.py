@@ -44,7 +44,7 @@ import numpy as np
 
 from .._ext import compiled
 from ..errors import ErrorCode
-from .rowcopy import put_rows, take_rows
+from .rowcopy import put_rows, sum_duplicates, take_rows
 from .rowindex import RowIndex, has_duplicates
 from .rowspec import (
     DTYPES,
@@ -78,8 +78,6 @@ __all__ = [
 
 # The row block grows by at least this many rows, or by a quarter (amortised O(1) per row).
 GROW_ROWS = 64
-# Most gradient elements summed at once (bounds the flat index array np.bincount takes).
-SUM_CHUNK = 1 << 21
 # Elements folded at once (the same cache argument: 2x faster for adam than all at once).
 FOLD_CHUNK = 1 << 16
 _crows = compiled("values._crows")  # (see _crows.pyx; None: the pure path)
@@ -88,39 +86,6 @@ _crows = compiled("values._crows")  # (see _crows.pyx; None: the pure path)
 def _is_float(dtype: np.dtype) -> bool:
     ml = sys.modules.get("ml_dtypes")  # a bfloat16 array means ml_dtypes was imported
     return dtype.kind == "f" or (ml is not None and dtype == np.dtype(ml.bfloat16))
-
-
-def sum_duplicates(
-    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sum the rows of ``grads`` whose ids are equal.
-
-    Args:
-        ids: int64, ``(n,)``.
-        grads: ``(n, dim)``, any float dtype.
-        dtype: the dtype of the answered sums (they are added in float64).
-
-    Returns:
-        ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
-        id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
-
-    Added by ``_crows.sum_rows``, or by ``np.bincount`` a chunk at a time: the same bits.
-    """
-    if not has_duplicates(ids):
-        return ids, grads.astype(dtype, copy=False)
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    k, dim = len(uniq), grads.shape[1]
-    step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
-    if _crows is not None and grads.dtype in (np.float32, np.float64):
-        sums = np.zeros((k, dim), np.float64)
-        _crows.sum_rows(inverse, np.ascontiguousarray(grads), sums, step)
-        return uniq, sums.astype(dtype)
-    sums, columns = np.zeros(k * dim, np.float64), np.arange(dim, dtype=np.int64)
-    for start in range(0, len(ids), step):
-        flat = (inverse[start : start + step, None] * dim + columns).reshape(-1)
-        weights = grads[start : start + step].astype(np.float64).reshape(-1)
-        sums += np.bincount(flat, weights=weights, minlength=k * dim)
-    return uniq, sums.reshape(k, dim).astype(dtype)
 
 
 class RowData(NamedTuple):
@@ -279,7 +244,9 @@ class RowBlock:
 
     # -- changing ---------------------------------------------------------------------------
 
-    def fold(self, ids: np.ndarray, grads: np.ndarray, now: float) -> np.ndarray:
+    def fold(
+        self, ids: np.ndarray, grads: np.ndarray, now: float, at: np.ndarray | None = None
+    ) -> np.ndarray:
         """Fold a batch's gradients into its rows by the table's rule.
 
         Missing rows are made first; the gradients of an id that occurs more
@@ -289,6 +256,9 @@ class RowBlock:
             ids: int64, ``(n,)``.
             grads: ``(n, dim)``, a float dtype, every value finite.
             now: the time the rows are stamped as touched at.
+            at: where ``ids``' gradients are in ``grads`` (a table's push, which its
+                caller checked whole; each bucket's part is folded where it lies,
+                uncopied, where the compiled fold can); None: ``grads[i]``.
 
         Returns:
             The ids of the changed rows, each once (int64).
@@ -299,12 +269,16 @@ class RowBlock:
                 then unchanged.
         """
         ids = _check_ids(ids)
-        finite = not self._spec.rule.allow_nonfinite
-        grads = _check_rows("grads", grads, len(ids), self._spec.dim, finite=finite)
         stamp = _check_time("now", now)
-        uniq, summed = sum_duplicates(ids, grads, self._work)
+        if at is not None and (self._folds_in_place(grads) is None or has_duplicates(ids)):
+            grads, at = take_rows(grads, at), None
+        uniq, summed = ids, grads
+        if at is None:
+            finite = not self._spec.rule.allow_nonfinite
+            grads = _check_rows("grads", grads, len(ids), self._spec.dim, finite=finite)
+            uniq, summed = sum_duplicates(ids, grads, self._work)
         slots = self._ensure(uniq, stamp)
-        self._fold_rows(slots, summed)
+        self._fold_rows(slots, summed, at)
         self._versions[slots] += 1
         self._touch(slots, stamp)
         return uniq.copy()
@@ -463,17 +437,27 @@ class RowBlock:
         self._versions = moved(self._versions)
         self._state = {name: moved(a) for name, a in self._state.items()}
 
-    def _fold_rows(self, slots: np.ndarray, g: np.ndarray) -> None:
-        # Each slot once; g is (len(slots), dim) in the working dtype. sgd and adagrad on
-        # float32 and float64 compiled, in place (the same bits as _fold_chunk's); else by
-        # chunks of rows whose temporaries stay in the cache.
-        rule, rows, adagrad = self._spec.rule, self._rows, self._spec.rule.kind == "adagrad"
+    def _folds_in_place(self, g: np.ndarray) -> np.ndarray | None:
+        # g as the compiled fold takes it, if it does: sgd and adagrad, rows and g of one
+        # dtype, float32 or float64 (the same bits as _fold_chunk's); else None.
+        rule, rows = self._spec.rule, self._rows
         fits = rows.dtype == g.dtype and rows.dtype in (np.float32, np.float64)
-        if _crows is not None and (adagrad or rule.kind == "sgd") and fits:
-            g, slots = np.require(g, None, ("C", "A")), np.ascontiguousarray(slots, np.int64)
+        if _crows is None or rule.kind not in ("sgd", "adagrad") or not fits:
+            return None
+        return np.require(g, None, ("C", "A"))
+
+    def _fold_rows(self, slots: np.ndarray, g: np.ndarray, at: np.ndarray | None = None) -> None:
+        # Each slot once; g is (len(slots), dim) in the working dtype (or g[at] is). In
+        # place, compiled, where it can (_folds_in_place); else by chunks of rows whose
+        # temporaries stay in the cache.
+        rule, rows, adagrad = self._spec.rule, self._rows, self._spec.rule.kind == "adagrad"
+        if (fast := self._folds_in_place(g)) is not None and _crows is not None:
+            slots = np.ascontiguousarray(slots, np.int64)
             sums, eps = (self._state["sum"], rule.eps) if adagrad else (rows, 0.0)
-            _crows.fold_rows(rows, sums, slots, g, rule.lr, eps, adagrad)
+            at = None if at is None else np.ascontiguousarray(at, np.int64)
+            _crows.fold_rows(rows, sums, slots, fast, rule.lr, eps, adagrad, at)
             return
+        assert at is None  # (only where the compiled fold takes it: see fold)
         step = max(1, FOLD_CHUNK // self._spec.dim)
         for start in range(0, len(slots), step):
             self._fold_chunk(slots[start : start + step], g[start : start + step])
