@@ -477,6 +477,11 @@ def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
     for step in range(3):
         ids = rng.integers(0, 3000 if repeats else 2**62, 5000)
         grads = rng.standard_normal((5000, 7)).astype(np.float32 if step else np.float64)
+        if step == 2:  # (unaligned, as gradients read where they lie in a frame)
+            raw = np.empty(grads.nbytes + 1, np.uint8)
+            grads = np.frombuffer(raw.data, grads.dtype, grads.size, offset=1).reshape(5000, 7)
+            grads[...] = rng.standard_normal((5000, 7))
+            assert not grads.flags.aligned
         before = by_block.rows
         changed, created = by_table.fold(ids, grads, 10.0 + step)
         for bucket, positions in by_block.by_bucket(ids):

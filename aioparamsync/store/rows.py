@@ -238,7 +238,9 @@ class RowTable:
 
         Answers the distinct ids folded, by bucket, and how many rows were made.
         """
-        # (each bucket's gradients folded where they lie in the push: see RowBlock.fold)
+        # (each bucket's gradients folded where they lie in the push: see RowBlock.fold;
+        # made contiguous here, if they are not, not once a bucket)
+        grads = np.require(grads, None, ("C",))
         return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
 
     def assign(

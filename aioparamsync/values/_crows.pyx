@@ -310,6 +310,12 @@ def fold_rows(
         raise ValueError("a row is folded twice in one call")
     if n == 0 or dim == 0:
         return
+    # (gradients read where they lie in a frame may be unaligned: each row is copied
+    # into an aligned one first, a memcpy of a row that is in the cache by then)
+    cdef bint unaligned = (<size_t>&grads[0, 0]) % sizeof(real) != 0
+    cdef real* line = <real*>malloc(dim * sizeof(real)) if unaligned else NULL
+    if unaligned and line == NULL:
+        raise MemoryError()
     with nogil:
         for i in range(n):
             if i + AHEAD < n:
@@ -326,6 +332,9 @@ def fold_rows(
             w = &rows[slot, 0]
             at = grad_rows[i] if indexed else i
             gr = &grads[at, 0]
+            if unaligned:
+                memcpy(line, gr, dim * sizeof(real))
+                gr = line
             if adagrad:
                 acc = &sums[slot, 0]
                 for j in range(dim):
@@ -336,6 +345,7 @@ def fold_rows(
             else:
                 for j in range(dim):
                     w[j] = w[j] - r_lr * gr[j]
+    free(line)
 
 
 cdef inline real _sqrt(real x) noexcept nogil:

@@ -444,7 +444,7 @@ class RowBlock:
         fits = rows.dtype == g.dtype and rows.dtype in (np.float32, np.float64)
         if _crows is None or rule.kind not in ("sgd", "adagrad") or not fits:
             return None
-        return np.require(g, None, ("C", "A"))
+        return np.require(g, None, ("C",))  # (unaligned, as in a frame: read so)
 
     def _fold_rows(self, slots: np.ndarray, g: np.ndarray, at: np.ndarray | None = None) -> None:
         # Each slot once; g is (len(slots), dim) in the working dtype (or g[at] is). In
