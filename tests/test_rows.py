@@ -733,3 +733,18 @@ def test_duplicates_are_found_wherever_they_are(n: int) -> None:
     assert not rowindex.has_duplicates(extremes)
     assert rowindex.has_duplicates(np.append(extremes, -(2**63)))
     assert rowindex.has_duplicates(np.zeros(n + 2, np.int64))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_rows_decoded_from_the_wire_are_of_numpys_own_dtype(dtype: str) -> None:
+    """Rows (and a delta's) decoded from little-endian bytes come as numpy's own dtype
+    instance, which the compiled paths know a dtype by (a dtype made little-endian
+    again is equal but another object, and the finite check fell back to numpy)."""
+    from aioparamsync.values import rules
+    from aioparamsync.values.rowwire import decode_rows, encode_rows
+
+    rows = np.ones((3, 4), dtype)
+    decoded = decode_rows(encode_rows(rows), count=3, dim=4)
+    assert decoded.dtype is np.dtype(dtype)
+    if dtype != "float16":
+        assert rules._compiled_dtype(decoded)

@@ -131,7 +131,9 @@ def _from_le(data: Any, dt: np.dtype) -> np.ndarray:
     """The values of little-endian ``data`` as an array of ``dt`` (a view when possible)."""
     if is_bfloat16(dt):
         return np.frombuffer(data, "<u2").astype(np.uint16, copy=False).view(dt)
-    return np.frombuffer(data, dt.newbyteorder("<"))
+    little = dt.newbyteorder("<")
+    # (numpy's own instance where it is the same type: the compiled paths know them by it)
+    return np.frombuffer(data, dt if little == dt else little)
 
 
 def encode(name: str, array: Any, encoding: str, *, ratio: float = 0.01, level: int = 1) -> Any:
