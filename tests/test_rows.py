@@ -316,6 +316,11 @@ def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
     ids = (rng.zipf(1.2, n) % 5000).astype(np.int64)
     ids[:2] = 7  # (repeats, so summed)
     grads = (rng.standard_normal((n, dim)) * 10 ** rng.uniform(-30, 30, (n, dim))).astype(dtype)
+    if n % 2:  # (unaligned, as gradients read where they lie in a frame)
+        raw = np.empty(grads.nbytes + 1, np.uint8)
+        unaligned = np.frombuffer(raw.data, dtype, grads.size, offset=1).reshape(n, dim)
+        unaligned[...] = grads
+        grads = unaligned
     uniq, sums = sum_duplicates(ids, grads, np.float64)
     monkeypatch.setattr(rowcopy, "_crows", None)
     numpy_uniq, numpy_sums = sum_duplicates(ids, grads, np.float64)

@@ -139,7 +139,7 @@ def sum_duplicates(
     step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
     if _crows is not None and grads.dtype in (np.float32, np.float64):
         sums = np.zeros((k, dim), np.float64)
-        _crows.sum_rows(inverse, np.ascontiguousarray(grads), sums, step)
+        _crows.sum_rows(inverse, np.require(grads, None, ("C", "A")), sums, step)
         return uniq, sums.astype(dtype)
     sums, columns = np.zeros(k * dim, np.float64), np.arange(dim, dtype=np.int64)
     for start in range(0, len(ids), step):
