@@ -339,23 +339,24 @@ async def test_a_row_push_held_while_its_node_settles_is_folded_where_its_bucket
         await cluster.close()
 
 
+async def _a_key_of(a: Node, client: ParameterClient) -> tuple[str, np.ndarray]:
+    """A key of ``a``'s (``sum``, zeros of 8 float32), made and pushed ones once by
+    ``client``: the key, and the ones."""
+    names = [f"w{i}" for i in range(16)]
+    await client.update_arrays(dict.fromkeys(names, np.zeros(8, np.float32)), rules=sum_rule())
+    name = next(n for n in names if a.cluster.placement.primary(n, a.cluster.live) == a.node_id)
+    ones = np.ones(8, np.float32)
+    await client.push_gradients({name: ones})
+    return name, ones
+
+
 async def test_a_gradient_push_held_while_its_node_settles_is_folded_where_its_key_went() -> None:
     """As for rows: a dense push waiting at its key's primary for that node's settle, the
     key claimed by another member and handed off meanwhile, is folded once, there."""
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=False, timeout=30) as client:
-            names = [f"w{i}" for i in range(16)]
-            await client.update_arrays(
-                dict.fromkeys(names, np.zeros(8, np.float32)), rules=sum_rule()
-            )
-            name = next(
-                n
-                for n in names
-                if a.cluster.placement.primary(n, a.cluster.live) == a.cluster.me.node_id
-            )
-            ones = np.ones(8, np.float32)
-            await client.push_gradients({name: ones})
+            name, ones = await _a_key_of(a, client)
 
             await _claimed_while_held(a, b, name, lambda: client.push_gradients({name: ones}))
             assert name not in a.table
@@ -382,17 +383,7 @@ async def test_a_fold_waiting_for_the_writer_while_its_key_is_claimed_is_folded_
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=route, timeout=30) as client:
-            names = [f"w{i}" for i in range(16)]
-            await client.update_arrays(
-                dict.fromkeys(names, np.zeros(8, np.float32)), rules=sum_rule()
-            )
-            name = next(
-                n
-                for n in names
-                if a.cluster.placement.primary(n, a.cluster.live) == a.cluster.me.node_id
-            )
-            ones = np.ones(8, np.float32)
-            await client.push_gradients({name: ones})
+            name, ones = await _a_key_of(a, client)
             a.store.start_hold()
             try:
                 pushing = asyncio.ensure_future(client.push_gradients({name: ones}))
