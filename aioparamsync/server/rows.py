@@ -309,30 +309,14 @@ class RowService:
         self, table: RowTable, ids: np.ndarray, grads: np.ndarray, push: Any
     ) -> tuple[int, int]:
         cluster = self.cluster
-        if cluster is not None and (
-            cluster.links or cluster.settling is not None or cluster.coordinator is not None
-        ):
+        settling = cluster.settling if cluster is not None else None
+        if cluster is not None and (settling is not None or cluster.coordinator is not None):
             keys = [bucket_key(table.spec.name, b) for b in table.buckets_in(ids)]
-            # (passed on here as a fallback, its primary out of reach: folded here
-            # unless its holders changed; else only while this node is their primary)
-            fallback = push.forwarded and push.epoch is None
-            if (settling := cluster.settling) is not None:
+            if settling is not None:
                 # (its buckets may move meanwhile, claimed by a member: see forward.unmoved)
                 unmoved = forward.unmoved(cluster, keys, _bucket_shown)
                 await settling
-                if fallback:
-                    unmoved()
-            if not fallback:
-                # (the view may have changed since the push was taken, between the
-                # awaits on its way here: a member claimed its buckets)
-                forward.gate(
-                    cluster,
-                    keys,
-                    primary=True,
-                    what="is no longer the primary of",
-                    then="nothing was folded",
-                    shown=_bucket_shown,
-                )
+                unmoved()
             if cluster.coordinator is not None:
                 # (acks=all: refused before it is folded while a live replica of one of its
                 # buckets cannot be reached, as a write of parameters is)
