@@ -467,3 +467,77 @@ async def test_two_rounds_at_once_hand_a_claimed_bucket_off_and_drop_it_once() -
             np.testing.assert_array_equal(await client.pull_rows("emb", ids), expected)
     finally:
         await cluster.close()
+
+
+async def test_a_joined_node_folds_its_buckets_on_top_of_their_rows_though_not_handed_yet() -> None:
+    """R=1. A node joins while its buckets' old holders are slow to hand them off (their
+    rounds paused here: busy, as under load). It must pull them itself before it folds
+    any (it learns the table from the members, pulls each bucket whole while it joins,
+    and once up pulls again from those old holders, which the placement names nowhere
+    by then): else it folded pushes into rows it did not hold yet, started anew, and the
+    hand-off's rows, at the same version, lost them."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=False, timeout=30) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            ids = np.arange(4000, dtype=np.int64)
+            ones = np.ones((len(ids), 4), np.float32)
+            await client.push_row_gradients("emb", ids, ones, acks="all")
+            for node in (a, b):
+                await node.cluster.rebalancer.stop()
+            c = await cluster.start(peers=[a], balance_interval=0)
+            await cluster.formed([a, b, c])
+            me = c.cluster.me.node_id
+
+            def settled() -> None:
+                assert c.cluster.state == "up" and c.cluster.settling is None
+                for node in (a, b):
+                    assert me in node.cluster.placement.members
+
+            await eventually(settled, timeout=30)
+            mine = [
+                x
+                for x in range(8)
+                if c.cluster.placement.primary(bucket_key("emb", x), c.cluster.live) == me
+            ]
+            assert mine  # (the joiner is the primary of some buckets)
+            await client.push_row_gradients("emb", ids, ones, acks="all")
+            for node in (a, b):
+                node.cluster.rebalancer.start()
+
+            async def handed_off() -> None:
+                for x in mine:
+                    for node in (a, b):
+                        assert x not in node.service.rows.tables.get("emb").blocks
+
+            await eventually(handed_off, timeout=30)
+            for node in (a, b, c):
+                async with ParameterClient(node.address, route=False, timeout=30) as alone:
+                    np.testing.assert_array_equal(await alone.pull_rows("emb", ids), -2 * ones)
+    finally:
+        await cluster.close()
+
+
+async def test_a_row_push_sent_again_after_its_bucket_came_to_the_node_that_passed_it_on() -> None:
+    """A push folded at its bucket's primary, passed on there by the node it reached, is
+    sent again under its request id to that node (its answer was lost) after the node
+    claimed the bucket: the node remembers the part was folded, and folds it no more."""
+    cluster, a, b = await _two_apart()
+    try:
+        async with ParameterClient(a.address, route=False, timeout=30) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            theirs = next(
+                x
+                for x in range(8)
+                if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live)
+                == b.cluster.me.node_id
+            )
+            ids = np.arange(4000, dtype=np.int64)
+            ids = ids[bucket_of(ids, 8) == theirs]
+            ones = np.ones((len(ids), 4), np.float32)
+            await client.push_row_gradients("emb", ids, ones, request_id="once", acks="all")
+            assert await a.cluster.transitions.claim([bucket_key("emb", theirs)])
+            await client.push_row_gradients("emb", ids, ones, request_id="once", acks="all")
+            np.testing.assert_array_equal(await client.pull_rows("emb", ids), -ones)
+    finally:
+        await cluster.close()

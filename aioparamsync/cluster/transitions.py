@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from ..errors import ErrorCode, RequestError
+from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import JOINING, LEAVING, LEFT, LIVE, UP
 from ..wire import METHODS
 from .links import LinkState, PeerLink
@@ -152,6 +152,15 @@ class Transitions:
         waiting = await self._pulling(timeout, JOINING)
         if waiting:
             log.warning("joined after %.0f s without pulling from %s", timeout, waiting)
+        if self.cluster.state == JOINING:
+            # (and the buckets of rows it will hold, whole, from their holders now: by
+            # its own view, while it joins, they are named there; once it is up, no
+            # longer where this node is their primary. What they fold meanwhile comes
+            # too: see take_over)
+            try:
+                await self.cluster.rebalancer.other_rounds()
+            except (ParamSyncError, OSError) as exc:  # (the settle's round tries again)
+                log.warning("joining: buckets of rows not pulled (%s)", exc)
         await self.take_over()
 
     async def _pulling(self, timeout: float, state: str) -> str:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import bucket_key
-from ..store.rows import RowTable
+from ..store.rows import RowTable, table_spec
 from ..wire import METHODS, thrift
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ class BucketMoves:
         # (table, bucket) -> member -> when (by that member's clock) it last read this
         # node the rows of the bucket (see _take); dropped with the bucket's mark
         self._as_of: dict[tuple[str, int], dict[str, float]] = {}
+        # the epoch at which this node last learnt every member's tables (see _learn_tables)
+        self._tables_at: int | None = None
 
     @property
     def cluster(self) -> ClusterView | None:
@@ -75,6 +77,8 @@ class BucketMoves:
             return 0
         me, now, epoch = cluster.me.node_id, cluster.placement, cluster.epoch
         after = cluster.pending or now
+        if self._tables_at != epoch and await self._learn_tables():
+            self._tables_at = epoch
         waiting = 0
         for table in list(rows.tables.tables.values()):
             for bucket in range(table.spec.buckets):
@@ -86,7 +90,12 @@ class BucketMoves:
                     synced = (after, now.primary(key, cluster.live) == me)
                     was = self._synced.get(mark)
                     if was != synced:
-                        sources = {*holders, *now.replicas(key)} - {me}
+                        # (and the members it read the bucket from before, live still: a
+                        # node that joined, or claimed the bucket, read it whole from its
+                        # old holders, which the placement no longer names once it is
+                        # the primary: what they folded since comes from them)
+                        read = [m for m in self._as_of.get(mark, ()) if m in cluster.live]
+                        sources = {*holders, *now.replicas(key), *read} - {me}
                         # (became its primary, holding it at this placement already: of
                         # the rows touched since; else whole)
                         since = was is not None and was[0] == after and synced[1]
@@ -120,6 +129,28 @@ class BucketMoves:
                     table.blocks.pop(bucket, None)
                     self._handed.pop(mark, None)
         return waiting
+
+    async def _learn_tables(self) -> bool:
+        """Make the tables the members up hold that this node does not know yet (a node
+        that joins, or was cut off when one was made): a round moves the buckets of the
+        tables it knows; whether every member up answered."""
+        cluster = self.cluster
+        assert cluster is not None  # (a round runs in a cluster)
+        tables = self.rows.tables
+        members = [m for m in cluster.by_id if self._up(m) and cluster.trusted(m)]
+
+        async def learn(member: str) -> bool:
+            try:
+                link = cluster.by_id[member]
+                known = await link.proxy().invoke(METHODS.tables, timeout=PEER_TIMEOUT)
+            except ParamSyncError:
+                return False
+            for t in known:
+                if t.name not in tables:
+                    tables.create(table_spec(t))
+            return True
+
+        return all(await asyncio.gather(*(learn(m) for m in members)))
 
     async def _take(
         self, table: RowTable, bucket: int, sources: Iterable[str], since: bool = False

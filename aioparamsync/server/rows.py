@@ -309,14 +309,33 @@ class RowService:
         self, table: RowTable, ids: np.ndarray, grads: np.ndarray, push: Any
     ) -> tuple[int, int]:
         cluster = self.cluster
-        settling = cluster.settling if cluster is not None else None
-        if cluster is not None and (settling is not None or cluster.coordinator is not None):
+        if cluster is not None and (
+            cluster.links or cluster.settling is not None or cluster.coordinator is not None
+        ):
             keys = [bucket_key(table.spec.name, b) for b in table.buckets_in(ids)]
-            if settling is not None:
+            # (passed on here as a fallback, its primary out of reach: folded here
+            # unless its holders changed; else only while this node is their primary)
+            fallback = push.forwarded and push.epoch is None
+            if (settling := cluster.settling) is not None:
                 # (its buckets may move meanwhile, claimed by a member: see forward.unmoved)
                 unmoved = forward.unmoved(cluster, keys, _bucket_shown)
                 await settling
-                unmoved()
+                if fallback:
+                    unmoved()
+            if not fallback:
+                # (checked with no wait before the fold: the view may have changed since
+                # the push was cut, between the awaits on its way here: a member joined
+                # or claimed its buckets, and folds them from then on; folded here too,
+                # one of the two versions would be lost. Refused: the part goes on to
+                # the primary, and the entry node remembers it was folded there)
+                forward.gate(
+                    cluster,
+                    keys,
+                    primary=True,
+                    what="is no longer the primary of",
+                    then="nothing was folded",
+                    shown=_bucket_shown,
+                )
             if cluster.coordinator is not None:
                 # (acks=all: refused before it is folded while a live replica of one of its
                 # buckets cannot be reached, as a write of parameters is)
@@ -337,8 +356,10 @@ class RowService:
         cluster = self.cluster
         assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
+        bucket_of: dict[str, int] = {}
         for bucket, positions in table.by_bucket(ids):
-            positions_of[bucket_key(table.spec.name, bucket)] = positions
+            key = bucket_key(table.spec.name, bucket)
+            positions_of[key], bucket_of[key] = positions, bucket
         parts = forward.cut(cluster, positions_of, what="the push", shown=_bucket_shown)
 
         def where(keys: list[str]) -> np.ndarray:
@@ -365,6 +386,13 @@ class RowService:
                 METHODS.push_row_gradients, timeout=PEER_TIMEOUT, push=sub
             )
             self.passed_on += 1
+            # (folded there: remembered here too, so that the push sent again to this
+            # node, which may then be the buckets' holder, does not fold them again)
+            self.tables.ledger.remember(
+                push.request_id,
+                table.spec.name,
+                {bucket_of[k]: len(np.unique(ids[positions_of[k]])) for k in keys},
+            )
             return result.rows, result.created
 
         async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:
