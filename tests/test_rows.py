@@ -321,11 +321,30 @@ def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
         unaligned = np.frombuffer(raw.data, dtype, grads.size, offset=1).reshape(n, dim)
         unaligned[...] = grads
         grads = unaligned
+    # (and read where they lie, as a table's push: ids[i]'s gradient at grads[at[i]])
+    at = rng.permutation(n)
     uniq, sums = sum_duplicates(ids, grads, np.float64)
+    uniq_at, sums_at = sum_duplicates(ids, grads[np.argsort(at)], np.float64, at)
     monkeypatch.setattr(rowcopy, "_crows", None)
     numpy_uniq, numpy_sums = sum_duplicates(ids, grads, np.float64)
-    assert uniq.tolist() == numpy_uniq.tolist()
+    assert uniq.tolist() == numpy_uniq.tolist() == uniq_at.tolist()
     assert sums.shape == numpy_sums.shape and sums.tobytes() == numpy_sums.tobytes()
+    assert sums_at.tobytes() == numpy_sums.tobytes()
+    assert sum_duplicates(ids, grads[np.argsort(at)], np.float64, at)[1].tobytes() == (
+        numpy_sums.tobytes()
+    )  # (the numpy path, given where they lie)
+
+
+@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+def test_the_compiled_distinct_ids_and_where_each_id_went_are_numpys() -> None:
+    rng = np.random.default_rng(3)
+    extremes = arr([0, -1, 2**63 - 1, -(2**63), 5, 5])
+    for ids in (extremes, rng.integers(-(2**63), 2**63 - 1, 5000), rng.zipf(1.2, 9000)):
+        ids = np.concatenate([ids, ids[: len(ids) // 3]]).astype(np.int64)
+        uniq, inverse = rowcopy._unique(rows_module._crows, ids)
+        numpy_uniq, numpy_inverse = np.unique(ids, return_inverse=True)
+        assert uniq.tolist() == numpy_uniq.tolist()
+        assert inverse.tolist() == numpy_inverse.reshape(-1).tolist()
 
 
 @pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
@@ -343,6 +362,14 @@ def test_compiled_sums_refuse_bad_rows_and_add_nothing() -> None:
         sum_rows(arr([0, 1, 1]), grads, np.zeros((2, 3)), 4)
     with pytest.raises(ValueError, match="one row or more"):
         sum_rows(arr([0, 1, 1]), grads, sums, 0)
+    with pytest.raises(IndexError, match="gradient 3 is out of bounds"):
+        sum_rows(arr([0, 1, 1]), grads, sums, 4, arr([0, 3, 1]))
+    with pytest.raises(ValueError, match="a row a gradient"):
+        sum_rows(arr([0, 1, 1]), grads, sums, 4, arr([0, 1]))
+    assert not sums.any()
+    sum_rows(arr([0, 1, 1]), grads * arr([[1], [2], [4]]), sums, 4, arr([2, 0, 2]))
+    assert sums.tolist() == [[4.0, 4.0], [5.0, 5.0]]
+    sums[:] = 0
     sum_rows(arr([0, 1, 1]), grads, sums, 1)
     assert sums.tolist() == [[1.0, 1.0], [2.0, 2.0]]
 

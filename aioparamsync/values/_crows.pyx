@@ -387,11 +387,45 @@ def has_duplicates(const int64_t[::1] ids):
     return found
 
 
+def first_seen(const int64_t[::1] ids, int64_t[::1] first, int64_t[::1] groups):
+    """Number the distinct ids of ``ids`` in the order they first occur: ``groups[i]`` is
+    the number of ``ids[i]``, ``first[g]`` the id numbered ``g``; answers how many there
+    are. One pass, by a hash set of the ids (open addressing, by :func:`homes`' hash),
+    where numpy's ``unique`` sorts them all."""
+    cdef Py_ssize_t i, n = ids.shape[0], k = 0
+    cdef uint64_t size = 16, mask, pos
+    cdef int64_t want
+    if first.shape[0] < n or groups.shape[0] < n:
+        raise ValueError("first and groups have room for an entry an id")
+    while size < 2 * <uint64_t>n:
+        size *= 2
+    mask = size - 1
+    cdef int64_t* number = <int64_t*>malloc(size * sizeof(int64_t))
+    if number == NULL:
+        raise MemoryError()
+    with nogil:
+        for pos in range(size):
+            number[pos] = -1
+        for i in range(n):
+            want = ids[i]
+            pos = _mix64(<uint64_t>want) & mask
+            while number[pos] >= 0 and first[number[pos]] != want:
+                pos = (pos + 1) & mask
+            if number[pos] < 0:
+                number[pos] = k
+                first[k] = want
+                k += 1
+            groups[i] = number[pos]
+    free(number)
+    return k
+
+
 def sum_rows(
     const int64_t[::1] inverse,
     const real[:, ::1] grads,
     double[:, ::1] sums,
     Py_ssize_t step,
+    const int64_t[::1] grad_rows=None,
 ):
     """``sums[inverse[i]] += grads[i]`` for every row ``i``, in float64, as
     :func:`aioparamsync.values.rows.sum_duplicates` adds them with numpy (a
@@ -400,49 +434,85 @@ def sum_rows(
     (numpy makes and adds one of ``len(sums) * dim`` a chunk) and no float64 copy of
     the gradients. ``sums`` starts as zeros; its rows a chunk does not touch get
     nothing (numpy adds 0.0 to them, which changes no sum that is not -0.0, and
-    none is: a sum from 0.0 is never -0.0)."""
-    cdef Py_ssize_t i, j, t, r, start, end, n = grads.shape[0], dim = grads.shape[1]
-    cdef Py_ssize_t count = sums.shape[0], touched_count
-    if inverse.shape[0] != n or sums.shape[1] != dim:
+    none is: a sum from 0.0 is never -0.0).
+
+    The rows are first put in order of their sums (a counting sort, which keeps each
+    sum's rows in their order): each sum is then made whole, its chunk's part in a
+    row of registers' worth, where adding into every sum at once would keep a chunk's
+    part of all of them (``len(sums) * dim``) in memory.
+
+    With ``grad_rows``, row ``i``'s gradient is ``grads[grad_rows[i]]`` (a table's
+    push, summed where its gradients lie).
+    """
+    cdef Py_ssize_t i, j, p, r, at, chunk, part_of, n = inverse.shape[0], dim = grads.shape[1]
+    cdef Py_ssize_t count = sums.shape[0], given = grads.shape[0]
+    cdef bint indexed = grad_rows is not None
+    if (grad_rows.shape[0] if indexed else given) != n or sums.shape[1] != dim:
         raise ValueError("inverse has a row a gradient, and sums are as wide as grads")
     if step < 1:
         raise ValueError(f"a chunk has one row or more, not {step}")
     for i in range(n):  # (checked first: a bad index raises, nothing is added)
         if not 0 <= inverse[i] < count:
             raise IndexError(f"row {i} sums into {inverse[i]}, out of {count}")
-    cdef double* partial = <double*>malloc(max(count * dim, 1) * sizeof(double))
-    cdef int64_t* mark = <int64_t*>malloc(max(count, 1) * sizeof(int64_t))
-    cdef int64_t* touched = <int64_t*>malloc(max(min(step, n), 1) * sizeof(int64_t))
-    if partial == NULL or mark == NULL or touched == NULL:
-        free(partial)
-        free(mark)
-        free(touched)
+        if indexed and not 0 <= grad_rows[i] < given:
+            raise IndexError(f"gradient {grad_rows[i]} is out of bounds")
+    if n == 0 or dim == 0:
+        return
+    # (gradients read where they lie in a frame may be unaligned: each row is copied
+    # into an aligned one first)
+    cdef bint unaligned = (<size_t>&grads[0, 0]) % sizeof(real) != 0
+    cdef int64_t* start = <int64_t*>calloc(count + 1, sizeof(int64_t))
+    cdef int64_t* order = <int64_t*>malloc(n * sizeof(int64_t))
+    cdef double* part = <double*>malloc(dim * sizeof(double))
+    cdef real* line = <real*>malloc(dim * sizeof(real))
+    if start == NULL or order == NULL or part == NULL or line == NULL:
+        free(start)
+        free(order)
+        free(part)
+        free(line)
         raise MemoryError()
-    cdef double* row
+    cdef const real* g
+    cdef double* out
     with nogil:
+        for i in range(n):  # (start[r + 1]: how many rows sum into r, then where r's end)
+            start[inverse[i] + 1] += 1
         for r in range(count):
-            mark[r] = -1
-        start = 0
-        while start < n:
-            end = min(start + step, n)
-            touched_count = 0
-            for i in range(start, end):
-                r = inverse[i]
-                row = partial + r * dim
-                if mark[r] != start:
-                    mark[r] = start
-                    touched[touched_count] = r
-                    touched_count += 1
+            start[r + 1] += start[r]
+        for i in range(n):  # (start[r]: where r's next row goes, then where r's rows end)
+            order[start[inverse[i]]] = i
+            start[inverse[i]] += 1
+        p = 0
+        for r in range(count):
+            out = &sums[r, 0]
+            part_of = -1
+            while p < start[r]:
+                i = order[p]
+                if p + AHEAD < n:
+                    at = grad_rows[order[p + AHEAD]] if indexed else order[p + AHEAD]
+                    g = &grads[at, 0]
+                    j = 0
+                    while j < dim:
+                        APS_PREFETCH(g + j)
+                        j += LINE // sizeof(real)
+                chunk = i // step
+                if chunk != part_of:
+                    if part_of >= 0:
+                        for j in range(dim):
+                            out[j] += part[j]
                     for j in range(dim):
-                        row[j] = 0.0
+                        part[j] = 0.0
+                    part_of = chunk
+                g = &grads[grad_rows[i] if indexed else i, 0]
+                if unaligned:
+                    memcpy(line, g, dim * sizeof(real))
+                    g = line
                 for j in range(dim):
-                    row[j] += <double>grads[i, j]
-            for t in range(touched_count):
-                r = touched[t]
-                row = partial + r * dim
+                    part[j] += <double>g[j]
+                p += 1
+            if part_of >= 0:
                 for j in range(dim):
-                    sums[r, j] += row[j]
-            start = end
-    free(partial)
-    free(mark)
-    free(touched)
+                    out[j] += part[j]
+    free(start)
+    free(order)
+    free(part)
+    free(line)

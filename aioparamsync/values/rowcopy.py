@@ -117,7 +117,7 @@ def gather(
 
 
 def sum_duplicates(
-    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32
+    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32, at: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sum the rows of ``grads`` whose ids are equal.
 
@@ -125,25 +125,46 @@ def sum_duplicates(
         ids: int64, ``(n,)``.
         grads: ``(n, dim)``, any float dtype.
         dtype: the dtype of the answered sums (they are added in float64).
+        at: where ``ids``' gradients are in ``grads`` (``grads[at[i]]``: a table's push,
+            summed where it lies); None: ``grads[i]``.
 
     Returns:
-        ``(unique_ids, sums)``: ``ids`` and ``grads`` themselves (cast) when no
-        id repeats, else the sorted distinct ids and an ``(k, dim)`` array.
+        ``(unique_ids, sums)``: ``ids`` and their gradients (cast) when no id repeats,
+        else the sorted distinct ids and an ``(k, dim)`` array.
 
     Added by ``_crows.sum_rows``, or by ``np.bincount`` a chunk at a time: the same bits.
     """
     if not has_duplicates(ids):
-        return ids, grads.astype(dtype, copy=False)
-    uniq, inverse = np.unique(ids, return_inverse=True)
+        return ids, (grads if at is None else take_rows(grads, at)).astype(dtype, copy=False)
+    crows = _crows if grads.dtype in (np.float32, np.float64) else None
+    if crows is not None:
+        uniq, inverse = _unique(crows, ids)
+    else:
+        uniq, inverse = np.unique(ids, return_inverse=True)
     k, dim = len(uniq), grads.shape[1]
     step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
-    if _crows is not None and grads.dtype in (np.float32, np.float64):
+    if crows is not None:
         sums = np.zeros((k, dim), np.float64)
-        _crows.sum_rows(inverse, np.require(grads, None, ("C", "A")), sums, step)
+        rows = None if at is None else np.ascontiguousarray(at, np.int64)
+        crows.sum_rows(inverse, np.require(grads, None, ("C",)), sums, step, rows)
         return uniq, sums.astype(dtype)
+    if at is not None:
+        grads = take_rows(grads, at)
     sums, columns = np.zeros(k * dim, np.float64), np.arange(dim, dtype=np.int64)
     for start in range(0, len(ids), step):
         flat = (inverse[start : start + step, None] * dim + columns).reshape(-1)
         weights = grads[start : start + step].astype(np.float64).reshape(-1)
         sums += np.bincount(flat, weights=weights, minlength=k * dim)
     return uniq, sums.reshape(k, dim).astype(dtype)
+
+
+def _unique(crows: Any, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)``, the same arrays: the distinct ids found
+    by a hash set (compiled ``first_seen``), then only they sorted, not every id."""
+    ids = np.ascontiguousarray(ids, np.int64)
+    first, groups = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
+    k = crows.first_seen(ids, first, groups)
+    order = np.argsort(first[:k])
+    rank = np.empty(k, np.int64)
+    rank[order] = np.arange(k)
+    return first[order], rank[groups]

@@ -272,10 +272,13 @@ class RowBlock:
         stamp = _check_time("now", now)
         # (with ``at``, the caller checked the values: each is finite once, not again here)
         finite = at is None and not self._spec.rule.allow_nonfinite
-        if at is not None and (self._folds_in_place(grads) is None or has_duplicates(ids)):
-            grads, at = take_rows(grads, at), None
         uniq, summed = ids, grads
-        if at is None:
+        if at is not None and has_duplicates(ids):  # (summed where they lie in the push)
+            uniq, summed = sum_duplicates(ids, grads, self._work, at)
+            at = None
+        elif at is not None and self._folds_in_place(grads) is None:
+            summed, at = take_rows(grads, at).astype(self._work, copy=False), None
+        elif at is None:
             grads = _check_rows("grads", grads, len(ids), self._spec.dim, finite=finite)
             uniq, summed = sum_duplicates(ids, grads, self._work)
         slots = self._ensure(uniq, stamp)
