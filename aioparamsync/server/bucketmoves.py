@@ -17,6 +17,7 @@ round runs in its settle: see ``Transitions.take_over``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from .rows import RowService
 
 __all__ = ["BucketMoves"]
+
+log = logging.getLogger(__name__)
 
 # The deadline of a call to a peer (seconds).
 PEER_TIMEOUT = 30.0
@@ -146,8 +149,12 @@ class BucketMoves:
             except ParamSyncError:
                 return False
             for t in known:
-                if t.name not in tables:
+                if t.name in tables:
+                    continue
+                try:
                     tables.create(table_spec(t))
+                except RequestError as exc:  # (a spec this node cannot take: the rest go on)
+                    log.warning("table %r of %s not made here: %s", t.name, member, exc.message)
             return True
 
         return all(await asyncio.gather(*(learn(m) for m in members)))
