@@ -26,9 +26,20 @@ from ..values.arrays import (
 )
 
 if TYPE_CHECKING:
-    from .table import Entry
+    from .table import Entry, Limits
 
-__all__ = ["cast_to", "check_cast", "check_keeps_layout", "check_rule_fits"]
+__all__ = [
+    "RESERVED_NAME",
+    "cast_to",
+    "check_cast",
+    "check_keeps_layout",
+    "check_names",
+    "check_rule_fits",
+]
+
+# The one name a parameter may not have: a safetensors file (a snapshot) keeps
+# its own metadata under it.
+RESERVED_NAME = "__metadata__"
 
 
 def check_keeps_layout(
@@ -135,3 +146,33 @@ def check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
             f"{name!r}: rule {rule.kind} needs a "
             f"{'real' if rule.kind == 'sum' else 'floating point'} dtype, not {dtype}",
         )
+
+
+def check_names(limits: Limits, params: Sequence[Any], *, what: str) -> None:
+    """Check the names of an update's (or a push's) ``params``: how many, each a name a
+    parameter may have, none twice."""
+    if len(params) > limits.max_params_per_update:
+        raise RequestError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"{len(params)} {what} in one request; the limit is {limits.max_params_per_update}",
+        )
+    seen: set[str] = set()
+    for p in params:
+        name = p.name
+        if not isinstance(name, str) or not name:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
+        if name == RESERVED_NAME:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{name!r} is reserved: snapshots are safetensors files, whose header "
+                "keeps its own data under that name",
+            )
+        if len(name.encode()) > limits.max_name_bytes:
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"a parameter name of {len(name.encode())} bytes is longer than "
+                f"{limits.max_name_bytes}",
+            )
+        if name in seen:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} appears twice in one update")
+        seen.add(name)

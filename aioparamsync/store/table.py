@@ -36,15 +36,19 @@ from ..placement import manifest_key, parse_key
 from ..values import rules
 from ..values.arrays import check_layout, dtype_name, from_parameter, is_bfloat16
 from ..wire import thrift
-from .checks import cast_to, check_cast, check_keeps_layout, check_rule_fits
+from .buffers import kept, partitions_together, together_of
+from .checks import (
+    cast_to,
+    check_cast,
+    check_keeps_layout,
+    check_names,
+    check_rule_fits,
+)
 
 __all__ = ["Applied", "Entry", "Limits", "ParameterTable", "lww_key"]
 
 # The largest version a parameter may have (Thrift's i32).
 MAX_VERSION = 2**31 - 1
-# The one name a parameter may not have: a safetensors file (a snapshot) keeps
-# its own metadata under it.
-RESERVED_NAME = "__metadata__"
 
 
 def lww_key(item: Any) -> tuple[int, str]:
@@ -157,32 +161,6 @@ _set_applied_entries = vars(Applied)["entries"].__set__
 _set_applied_timestamp = vars(Applied)["timestamp"].__set__
 
 
-def _readonly(data: Any, together: int = 0) -> memoryview:
-    """``data`` as an entry keeps it: read-only, and keeping no more than its share alive.
-
-    ``together``: the bytes of the same buffer the other partitions of its
-    parameter in this update keep (they are replaced together).
-    """
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    if not view.readonly:
-        # A caller's own buffer could change under the store: keep a copy.
-        view = memoryview(bytes(view))
-    elif (whole := view.obj) is not None and memoryview(whole).nbytes * 3 > max(
-        view.nbytes, together
-    ) * 4:
-        # A view into a larger buffer (the frame it arrived in, with other
-        # parameters, or the parts of an update this node passed on): that
-        # buffer would stay alive as long as this entry. Kept alone, so a
-        # node holds no more than its share (at most a third more, for the
-        # message's own fields, when a parameter came alone in its frame).
-        # The partitions of one parameter, every one of which a write or a
-        # fold replaces, count together: a node alone keeps its frame.
-        view = memoryview(bytes(view))
-    return view.toreadonly()
-
-
 def _manifest_of(key: str) -> str | None:
     """The name ``key`` is the manifest of, or None (a name, a partition, another key)."""
     parsed = parse_key(key)
@@ -193,26 +171,6 @@ def _stands(held: Any, given: Any) -> bool:
     """Whether ``held`` stands against ``given``, the other key of its parameter (see the
     module): the larger ``lww_key``; at equal ones, the manifest."""
     return (lww_key(held), "\x00" in held.name) >= (lww_key(given), "\x00" in given.name)
-
-
-def _together(together: Mapping[tuple[int, str], int], key: str, data: Any) -> int:
-    if not together or type(data) is not memoryview or data.obj is None:
-        return 0
-    parsed = parse_key(key)
-    return together.get((id(data.obj), parsed[0]), 0) if parsed is not None else 0
-
-
-def _partitions_together(params: Sequence[Any]) -> dict[tuple[int, str], int]:
-    """The bytes of each buffer the partitions of each parameter among ``params`` keep."""
-    together: dict[tuple[int, str], int] = {}
-    for p in params:
-        data = p.data
-        if type(data) is memoryview and data.obj is not None and "\x00" in p.name:
-            parsed = parse_key(p.name)
-            if parsed is not None and parsed[1] is not None:
-                key = (id(data.obj), parsed[0])
-                together[key] = together.get(key, 0) + data.nbytes
-    return together
 
 
 class ParameterTable:
@@ -305,7 +263,7 @@ class ParameterTable:
 
     def check(self, params: Sequence[Any], *, replicated: bool = False) -> None:
         """Raise :class:`RequestError` if the update ``params`` may not be applied."""
-        self._check_names(params, what="parameters")
+        check_names(self.limits, params, what="parameters")
         partitioned = []  # the names of the manifests among params
         for p in params:
             name = p.name
@@ -356,7 +314,7 @@ class ParameterTable:
         """
         self.check(params)
         entries = self._entries
-        together = _partitions_together(params) if len(params) > 1 else {}
+        together = partitions_together(params) if len(params) > 1 else {}
         made = []
         replaced = []  # the other keys of parameters written (see the module)
         for p in params:
@@ -388,7 +346,7 @@ class ParameterTable:
             made.append(
                 Entry(
                     p.name,
-                    _readonly(data, _together(together, p.name, data)),
+                    kept(data, together_of(together, p.name, data)),
                     max(stored + 1, given),
                     dtype,
                     shape,
@@ -446,7 +404,7 @@ class ParameterTable:
 
         Answers, for each, its parameter's entry, the parameter's array and the gradient's.
         """
-        self._check_names(grads, what="gradients")
+        check_names(self.limits, grads, what="gradients")
         entries = self._entries
         work = []
         for g in grads:
@@ -487,34 +445,6 @@ class ParameterTable:
             work.append((current, weights, grad))
         return work
 
-    def _check_names(self, params: Sequence[Any], *, what: str) -> None:
-        limits = self.limits
-        if len(params) > limits.max_params_per_update:
-            raise RequestError(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"{len(params)} {what} in one request; the limit is {limits.max_params_per_update}",
-            )
-        seen: set[str] = set()
-        for p in params:
-            name = p.name
-            if not isinstance(name, str) or not name:
-                raise RequestError(ErrorCode.BAD_REQUEST, "a parameter name is empty")
-            if name == RESERVED_NAME:
-                raise RequestError(
-                    ErrorCode.BAD_REQUEST,
-                    f"{name!r} is reserved: snapshots are safetensors files, whose header "
-                    "keeps its own data under that name",
-                )
-            if len(name.encode()) > limits.max_name_bytes:
-                raise RequestError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"a parameter name of {len(name.encode())} bytes is longer than "
-                    f"{limits.max_name_bytes}",
-                )
-            if name in seen:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"{name!r} appears twice in one update")
-            seen.add(name)
-
     def state(self, name: str) -> rules.State | None:
         """What the rule of ``name`` keeps between steps, or None."""
         return self._states.get(name)
@@ -550,9 +480,7 @@ class ParameterTable:
                 if partner in entries:
                     replaced.append(partner)
             shape = tuple(p.shape) if p.shape is not None else None
-            made.append(
-                Entry(p.name, _readonly(p.data), p.version, p.dtype, shape, p.origin, p.rule)
-            )
+            made.append(Entry(p.name, kept(p.data), p.version, p.dtype, shape, p.origin, p.rule))
         return self._store(made, timestamp, replaced)
 
     def drop(self, held: Mapping[str, tuple[int, str]]) -> list[str]:
