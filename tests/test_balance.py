@@ -279,7 +279,10 @@ async def test_a_tables_buckets_are_balanced_by_their_rows_and_no_fold_is_lost(
 
 
 async def _two_apart() -> tuple[LocalCluster, Node, Node]:
-    """Two nodes at R=1 that claim nothing on their own (balance_interval=0), formed."""
+    """Two nodes at R=1 that claim nothing on their own (balance_interval=0), formed.
+
+    (The tests' tables have 32 buckets: with 8, one node was the primary of none 1 time
+    in 256, and a test that picks one of its buckets failed.)"""
     cluster = LocalCluster(replication_factor=1)
     a = await cluster.start(balance_interval=0)
     b = await cluster.start(peers=[a], balance_interval=0)
@@ -315,15 +318,15 @@ async def test_a_row_push_held_while_its_node_settles_is_folded_where_its_bucket
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=False, timeout=30) as client:
-            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=32)
             ids = np.arange(4000, dtype=np.int64)
             bucket = next(
                 x
-                for x in range(8)
+                for x in range(32)
                 if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live)
                 == a.cluster.me.node_id
             )
-            ids = ids[bucket_of(ids, 8) == bucket]
+            ids = ids[bucket_of(ids, 32) == bucket]
             ones = np.ones((len(ids), 4), np.float32)
             await client.push_row_gradients("emb", ids, ones)
 
@@ -452,13 +455,13 @@ async def test_two_rounds_at_once_hand_a_claimed_bucket_off_and_drop_it_once() -
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=False, timeout=30) as client:
-            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=32)
             ids = np.arange(4000, dtype=np.int64)
             await client.push_row_gradients("emb", ids, np.ones((len(ids), 4), np.float32))
             table = a.service.rows.tables.tables["emb"]
             bucket = next(
                 x
-                for x in range(8)
+                for x in range(32)
                 if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live) == a.node_id
                 and x in table.blocks
             )
@@ -479,10 +482,11 @@ async def test_a_joined_node_folds_its_buckets_on_top_of_their_rows_though_not_h
     and once up pulls again from those old holders, which the placement names nowhere
     by then): else it folded pushes into rows it did not hold yet, started anew, and the
     hand-off's rows, at the same version, lost them."""
+    buckets = 32  # (of which the joiner is the primary of none 1 time in ~400,000)
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=False, timeout=30) as client:
-            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=buckets)
             ids = np.arange(4000, dtype=np.int64)
             ones = np.ones((len(ids), 4), np.float32)
             await client.push_row_gradients("emb", ids, ones, acks="all")
@@ -506,10 +510,10 @@ async def test_a_joined_node_folds_its_buckets_on_top_of_their_rows_though_not_h
             await eventually(settled, timeout=30)
             mine = [
                 x
-                for x in range(8)
+                for x in range(buckets)
                 if c.cluster.placement.primary(bucket_key("emb", x), c.cluster.live) == me
             ]
-            assert mine  # (the joiner is the primary of some buckets)
+            assert mine
             await client.push_row_gradients("emb", ids, ones, acks="all")
             for node in (a, b):
                 node.cluster.rebalancer.start()
@@ -535,15 +539,15 @@ async def test_a_row_push_sent_again_after_its_bucket_came_to_the_node_that_pass
     cluster, a, b = await _two_apart()
     try:
         async with ParameterClient(a.address, route=False, timeout=30) as client:
-            await client.create_table("emb", 4, rule=sgd(1.0), buckets=8)
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=32)
             theirs = next(
                 x
-                for x in range(8)
+                for x in range(32)
                 if a.cluster.placement.primary(bucket_key("emb", x), a.cluster.live)
                 == b.cluster.me.node_id
             )
             ids = np.arange(4000, dtype=np.int64)
-            ids = ids[bucket_of(ids, 8) == theirs]
+            ids = ids[bucket_of(ids, 32) == theirs]
             ones = np.ones((len(ids), 4), np.float32)
             await client.push_row_gradients("emb", ids, ones, request_id="once", acks="all")
             assert await a.cluster.transitions.claim([bucket_key("emb", theirs)])
