@@ -388,11 +388,12 @@ class RowService:
             self.passed_on += 1
             # (folded there: remembered here too, so that the push sent again to this
             # node, which may then be the buckets' holder, does not fold them again)
-            self.tables.ledger.remember(
-                push.request_id,
-                table.spec.name,
-                {bucket_of[k]: len(np.unique(ids[positions_of[k]])) for k in keys},
-            )
+            if push.request_id is not None:
+                self.tables.ledger.remember(
+                    push.request_id,
+                    table.spec.name,
+                    {bucket_of[k]: len(np.unique(ids[positions_of[k]])) for k in keys},
+                )
             return result.rows, result.created
 
         async def part(node: str | None, keys: list[str]) -> list[tuple[int, int]]:

@@ -464,8 +464,8 @@ def sum_rows(
     cdef int64_t* start = <int64_t*>calloc(count + 1, sizeof(int64_t))
     cdef int64_t* order = <int64_t*>malloc(n * sizeof(int64_t))
     cdef double* part = <double*>malloc(dim * sizeof(double))
-    cdef real* line = <real*>malloc(dim * sizeof(real))
-    if start == NULL or order == NULL or part == NULL or line == NULL:
+    cdef real* line = <real*>malloc(dim * sizeof(real)) if unaligned else NULL
+    if start == NULL or order == NULL or part == NULL or (unaligned and line == NULL):
         free(start)
         free(order)
         free(part)

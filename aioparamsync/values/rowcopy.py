@@ -19,7 +19,7 @@ import numpy as np
 from .._ext import compiled
 from .rowindex import has_duplicates
 
-__all__ = ["gather", "put_rows", "records", "sum_duplicates", "take_rows"]
+__all__ = ["gather", "put_rows", "records", "sum_duplicates", "sum_repeats", "take_rows"]
 
 # Most gradient elements summed at once (bounds the flat index array np.bincount takes).
 SUM_CHUNK = 1 << 21
@@ -136,6 +136,14 @@ def sum_duplicates(
     """
     if not has_duplicates(ids):
         return ids, (grads if at is None else take_rows(grads, at)).astype(dtype, copy=False)
+    return sum_repeats(ids, grads, dtype, at)
+
+
+def sum_repeats(
+    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32, at: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sum_duplicates` of ``ids`` its caller knows to repeat: the sorted distinct
+    ids and their sums."""
     crows = _crows if grads.dtype in (np.float32, np.float64) else None
     if crows is not None:
         uniq, inverse = _unique(crows, ids)

@@ -44,7 +44,7 @@ import numpy as np
 
 from .._ext import compiled
 from ..errors import ErrorCode
-from .rowcopy import put_rows, sum_duplicates, take_rows
+from .rowcopy import put_rows, sum_duplicates, sum_repeats, take_rows
 from .rowindex import RowIndex, has_duplicates
 from .rowspec import (
     DTYPES,
@@ -274,7 +274,7 @@ class RowBlock:
         finite = at is None and not self._spec.rule.allow_nonfinite
         uniq, summed = ids, grads
         if at is not None and has_duplicates(ids):  # (summed where they lie in the push)
-            uniq, summed = sum_duplicates(ids, grads, self._work, at)
+            uniq, summed = sum_repeats(ids, grads, self._work, at)
             at = None
         elif at is not None and self._folds_in_place(grads) is None:
             summed, at = take_rows(grads, at).astype(self._work, copy=False), None
