@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import bucket_key
+from ..placement import JOINING, bucket_key
 from ..store.rows import RowTable, table_spec
 from ..wire import METHODS, thrift
 
@@ -80,7 +80,10 @@ class BucketMoves:
             return 0
         me, now, epoch = cluster.me.node_id, cluster.placement, cluster.epoch
         after = cluster.pending or now
-        if self._tables_at != epoch and await self._learn_tables():
+        # (while it joins or takes over: what a round moves is the buckets of the tables
+        # it knows; other times a table it lacks is learnt when asked for: see RowService)
+        taking_over = cluster.state == JOINING or cluster.settling is not None
+        if taking_over and self._tables_at != epoch and await self._learn_tables():
             self._tables_at = epoch
         waiting = 0
         for table in list(rows.tables.tables.values()):
