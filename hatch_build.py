@@ -9,6 +9,8 @@ What is compiled (with Cython, into C extensions):
   present);
 * ``aioparamsync/values/_cfold.pyx``: the training rules' arithmetic, one pass
   a fold (``aioparamsync.values.rules`` uses it when present);
+* ``aioparamsync/_cblocks.pyx``: large blocks of memory kept for reuse once let go
+  (the new arrays of a fold of a large tensor: ``aioparamsync.blocks``);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -71,6 +73,7 @@ CYTHON_MODULES = [
     "aioparamsync/wire/_cbinary.pyx",
     "aioparamsync/values/_crows.pyx",
     "aioparamsync/values/_cfold.pyx",
+    "aioparamsync/_cblocks.pyx",
 ]
 
 # Where extensions are kept between builds, under the project's root.

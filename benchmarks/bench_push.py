@@ -8,6 +8,7 @@ client on uvloop (``aioparamsync.run``); or two nodes in turn with ``--paths com
 
     python benchmarks/bench_push.py [--sizes 4KiB,1MiB,64MiB] [--rules sgd,momentum,adam]
                                     [--count 10] [--paths compiled,pure] [--json out.json]
+                                    [--node-args '--partition-bytes 0']
 
 For each SIZE and RULE, one float32 parameter ``w`` of SIZE bytes with that rule:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -68,7 +70,9 @@ async def run_path(path: str, args: argparse.Namespace) -> list[dict]:
     if path == "pure":
         env["AIOPARAMSYNC_NO_EXT"] = "1"
     node = ServerProcess(
-        f"node-{path}", env, cmd=[sys.executable, "-m", "aioparamsync", *NODE_ARGS]
+        f"node-{path}",
+        env,
+        cmd=[sys.executable, "-m", "aioparamsync", *NODE_ARGS, *shlex.split(args.node_args)],
     )
     try:
         async with ParameterClient(node.address, timeout=120) as client:
@@ -101,6 +105,9 @@ def main() -> int:
         type=lambda t: t.split(","),
         default=["compiled"],
         help="the node's: compiled (the default), pure (AIOPARAMSYNC_NO_EXT=1), or both",
+    )
+    p.add_argument(
+        "--node-args", default="", help="more of the node's flags, e.g. '--partition-bytes 0'"
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .._ext import compiled
+from ..blocks import empty_like
 from ..errors import ErrorCode, RequestError
 from ..wire import thrift
 
@@ -309,7 +310,7 @@ def _fold_compiled(
     as numpy's path computes them (in Python's floats), and converted there."""
     c = _cfold
     assert c is not None  # (the caller checks)
-    out = np.empty_like(w)
+    out = empty_like(w)
     kind = rule.kind
     decay = rule.weight_decay or 0.0
     if kind == "sum":
@@ -319,13 +320,13 @@ def _fold_compiled(
         if not rule.momentum:
             c.sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
             return out, State(state.step + 1)
-        buf = np.empty_like(w)
+        buf = empty_like(w)
         c.sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
         return out, State(state.step + 1, buf)
     if kind == "adam":
         b1, b2 = rule.beta1, rule.beta2
         step = state.step + 1
-        m, v = np.empty_like(w), np.empty_like(w)
+        m, v = empty_like(w), empty_like(w)
         neg_lr = -(rule.lr / (1 - b1**step))
         scalars = (neg_lr, decay, b1, b2, math.sqrt(1 - b2**step), rule.eps)
         c.adam(w, g, out, m, v, state.momentum, state.variance, *scalars)

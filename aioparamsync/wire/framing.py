@@ -30,7 +30,9 @@ But a new buffer's pages are new to the process: the kernel zeroes each
 before the socket fills it (a third of a 64 MiB push's time, in profiles).
 So the buffer of a frame that no one holds any more (a push's gradients,
 folded; a read's answer, dropped) is kept, one (:class:`_Kept`), and the
-next large frame it fits is received into it.
+next large frame it fits is received into it. A frame an update's value keeps
+is let go when a later update replaces that value: its memory is kept then by
+:mod:`aioparamsync.blocks`, the next new buffer of its size.
 Receivers may share a :class:`ReceiveBudget`, which bounds the bytes that
 large frames being received hold at once, all connections together.
 
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..blocks import empty
 from ..errors import RemoteProtocolError
 from .codec import claimed_name_length
 from .idl import MAX_METHOD_NAME_BYTES
@@ -540,7 +543,7 @@ class _Kept:
                 and size <= len(buffer) < 2 * size
             ):
                 return buffer[:size]  # (a view: it holds the buffer while it lives)
-            new = np.empty(size, np.uint8)
+            new = empty(size)  # (reuses a block a replaced value let go, if one fits)
             if size <= KEPT_BUFFER_BYTES:
                 self.buffer = new  # (held by the frame now: kept once it is let go)
             return new
