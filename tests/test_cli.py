@@ -478,6 +478,8 @@ async def test_values_the_node_cannot_use_are_refused_up_front(spawn, flag, valu
         (["--ignore-corrupt-snapshot"], ["--ignore-corrupt-snapshot", "need --data-dir"]),
         (["--ignore-corrupt-log"], ["--ignore-corrupt-log", "need --data-dir"]),
         (["--max-connections", "0"], ["--max-connections", "'0'"]),
+        (["--fold-threads", "0"], ["--fold-threads", "'0': must be at least 1"]),
+        (["--fold-threads", "all"], ["--fold-threads", "'all' is not a whole number"]),
         (["--max-name-bytes", "many"], ["--max-name-bytes", "'many'"]),
         (["--port"], ["--port", "expected one argument"]),
     ],
@@ -569,7 +571,7 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         "--request-timeout", "--max-connections", "--max-names-per-request",
         "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
         "--metrics-port", "--peers-dns", "--peers-dns-interval", "--unix-socket", "--processes",
-        "--coordinator", "--coordinator-prefix",
+        "--coordinator", "--coordinator-prefix", "--fold-threads",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}
     assert declared == flags, "a flag was added or removed: update this test"

@@ -10,12 +10,16 @@ every byte offset (a gradient is read where it arrived in its frame).
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from aioparamsync import ErrorCode, RequestError, adam, sgd, sum_rule
 from aioparamsync.store.table import ParameterTable
-from aioparamsync.values import rules
+from aioparamsync.values import parallel, rules
 from aioparamsync.values.arrays import to_parameter
 
 pytestmark = pytest.mark.skipif(rules._cfold is None, reason="the compiled path is not built")
@@ -153,3 +157,117 @@ def test_other_dtypes_and_layouts_fold_with_numpy() -> None:
         got, _ = rules.fold(sgd(0.5), w, g, None)
         assert got.dtype == w.dtype
         np.testing.assert_array_equal(got, np.full(w.shape, 0.5, w.dtype))
+
+
+# -- a large fold in parts, on several cores (values/parallel.py) ---------------------------
+
+
+@pytest.fixture
+def fold_threads():
+    """Set the process's fold threads for a test; the old number back after it."""
+    old = parallel.threads()
+    yield parallel.set_threads
+    parallel.set_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["sum", "sgd-decay", "momentum-decay", "adam-decay"])
+def test_a_large_fold_in_parts_is_the_bits_of_one_pass_and_of_numpy(fold_threads, name, dtype):
+    rule = RULES[name]
+    rng = np.random.default_rng(11)
+    n = (5 * parallel.PART_BYTES) // np.dtype(dtype).itemsize + 7  # (parts of unequal size)
+    w = wild(rng, n, dtype)
+    if dtype is np.float32:
+        w = w.reshape(-1, 1)  # (parts of the flat array: any shape)
+    answers = {}
+    for threads in (1, 4):
+        fold_threads(threads)
+        state, value = None, w
+        for _ in range(3):
+            g = at_offset(wild(np.random.default_rng(5), n, dtype), 1)
+            value, state = rules.fold(rule, value, g.reshape(w.shape), state)
+        answers[threads] = (value, state)
+    (one, s1), (parts, s4) = answers[1], answers[4]
+    assert one.tobytes() == parts.tobytes()
+    assert same(s1.momentum, s4.momentum) and same(s1.variance, s4.variance)
+    state, value = rules.State(), w
+    with np.errstate(all="ignore"):
+        for _ in range(3):
+            g = at_offset(wild(np.random.default_rng(5), n, dtype), 1)
+            value, state = rules._fold_numpy(rule, value, g.reshape(w.shape), state)
+    assert same(value, parts)
+
+
+def test_a_large_finite_check_in_parts_finds_the_one_bad_value(fold_threads):
+    fold_threads(4)
+    n = 4 * parallel.PART_BYTES // 4 + 3
+    for where in (0, n // 2, n - 1):
+        a = np.ones(n, np.float32)
+        assert rules.all_finite(a)
+        a[where] = np.nan
+        assert not rules.all_finite(a)
+
+
+def test_parts_cover_the_range_once_and_all_end_before_a_failure_is_raised(fold_threads):
+    fold_threads(4)
+    n = 10 * parallel.PART_BYTES + 5
+    seen = np.zeros(n, np.int8)
+    ended = []
+
+    def run(part: slice) -> int:
+        seen[part] += 1
+        ended.append(part.start)
+        return part.stop - part.start
+
+    sizes = parallel.in_parts(run, n, 1)
+    assert len(sizes) == 4 and sum(sizes) == n and (seen == 1).all()
+    assert all(start % 16 == 0 for start in ended)  # (parts start on a cache line)
+
+    ended.clear()
+
+    def failing(part: slice) -> None:
+        if not part.start:
+            raise RuntimeError("the caller's part failed")
+        time.sleep(0.05)
+        ended.append(part.start)
+
+    with pytest.raises(RuntimeError, match="the caller's part failed"):
+        parallel.in_parts(failing, n, 1)
+    assert len(ended) == 3  # (every other part had ended: none writes after the raise)
+
+    def last_fails(part: slice) -> None:
+        if part.stop == n:
+            raise RuntimeError("the last part failed")
+
+    with pytest.raises(RuntimeError, match="the last part failed"):
+        parallel.in_parts(last_fails, n, 1)
+    assert parallel.in_parts(lambda p: (p.start, p.stop), parallel.PART_BYTES * 2 - 1, 1) == [
+        (0, parallel.PART_BYTES * 2 - 1)
+    ]  # (under two parts' bytes: one)
+    fold_threads(1)
+    assert parallel.in_parts(lambda p: (p.start, p.stop), n, 1) == [(0, n)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2", None])
+def test_fold_threads_must_be_a_whole_number_of_at_least_one(fold_threads, bad):
+    with pytest.raises(ValueError, match="fold threads must be a whole number of at least 1"):
+        fold_threads(bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_folds_in_parts_with_threads_of_its_own(fold_threads):
+    fold_threads(2)
+    n = 4 * parallel.PART_BYTES
+    parallel.in_parts(lambda p: None, n, 1)  # (the parent's pool has threads now)
+    pid = os.fork()
+    if pid == 0:  # the child: its pool's threads were not forked with it
+        done = threading.Event()
+
+        def fold() -> None:
+            parallel.in_parts(lambda p: None, n, 1)
+            done.set()
+
+        threading.Thread(target=fold, daemon=True).start()
+        os._exit(0 if done.wait(20) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -250,3 +250,14 @@ def test_each_process_gets_its_own_port_id_data_socket_and_metrics() -> None:
     second = parser.parse_args(child_argv(argv, args, 1, "127.0.0.1:5000"))
     assert (second.port, second.metrics_port, second.processes) == (0, 0, 1)
     assert second.peers == [("127.0.0.1", 5000)]
+
+
+def test_the_processes_share_the_hosts_cores_out_for_their_folds() -> None:
+    parser = build_parser()
+    for n in (1, 2, 3, 64):
+        argv = ["--port", "0", "--processes", str(n)]
+        child = parser.parse_args(child_argv(argv, parser.parse_args(argv), 0, None))
+        assert child.fold_threads == max(1, min(4, (os.cpu_count() or 1) // n))
+    argv = ["--port", "0", "--processes", "2", "--fold-threads", "3"]
+    child = parser.parse_args(child_argv(argv, parser.parse_args(argv), 1, "127.0.0.1:5000"))
+    assert child.fold_threads == 3  # (as given)

@@ -35,6 +35,7 @@ from ..placement import DEFAULT_REPLICATION_FACTOR
 from ..server.transport import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ListenError
 from ..store.table import Limits
 from ..tls import client_context, server_context
+from ..values import parallel
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
@@ -50,6 +51,7 @@ from .options import (
     port_number,
     positive_int,
     positive_seconds,
+    process_count,
     seconds,
 )
 from .processes import supervise
@@ -342,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail a call not answered within this time (default: no deadline)",
     )
     parser.add_argument(
+        "--fold-threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the most cores one fold of a large tensor (2 MiB or more) runs on, in parts, "
+        "as torch runs an optimizer's step; 1: on the event loop's alone (default: this "
+        "host's cores, at most 4, shared out among --processes)",
+    )
+    parser.add_argument(
         "--max-connections",
         type=positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -533,16 +544,6 @@ def replication_default(args: argparse.Namespace) -> int:
     return 1 if args.processes > 1 else DEFAULT_REPLICATION_FACTOR
 
 
-def process_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
-    if not 1 <= n <= 1024:
-        raise argparse.ArgumentTypeError(f"{n} processes: from 1 to 1024")
-    return n
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -587,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     keep_freed_memory()  # (see cli/memory.py)
+    if args.fold_threads is not None:
+        parallel.set_threads(args.fold_threads)
     return uvloop.run(serve(args))
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "human_size",
     "port_number",
     "positive_int",
+    "process_count",
     "seconds",
     "positive_seconds",
     "address",
@@ -77,6 +78,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
     return value
+
+
+def process_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{n} processes: from 1 to 1024")
+    return n
 
 
 def _number_of_seconds(text: str) -> float:

@@ -39,6 +39,8 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+from ..values import parallel
+
 __all__ = ["RESTART_DELAY", "child_argv", "supervise"]
 
 # Seconds before a process that died is started again.
@@ -83,6 +85,9 @@ def child_argv(
         out += ["--unix-socket", f"{args.unix_socket}.{i}"]
     if i and first is not None:
         out += ["--peers", ",".join([first, *(_text(h, p) for h, p in args.peers)])]
+    if args.fold_threads is None:  # (the host's cores shared out, as torchrun's OMP threads)
+        cores = max(1, (os.cpu_count() or 1) // max(1, args.processes))
+        out += ["--fold-threads", str(min(parallel.DEFAULT_MOST, cores))]
     return out
 
 

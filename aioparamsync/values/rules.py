@@ -39,6 +39,7 @@ from .._ext import compiled
 from ..blocks import empty_like
 from ..errors import ErrorCode, RequestError
 from ..wire import thrift
+from .parallel import PART_BYTES, in_parts
 
 __all__ = [
     "KINDS",
@@ -150,7 +151,10 @@ def all_finite(a: np.ndarray) -> bool:
     """True if the float array ``a`` holds no NaN or inf: one compiled pass where it was
     built (float32 and float64, C-contiguous), else numpy's."""
     if _cfold is not None and _compiled_dtype(a):
-        return bool(_cfold.all_finite(a))
+        if a.nbytes < _SPLIT_BYTES:
+            return bool(_cfold.all_finite(a))
+        c, flat = _cfold, _flat(a)
+        return all(in_parts(lambda p: c.all_finite(flat[p]), a.size, a.itemsize))
     # (the ufunc's own reduce: ndarray.all wraps it in Python)
     return bool(_all(np.isfinite(a).reshape(-1)))
 
@@ -213,6 +217,8 @@ _all = np.logical_and.reduce
 
 # The compiled folds (see _cfold.pyx), unless the pure path is asked for or not built.
 _cfold = compiled("values._cfold")
+# A compiled fold of fewer bytes than this runs in one part (see parallel.in_parts).
+_SPLIT_BYTES = 2 * PART_BYTES
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
@@ -307,21 +313,24 @@ def _fold_compiled(
 ) -> tuple[np.ndarray, State]:
     """:func:`fold_into` by the compiled folds: ``w`` and ``g`` are C-contiguous, of one
     dtype, float32 or float64 (the caller checks). The rules' scalars are computed here
-    as numpy's path computes them (in Python's floats), and converted there."""
+    as numpy's path computes them (in Python's floats), and converted there. A large
+    fold runs in parts on several cores (:mod:`.parallel`): the same bits."""
     c = _cfold
     assert c is not None  # (the caller checks)
     out = empty_like(w)
     kind = rule.kind
     decay = rule.weight_decay or 0.0
+    small = w.nbytes < _SPLIT_BYTES  # (one call as it is: the common case, kept cheap)
     if kind == "sum":
-        c.add(w, g, out)
+        (c.add if small else _in_parts(c.add))(w, g, out)
         return out, State(state.step + 1)
     if kind == "sgd":
+        sgd = c.sgd if small else _in_parts(c.sgd)
         if not rule.momentum:
-            c.sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
+            sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
             return out, State(state.step + 1)
         buf = empty_like(w)
-        c.sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
+        sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
         return out, State(state.step + 1, buf)
     if kind == "adam":
         b1, b2 = rule.beta1, rule.beta2
@@ -329,9 +338,29 @@ def _fold_compiled(
         m, v = empty_like(w), empty_like(w)
         neg_lr = -(rule.lr / (1 - b1**step))
         scalars = (neg_lr, decay, b1, b2, math.sqrt(1 - b2**step), rule.eps)
-        c.adam(w, g, out, m, v, state.momentum, state.variance, *scalars)
+        adam = c.adam if small else _in_parts(c.adam)
+        adam(w, g, out, m, v, state.momentum, state.variance, *scalars)
         return out, State(step, m, v)
     raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")  # (see fold_into)
+
+
+def _in_parts(fold: Any) -> Any:
+    """``fold``, called in parts of its first array (each array's same elements)."""
+
+    def run(w: np.ndarray, *args: Any) -> None:
+        flat = [_flat(a) for a in (w, *args)]
+        in_parts(lambda p: fold(*[_part(a, p) for a in flat]), w.size, w.itemsize)
+
+    return run
+
+
+def _flat(a: Any) -> Any:
+    """An array (C-contiguous) as one dimension, a view; anything else as it is."""
+    return a.reshape(-1) if isinstance(a, np.ndarray) and a.ndim != 1 else a
+
+
+def _part(a: Any, part: slice) -> Any:
+    return a[part] if isinstance(a, np.ndarray) else a
 
 
 def _stepped(w: np.ndarray, d: np.ndarray, lr: float, work: np.dtype) -> np.ndarray:
