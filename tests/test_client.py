@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -508,3 +509,30 @@ async def test_run_refuses_a_thread_that_runs_a_loop() -> None:
     with pytest.raises(RuntimeError, match="running event loop"):
         aioparamsync.run(coroutine)
     coroutine.close()
+
+
+async def test_a_connection_accepted_as_the_node_stops_is_closed_not_left_open() -> None:
+    """A connection the node accepted just before it stopped listening, whose transport
+    asyncio makes a turn or two later (after the stop closed those there were), is closed
+    too: its client reads the end of it, and the node holds none."""
+    for turns in range(6):  # (where the accept falls, in turns of the loop before the stop)
+        node = Node(port=0)
+        await node.start()
+        sock = socket.create_connection(node.address)
+        sock.settimeout(5)
+        got: list[bytes] = []
+
+        def read_to_the_end(sock: socket.socket, got: list[bytes]) -> None:
+            got.append(sock.recv(1))  # (b"" once the node closed it)
+            sock.close()  # (the node waits for this end's close too, up to its grace)
+
+        reader = threading.Thread(target=read_to_the_end, args=(sock, got))
+        reader.start()
+        try:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await node.stop()  # (begins at once: no turn of the loop before it)
+            assert not node.server.connections, turns
+        finally:
+            await asyncio.to_thread(reader.join)
+        assert got == [b""], turns

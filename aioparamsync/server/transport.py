@@ -421,6 +421,10 @@ class Server:
                 raise
 
     def _register(self, conn: ServerConnection) -> bool:
+        if self.stopping:
+            # (accepted just before close() stopped listening: asyncio makes its transport a
+            # turn or two later, after close() closed those it had, and would leave it open)
+            return False
         if len(self.connections) >= self.config.max_connections:
             log.warning("refusing %s: %d connections open", conn.peer, len(self.connections))
             self.counters["connections_refused"] += 1
