@@ -15,9 +15,12 @@ import re
 
 import numpy as np
 import pytest
+import trustme
 
 from aioparamsync import Node, ParameterClient, sgd, thrift
 from aioparamsync.client.addresses import check_seconds
+from aioparamsync.errors import ClientClosedError
+from aioparamsync.tls import client_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,3 +158,42 @@ async def test_a_long_polls_wait_is_checked_like_a_timeout(node: Node, client) -
 async def test_a_connect_timeout_of_none_connects(node: Node) -> None:
     async with ParameterClient(node.address, connect_timeout=None, timeout=None) as client:
         assert await client.ping() == node.node_id
+
+
+async def test_closing_a_client_while_it_connects_ends_the_connect_and_its_socket(
+    tmp_path,
+) -> None:
+    """A client closed while a connection is still being made (here a TLS handshake the
+    other end never answers) stops making it: the socket is closed then, not once the
+    connect times out, and the call waiting for it fails as closed."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)  # (held open: it never answers the handshake)
+        await accepted.put(reader)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = ParameterClient(
+            f"127.0.0.1:{port}",
+            ssl=client_context(str(tmp_path / "ca.pem")),
+            connect_timeout=60,
+            timeout=60,
+        )
+        call = asyncio.ensure_future(client.ping())
+        reader = await asyncio.wait_for(accepted.get(), 10)
+        await asyncio.sleep(0.05)  # (the handshake is under way)
+        await client.close()
+        with pytest.raises(ClientClosedError):
+            await asyncio.wait_for(call, 10)
+        while await asyncio.wait_for(reader.read(65536), 10):  # EOF: the client closed it
+            pass
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()

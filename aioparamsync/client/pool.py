@@ -133,13 +133,21 @@ class ConnectionPool:
         trip to shut down), or after ``CLOSE_TIMEOUT`` seconds.
         """
         self._closed = True
+        connecting = self._connecting
+        if connecting is not None:
+            # (a connection still being made: its socket is closed as the connect unwinds,
+            # not left to finish after this, or never, if the loop ends first)
+            connecting.cancel()
         connections, self._connections = self._connections, []
         connections += [*self._spare, *self._holding]
         self._spare.clear()
         for conn in connections:
             conn.close()
-        if connections:
-            await asyncio.wait([conn.closed for conn in connections], timeout=CLOSE_TIMEOUT)
+        waits: list[asyncio.Future[Any]] = [conn.closed for conn in connections]
+        if connecting is not None:
+            waits.append(connecting)
+        if waits:
+            await asyncio.wait(waits, timeout=CLOSE_TIMEOUT)
 
     # -- the pool -------------------------------------------------------------------
 
@@ -227,8 +235,15 @@ class ConnectionPool:
         conn = self._acquire_now(write)
         if conn is not None:
             return conn
-        assert self._connecting is not None
-        return await asyncio.shield(self._connecting)
+        connecting = self._connecting
+        assert connecting is not None
+        try:
+            return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if connecting.cancelled() and self._closed and not (task and task.cancelling()):
+                raise ClientClosedError("the client was closed") from None  # (by close())
+            raise
 
     def _acquire_now(self, write: bool = False) -> _Connection | None:
         """The connection to send on, or None to wait for ``_connecting``.
