@@ -25,8 +25,7 @@ What is kept is bounded twice:
 :func:`new` makes no block of ``MIN_BYTES`` or less (it answers None): glibc's
 ``malloc`` takes those from its heap, and a node's process keeps that memory for
 reuse (``cli/memory.py``); larger ones it maps anew each time, whatever it is
-told. All of this runs holding the GIL (``__dealloc__``
-too), which serializes it.
+told. All of this runs holding the GIL (``__dealloc__`` too), which serializes it.
 """
 
 from cpython.buffer cimport PyBuffer_FillInfo

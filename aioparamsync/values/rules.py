@@ -325,12 +325,12 @@ def _fold_compiled(
         (c.add if small else _in_parts(c.add))(w, g, out)
         return out, State(state.step + 1)
     if kind == "sgd":
-        sgd = c.sgd if small else _in_parts(c.sgd)
+        fold_sgd = c.sgd if small else _in_parts(c.sgd)
         if not rule.momentum:
-            sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
+            fold_sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
             return out, State(state.step + 1)
         buf = empty_like(w)
-        sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
+        fold_sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
         return out, State(state.step + 1, buf)
     if kind == "adam":
         b1, b2 = rule.beta1, rule.beta2
@@ -338,8 +338,8 @@ def _fold_compiled(
         m, v = empty_like(w), empty_like(w)
         neg_lr = -(rule.lr / (1 - b1**step))
         scalars = (neg_lr, decay, b1, b2, math.sqrt(1 - b2**step), rule.eps)
-        adam = c.adam if small else _in_parts(c.adam)
-        adam(w, g, out, m, v, state.momentum, state.variance, *scalars)
+        fold_adam = c.adam if small else _in_parts(c.adam)
+        fold_adam(w, g, out, m, v, state.momentum, state.variance, *scalars)
         return out, State(step, m, v)
     raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")  # (see fold_into)
 
