@@ -13,6 +13,8 @@ than the process's peak held. On the pure path, and for arrays of 32 MiB or less
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ._ext import compiled
@@ -20,17 +22,21 @@ from ._ext import compiled
 __all__ = ["empty", "empty_like"]
 
 _cblocks = compiled("_cblocks")
+_Block = _cblocks.Block if _cblocks is not None else None
+# The bytes over which an array is a block's (on the pure path, none is): checked here
+# first, so that the common small array costs no call into the pool.
+_OVER = _cblocks.MIN_BYTES if _cblocks is not None else sys.maxsize
 
 
 def empty(nbytes: int) -> np.ndarray:
     """A new array of ``nbytes`` bytes (``uint8``), not zeroed."""
-    if _cblocks is not None and (block := _cblocks.new(nbytes)) is not None:
-        return np.frombuffer(block, np.uint8, nbytes)
+    if nbytes > _OVER and _Block is not None:
+        return np.frombuffer(_Block(nbytes), np.uint8, nbytes)
     return np.empty(nbytes, np.uint8)
 
 
 def empty_like(a: np.ndarray) -> np.ndarray:
     """A new C-contiguous array of ``a``'s shape and dtype, not zeroed."""
-    if _cblocks is not None and (block := _cblocks.new(a.nbytes)) is not None:
-        return np.frombuffer(block, a.dtype, a.size).reshape(a.shape)
+    if a.nbytes > _OVER and _Block is not None:
+        return np.frombuffer(_Block(a.nbytes), a.dtype, a.size).reshape(a.shape)
     return np.empty(a.shape, a.dtype)
