@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aioparamsync import ErrorCode, RequestError, from_parameter, to_parameter
+from aioparamsync.values import arrays
 from aioparamsync.values.arrays import check_layout, parse_dtype, wire_dtype
 from aioparamsync.wire import thrift
 
@@ -143,3 +144,62 @@ def test_wire_dtype_and_parse_dtype_agree() -> None:
     for dt in (np.dtype("<f4"), np.dtype(">i2"), np.dtype(ml_dtypes.bfloat16)):
         assert parse_dtype(wire_dtype(dt)) == dt
     assert wire_dtype(ml_dtypes.bfloat16) == "bfloat16"
+
+
+def _slow_to_parameter(arr: np.ndarray) -> thrift.Parameter:
+    """to_parameter by its checks (no dtype sent before: see arrays._SENT)."""
+    saved = dict(arrays._SENT)
+    arrays._SENT.clear()
+    try:
+        return to_parameter("w", arr)
+    finally:
+        arrays._SENT.update(saved)
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", "|i1", "|b1", "<c8", "<f2", ">u8"])
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (), (0,), (0, 3), (3, 0)])
+def test_an_array_of_a_dtype_sent_before_goes_as_the_checks_would_send_it(dtype, shape) -> None:
+    arr = (np.arange(int(np.prod(shape))) % 3).astype(dtype).reshape(shape)
+    slow = _slow_to_parameter(arr)
+    to_parameter("first", arr)  # (now its dtype was sent before)
+    fast = to_parameter("w", arr, version=7)
+    assert (fast.name, fast.dtype, fast.shape, fast.version) == ("w", slow.dtype, slow.shape, 7)
+    assert bytes(fast.data) == bytes(slow.data) == arr.tobytes()
+    assert memoryview(fast.data).format == "B" and memoryview(fast.data).ndim == 1
+    back = from_parameter(fast)
+    assert back.dtype == arr.dtype and back.shape == arr.shape
+
+
+def test_what_the_quick_way_does_not_take_goes_by_the_checks() -> None:
+    to_parameter("w", np.zeros(4, np.float32))  # (float32 sent before)
+    # not C-contiguous, a subclass, a list, bfloat16: each as the checks make it
+    strided = np.arange(8, dtype=np.float32)[::2]
+    assert bytes(to_parameter("w", strided).data) == strided.tobytes()
+    sub = np.arange(4, dtype=np.float32).view(np.recarray)
+    assert bytes(to_parameter("w", sub).data) == np.arange(4, dtype=np.float32).tobytes()
+    assert to_parameter("w", [1.0, 2.0]).dtype == "<f8"
+    b = np.ones(3, ml_dtypes.bfloat16)
+    assert to_parameter("w", b).dtype == "bfloat16"
+    assert to_parameter("w", b).dtype == "bfloat16"
+    assert all(not arrays.is_bfloat16(d) for d in arrays._SENT)
+    with pytest.raises(TypeError, match="cannot send"):
+        to_parameter("w", np.array(["a"]))
+
+
+@pytest.mark.parametrize(
+    ("data", "shape"),
+    [
+        (b"12345", [2]),  # a byte short of 2 float32
+        (b"123456789", [2]),  # one over
+        (b"", [-1]),
+        (b"1234", [2**62]),
+        (b"12345678", [1]),
+    ],
+)
+def test_a_vector_that_does_not_fit_its_bytes_is_refused_however_it_is_read(data, shape):
+    parse_dtype("<f4")  # (parsed before: the quick way is open to it)
+    param = thrift.Parameter(name="w", data=data, dtype="<f4", shape=shape)
+    with pytest.raises(RequestError) as info:
+        from_parameter(param)
+    assert info.value.code == ErrorCode.SHAPE_MISMATCH
+    assert "'w'" in str(info.value)

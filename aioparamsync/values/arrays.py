@@ -264,6 +264,14 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
     Raises:
         TypeError: the array is not numeric (object, strings, records...).
     """
+    if type(array) is np.ndarray and array.flags.c_contiguous and array.size:
+        # (the common case, at once: its dtype was sent before, see _SENT)
+        wire = _SENT.get(array.dtype)
+        if wire is not None:
+            data = memoryview(cast(Any, array)).cast("B")
+            return thrift.Parameter(
+                name=name, data=data, version=version, dtype=wire, shape=list(array.shape)
+            )
     arr = np.asarray(array)
     bfloat16 = is_bfloat16(arr.dtype)
     if not bfloat16 and (arr.dtype.kind not in NUMERIC_KINDS or arr.dtype.fields is not None):
@@ -274,9 +282,16 @@ def to_parameter(name: str, array: Any, version: int = 0) -> Any:
         arr = np.ascontiguousarray(arr)
     data = memoryview(cast(Any, arr.reshape(-1).view(np.uint8)))
     dtype = BFLOAT16 if bfloat16 else arr.dtype.str
+    if not bfloat16 and len(_SENT) < MAX_PARSED:
+        _SENT[arr.dtype] = dtype  # (numeric, sent as its bytes are)
     return thrift.Parameter(
         name=name, data=data, version=version, dtype=dtype, shape=list(arr.shape)
     )
+
+
+# The dtypes to_parameter has sent, each numeric and not bfloat16, with their wire string:
+# an array of one is sent as its bytes are, without the checks (bounded as _PARSED).
+_SENT: dict[np.dtype, str] = {}
 
 
 def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
@@ -299,9 +314,17 @@ def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
         RequestError: (SHAPE_MISMATCH) the bytes do not fit the dtype and shape.
     """
     data = param.data
+    shape = param.shape
+    dt = _PARSED.get(param.dtype)  # (None for None, "bfloat16" and a string not seen yet)
+    if dt is not None and type(shape) is list and len(shape) == 1:
+        # (the common case, at once: a vector of a dtype parsed before, its bytes a
+        # whole number of elements, as many as its shape says)
+        n = shape[0]
+        if type(n) is int and n * dt.itemsize == memoryview(data).nbytes:  # (so n >= 0)
+            return np.frombuffer(data, dtype=dt)
     nbytes = memoryview(data).nbytes
     stored = param.dtype if param.dtype is not None else wire_dtype(dtype or np.uint8)
-    shape = param.shape if param.dtype is not None else None
+    shape = shape if param.dtype is not None else None
     dt = check_layout(param.name, nbytes, stored, shape)
     assert dt is not None  # (stored is a dtype)
     arr = np.frombuffer(data, dtype=dt)
