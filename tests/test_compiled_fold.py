@@ -271,3 +271,56 @@ def test_a_forked_child_folds_in_parts_with_threads_of_its_own(fold_threads):
         os._exit(0 if done.wait(20) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _checked_fold(name: str, w: np.ndarray, g: np.ndarray, out: np.ndarray, check: bool) -> bool:
+    """The compiled fold ``name`` of ``g`` into ``w`` (to ``out``), asked to check or not."""
+    c = rules._cfold
+    if name == "add":
+        return c.add(w, g, out, check)
+    if name == "sgd":
+        return c.sgd(w, g, out, None, None, -0.1, 0.0, 0.0, check)
+    if name == "momentum":
+        return c.sgd(w, g, out, np.empty_like(w), w, -0.1, 0.01, 0.9, check)
+    m, v = np.empty_like(w), np.empty_like(w)
+    return c.adam(w, g, out, m, v, None, None, -0.1, 0.0, 0.9, 0.999, 0.1, 1e-8, check)
+
+
+@pytest.mark.parametrize("name", ["add", "sgd", "momentum", "adam"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_each_compiled_fold_checks_its_gradient_in_the_same_call_when_asked(name, dtype):
+    for n in (1, 1023, 1025, 5000):
+        w = np.linspace(-1, 1, n).astype(dtype)
+        for offset in (0, 1):
+            clean = np.full(n, 0.25, dtype)
+            checked, unchecked = np.empty_like(w), np.empty_like(w)
+            assert _checked_fold(name, w, at_offset(clean, offset), checked, True) is True
+            assert _checked_fold(name, w, at_offset(clean, offset), unchecked, False) is True
+            assert same(checked, unchecked)
+            for bad in (np.nan, np.inf, -np.inf):
+                for where in {0, n // 2, n - 1}:
+                    g = clean.copy()
+                    g[where] = bad
+                    assert _checked_fold(name, w, at_offset(g, offset), checked, True) is False
+                    # (not asked: folded, and said to be fine)
+                    assert _checked_fold(name, w, at_offset(g, offset), checked, False) is True
+
+
+def test_a_large_push_with_one_bad_value_in_any_part_is_refused_whole(fold_threads):
+    fold_threads(4)
+    n = 4 * parallel.PART_BYTES // 4 + 3  # (four parts)
+    table = ParameterTable()
+    w = to_parameter("w", np.zeros(n, np.float32))
+    w.rule = sgd(0.1, momentum=0.9)
+    table.apply([w], 1)
+    for where in (0, n // 4 + 1, n // 2, n - 1):
+        grad = np.ones(n, np.float32)
+        grad[where] = np.inf
+        with pytest.raises(RequestError, match=f"holds 1 of {n} values that are not finite"):
+            table.fold([to_parameter("w", grad)], 2)
+        entry = table.entry("w")
+        assert entry is not None and entry.version == 1 and table.state("w") is None
+    table.fold([to_parameter("w", np.ones(n, np.float32))], 3)
+    entry = table.entry("w")
+    assert entry is not None and entry.version == 2
+    assert np.all(np.frombuffer(entry.data, np.float32) == np.float32(-0.1))

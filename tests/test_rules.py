@@ -314,3 +314,32 @@ def test_a_folded_value_is_stored_without_a_copy() -> None:
     assert entry is not None and entry.data.readonly
     # The entry holds the array the rule made, not bytes copied out of it.
     assert isinstance(entry.data.obj, np.ndarray)
+
+
+@pytest.mark.parametrize(
+    "rule", [sum_rule(), sgd(0.1), sgd(0.1, momentum=0.9), adam()], ids=lambda r: r.kind
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32])
+def test_a_fold_asked_to_check_refuses_nan_and_inf_and_else_folds_as_it_would(rule, dtype):
+    from aioparamsync.values.rules import fold_into
+
+    if dtype is np.int32 and rule.kind != "sum":
+        return  # (integers take sum alone)
+    w = np.arange(2000).astype(dtype)
+    g = np.ones(2000, dtype)
+    with np.errstate(all="ignore"):
+        checked, state = fold_into(rule, w, g, None, check="w")
+        plain, _ = fold_into(rule, w, g, None)
+        assert checked.tobytes() == plain.tobytes() and state.step == 1
+        if dtype is np.int32:
+            return  # (no NaN to hold)
+        for bad in (np.nan, np.inf, -np.inf):
+            for where in (0, 1999):
+                g = np.ones(2000, dtype)
+                g[where] = bad
+                with pytest.raises(RequestError, match="gradient 'w' holds 1 of 2000") as info:
+                    fold_into(rule, w, g, None, check="w")
+                assert info.value.code == ErrorCode.BAD_REQUEST
+                fold_into(rule, w, g, None)  # (not asked: folded)
+                allowing = thrift.Rule(**{**rule.__dict__, "allow_nonfinite": True})
+                fold_into(allowing, w, g, None, check="w")

@@ -34,7 +34,14 @@ import numpy as np
 from ..errors import ErrorCode, RequestError
 from ..placement import manifest_key, parse_key
 from ..values import rules
-from ..values.arrays import check_layout, dtype_name, from_parameter, is_bfloat16
+from ..values.arrays import (
+    BFLOAT16,
+    SWAP_BFLOAT16,
+    check_layout,
+    dtype_name,
+    from_parameter,
+    is_bfloat16,
+)
 from ..wire import thrift
 from .buffers import kept, partitions_together, together_of
 from .checks import (
@@ -133,6 +140,21 @@ class Entry:
             origin=self.origin,
             rule=self.rule,
         )
+
+
+def _like(g: Any, dtype: str | None, weights: np.ndarray) -> np.ndarray | None:
+    """The gradient ``g`` as an array, at once where it has the dtype string and the shape
+    of its parameter (``dtype``, ``weights``) and their bytes; else None (see
+    from_parameter, which checks it, and says what does not fit)."""
+    shape = g.shape
+    if g.dtype != dtype or shape is None or len(shape) != weights.ndim:
+        return None
+    if tuple(shape) != weights.shape or memoryview(g.data).nbytes != weights.nbytes:
+        return None
+    if SWAP_BFLOAT16 and dtype == BFLOAT16:
+        return None  # (read byte-swapped: from_parameter)
+    grad = np.frombuffer(g.data, dtype=weights.dtype)
+    return grad if weights.ndim == 1 else grad.reshape(weights.shape)
 
 
 _set_entry_name = vars(Entry)["name"].__set__
@@ -370,14 +392,17 @@ class ParameterTable:
         Raises:
             RequestError: a gradient may not be folded (nothing is changed).
         """
-        work = self.check_gradients(grads)
-        # Every check passed: compute all, then store all.
+        work = self.check_gradients(grads, finite=False)
+        # Every check passed (but that of finite values: each fold's, below): compute
+        # all, then store all.
         made = []
         states = {}
         with np.errstate(all="ignore"):  # (once for all: see rules.fold_into)
             for current, weights, grad in work:
                 state = self._states.get(current.name)
-                value, states[current.name] = rules.fold_into(current.rule, weights, grad, state)
+                value, states[current.name] = rules.fold_into(
+                    current.rule, weights, grad, state, check=current.name
+                )
                 # ours alone (new, C-contiguous): the entry keeps its bytes, uncopied
                 value.flags.writeable = False
                 flat = value if value.ndim == 1 else value.reshape(-1)
@@ -396,11 +421,14 @@ class ParameterTable:
         self._states.update(states)
         return self._store(made, timestamp)
 
-    def check_gradients(self, grads: Sequence[Any]) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
+    def check_gradients(
+        self, grads: Sequence[Any], *, finite: bool = True
+    ) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
 
         A gradient holding NaN or inf is refused unless its parameter's rule
-        allows them (see :func:`~aioparamsync.values.rules.check_finite`).
+        allows them (see :func:`~aioparamsync.values.rules.check_finite`);
+        ``finite=False`` leaves that to the caller (the fold's own pass checks it).
 
         Answers, for each, its parameter's entry, the parameter's array and the gradient's.
         """
@@ -424,24 +452,28 @@ class ParameterTable:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"gradient {g.name!r} has no raw data")
             if g.dtype is None:
                 raise RequestError(ErrorCode.SHAPE_MISMATCH, f"gradient {g.name!r} has no dtype")
-            grad = from_parameter(g)
+            weights = current.array
+            if weights is None:
+                weights = from_parameter(current)
+                _set_entry_array(current, weights)  # (a cache, not a change: see Entry)
+            grad = _like(g, current.dtype, weights)
+            if grad is None:
+                grad = from_parameter(g)
             if grad.dtype.kind not in "iuf" and not is_bfloat16(grad.dtype):
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
                     f"gradient {g.name!r} of {dtype_name(grad.dtype)} is not a real number type",
                 )
-            weights = current.array
-            if weights is None:
-                weights = from_parameter(current)
-                _set_entry_array(current, weights)  # (a cache, not a change: see Entry)
             if grad.shape != weights.shape:
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
                     f"gradient {g.name!r} has shape {grad.shape}; the parameter has "
                     f"{weights.shape}",
                 )
-            check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
-            rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
+            if grad.dtype is not weights.dtype:
+                check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
+            if finite:
+                rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
             work.append((current, weights, grad))
         return work
 

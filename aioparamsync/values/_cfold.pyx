@@ -160,9 +160,12 @@ cdef inline void _get(real* x, const char* p, Py_ssize_t i) noexcept nogil:
     memcpy(x, p + i * <Py_ssize_t>sizeof(real), sizeof(real))
 
 
-def add(object w, object g, object out):
-    """``out = w + g``."""
-    _run(ADD, w, g, out, None, None, None, None, _scalars(0, 0, 0, 0, 0, 0, 0))
+def add(object w, object g, object out, bint check=False):
+    """``out = w + g``.
+
+    Each fold answers True, or with ``check``, whether every element of ``g`` is
+    finite: a pass over it first, in the same call (a small fold's own cost)."""
+    return _run(ADD, w, g, out, None, None, None, None, _scalars(0, 0, 0, 0, 0, 0, 0), check)
 
 
 def sgd(
@@ -174,6 +177,7 @@ def sgd(
     double neg_lr,
     double weight_decay,
     double momentum,
+    bint check=False,
 ):
     """torch.optim.SGD's step: ``out = w - lr * d`` (as ``d * -lr + w``), where
     ``d`` is the gradient ``g' = g + weight_decay * w`` (``g`` when it is 0), or
@@ -183,7 +187,7 @@ def sgd(
     cdef Scalars s = _scalars(neg_lr, weight_decay, momentum, 0, 0, 0, 0)
     if buf is None and old is not None:
         raise ValueError("sgd's old momentum needs a buffer for the new one")
-    _run(SGD, w, g, out, buf, None, old, None, s)
+    return _run(SGD, w, g, out, buf, None, old, None, s, check)
 
 
 def adam(
@@ -200,6 +204,7 @@ def adam(
     double beta2,
     double sqrt_bias2,
     double eps,
+    bint check=False,
 ):
     """torch.optim.Adam's step, with ``g' = g + weight_decay * w``:
     ``m = beta1 * m_old + (1 - beta1) * g'``, ``v = beta2 * v_old + (1 - beta2) * g'^2``
@@ -210,7 +215,7 @@ def adam(
     cdef Scalars s = _scalars(neg_lr, weight_decay, 0, beta1, beta2, sqrt_bias2, eps)
     if m is None or v is None or (m_old is None) != (v_old is None):
         raise ValueError("adam writes both moments, and reads both or neither")
-    _run(ADAM, w, g, out, m, v, m_old, v_old, s)
+    return _run(ADAM, w, g, out, m, v, m_old, v_old, s, check)
 
 
 cdef Scalars _scalars(
@@ -229,11 +234,14 @@ cdef Scalars _scalars(
     return s
 
 
-cdef void _run(
+cdef bint _run(
     Kind kind, object w, object g, object out, object new1, object new2, object old1,
-    object old2, Scalars s,
-) except *:
-    """Hold the arrays (None: not used), check them, and fold, without the GIL."""
+    object old2, Scalars s, bint check,
+) except -1:
+    """Hold the arrays (None: not used), check them, and fold, without the GIL: True, or
+    with ``check``, whether every element of ``g`` is finite (its own loop, before the
+    fold's: one that vectorizes, as the fold's does)."""
+    cdef bint ok = True
     cdef _Arrays a = _Arrays()
     cdef const char* pw = a.take(w, False, True)
     cdef const char* pg = a.take(g, False, True)
@@ -244,11 +252,16 @@ cdef void _run(
     cdef const char* o2 = a.take(old2, False) if old2 is not None else NULL
     with nogil:
         if a.kind == b'f':
+            if check:
+                ok = _all_finite(pg, <float*>NULL, a.count)
             _fold(kind, pw, pg, <float*>po, <float*>n1, <float*>n2, <const float*>o1,
                   <const float*>o2, &s, a.count)
         else:
+            if check:
+                ok = _all_finite(pg, <double*>NULL, a.count)
             _fold(kind, pw, pg, <double*>po, <double*>n1, <double*>n2, <const double*>o1,
                   <const double*>o2, &s, a.count)
+    return ok
 
 
 cdef void _fold(

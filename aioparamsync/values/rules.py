@@ -255,13 +255,32 @@ def fold(rule: Any, w: np.ndarray, g: np.ndarray, state: State | None) -> tuple[
 
 
 def fold_into(
-    rule: Any, w: np.ndarray, g: np.ndarray, state: State | None
+    rule: Any,
+    w: np.ndarray,
+    g: np.ndarray,
+    state: State | None,
+    *,
+    check: str | None = None,
 ) -> tuple[np.ndarray, State]:
     """:func:`fold`, for a caller that holds ``np.errstate(all="ignore")`` already (the
-    store, around a push's gradients: entering it costs as much as a small fold)."""
+    store, around a push's gradients: entering it costs as much as a small fold).
+
+    ``check``: the gradient's name, to :func:`check_finite` it first (as ``"gradient
+    'name'"``). A compiled fold checks it in the same call, one loop before its own.
+
+    Raises:
+        RequestError: (with ``check``) ``g`` holds NaN or inf, and ``rule`` refuses them.
+    """
     state = state or State()
     if _cfold is not None and g.dtype is w.dtype and _compiled_dtype(w) and _compiled_dtype(g):
-        return _fold_compiled(rule, w, g, state)
+        finite = check is None or rule.allow_nonfinite
+        made = _fold_compiled(rule, w, g, state, not finite)
+        if made is None:
+            check_finite(f"gradient {check!r}", g, rule)  # (raises, saying how many)
+            raise AssertionError("the fold and check_finite disagree")  # pragma: no cover
+        return made
+    if check is not None:
+        check_finite(f"gradient {check!r}", g, rule)
     return _fold_numpy(rule, w, g, state)
 
 
@@ -309,12 +328,14 @@ def _fold_numpy(rule: Any, w: np.ndarray, g: np.ndarray, state: State) -> tuple[
 
 
 def _fold_compiled(
-    rule: Any, w: np.ndarray, g: np.ndarray, state: State
-) -> tuple[np.ndarray, State]:
+    rule: Any, w: np.ndarray, g: np.ndarray, state: State, check: bool = False
+) -> tuple[np.ndarray, State] | None:
     """:func:`fold_into` by the compiled folds: ``w`` and ``g`` are C-contiguous, of one
     dtype, float32 or float64 (the caller checks). The rules' scalars are computed here
     as numpy's path computes them (in Python's floats), and converted there. A large
-    fold runs in parts on several cores (:mod:`.parallel`): the same bits."""
+    fold runs in parts on several cores (:mod:`.parallel`): the same bits.
+
+    With ``check``: None if ``g`` holds NaN or inf (the new arrays are left unused)."""
     c = _cfold
     assert c is not None  # (the caller checks)
     out = empty_like(w)
@@ -322,15 +343,18 @@ def _fold_compiled(
     decay = rule.weight_decay or 0.0
     small = w.nbytes < _SPLIT_BYTES  # (one call as it is: the common case, kept cheap)
     if kind == "sum":
-        (c.add if small else _in_parts(c.add))(w, g, out)
-        return out, State(state.step + 1)
+        if not (c.add if small else _in_parts(c.add))(w, g, out, check):
+            return None
+        return out, _stepped_state(state.step + 1)
     if kind == "sgd":
         fold_sgd = c.sgd if small else _in_parts(c.sgd)
         if not rule.momentum:
-            fold_sgd(w, g, out, None, None, -rule.lr, decay, 0.0)
-            return out, State(state.step + 1)
+            if not fold_sgd(w, g, out, None, None, -rule.lr, decay, 0.0, check):
+                return None
+            return out, _stepped_state(state.step + 1)
         buf = empty_like(w)
-        fold_sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum)
+        if not fold_sgd(w, g, out, buf, state.momentum, -rule.lr, decay, rule.momentum, check):
+            return None
         return out, State(state.step + 1, buf)
     if kind == "adam":
         b1, b2 = rule.beta1, rule.beta2
@@ -339,7 +363,8 @@ def _fold_compiled(
         neg_lr = -(rule.lr / (1 - b1**step))
         scalars = (neg_lr, decay, b1, b2, math.sqrt(1 - b2**step), rule.eps)
         fold_adam = c.adam if small else _in_parts(c.adam)
-        fold_adam(w, g, out, m, v, state.momentum, state.variance, *scalars)
+        if not fold_adam(w, g, out, m, v, state.momentum, state.variance, *scalars, check):
+            return None
         return out, State(step, m, v)
     raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")  # (see fold_into)
 
@@ -347,11 +372,28 @@ def _fold_compiled(
 def _in_parts(fold: Any) -> Any:
     """``fold``, called in parts of its first array (each array's same elements)."""
 
-    def run(w: np.ndarray, *args: Any) -> None:
+    def run(w: np.ndarray, *args: Any) -> bool:
         flat = [_flat(a) for a in (w, *args)]
-        in_parts(lambda p: fold(*[_part(a, p) for a in flat]), w.size, w.itemsize)
+        return all(in_parts(lambda p: fold(*[_part(a, p) for a in flat]), w.size, w.itemsize))
 
     return run
+
+
+def _stepped_state(step: int) -> State:
+    """``State(step)``: of a rule that keeps nothing else, one object for each step count
+    (a State is never changed; making one costs as much as a small fold's arithmetic)."""
+    made = _PLAIN_STATES.get(step)
+    if made is None:
+        if len(_PLAIN_STATES) >= MAX_PLAIN_STATES:
+            _PLAIN_STATES.clear()
+        made = _PLAIN_STATES[step] = State(step)
+    return made
+
+
+# The States of _stepped_state, by step: the parameters of a model step together, so
+# the steps there are at once are few (bounded: cleared when full).
+MAX_PLAIN_STATES = 64
+_PLAIN_STATES: dict[int, State] = {}
 
 
 def _flat(a: Any) -> Any:
