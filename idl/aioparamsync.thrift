@@ -149,6 +149,10 @@ struct ParameterRequest {
     // stored (partitions and manifests as they are), whatever it holds by
     // the placement; it passes no name on, and leaves out those it lacks.
     12: optional bool as_stored,
+    // Set: each parameter is answered without its rule (Parameter.rule
+    // absent; a manifest keeps its own), for a caller that only wants the
+    // arrays: less to send and to read.
+    13: optional bool without_rules,
 }
 
 struct ParameterResponse {

@@ -24,6 +24,7 @@ from aioparamsync import (
     RequestError,
     ServerError,
     __version__,
+    sgd,
     thrift,
     to_parameter,
 )
@@ -536,3 +537,35 @@ async def test_a_connection_accepted_as_the_node_stops_is_closed_not_left_open()
         finally:
             await asyncio.to_thread(reader.join)
         assert got == [b""], turns
+
+
+async def test_rules_come_with_a_read_unless_it_leaves_them_out(client: ParameterClient) -> None:
+    rule = sgd(0.5, momentum=0.9)
+    await client.update_arrays({"w": np.arange(4, dtype=np.float32)}, rules=rule)
+    (p,) = (await client.get_parameters(["w"])).params
+    assert p.rule == rule
+    (q,) = (await client.get_parameters(["w"], rules=False)).params
+    assert q.rule is None
+    assert (q.version, q.dtype, q.shape, bytes(q.data)) == (
+        p.version,
+        p.dtype,
+        p.shape,
+        bytes(p.data),
+    )
+    # A request that says nothing of rules (the founding IDL's, any other client's) gets them.
+    raw = thrift.ParameterRequest(param_names=["w"])
+    answer = await client.invoke(method("pull_parameters"), request=raw)
+    assert answer.params[0].rule == rule
+
+
+async def test_get_arrays_reads_rules_only_once_the_client_pushes_with_error_feedback(
+    client: ParameterClient, node: Node
+) -> None:
+    rule = sgd(0.1, momentum=0.5)
+    await client.update_arrays({"w": np.zeros(64, np.float32)}, rules=rule)
+    async with ParameterClient(node.address, timeout=30) as worker:
+        await worker.get_arrays(["w"])
+        assert worker._rules == {}  # (nothing read that it has no use for)
+        await worker.push_gradients({"w": np.ones(64, np.float32)}, encoding="topk", ratio=0.1)
+        await worker.get_arrays(["w"])
+        assert worker._rules == {"w": rule}  # (its pushes' bound is by the rule)

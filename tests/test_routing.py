@@ -665,3 +665,22 @@ def _load_throttle() -> Any:
     sys.modules.setdefault("throttle", module)
     spec.loader.exec_module(module)
     return module
+
+
+async def test_a_read_without_rules_is_answered_so_routed_and_passed_on(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    async with ParameterClient(nodes[0].address, timeout=10) as writer:
+        await writer.update_arrays(arrays(), rules=sgd(0.25), acks="all")
+        await eventually(lambda: assert_routed(writer))
+        for route in (True, False):  # (routed; passed on by the node asked)
+            async with ParameterClient(nodes[1].address, timeout=10, route=route) as reader:
+                without = await reader.get_parameters(NAMES, rules=False)
+                assert sorted(p.name for p in without.params) == sorted(NAMES)
+                assert all(p.rule is None for p in without.params), route
+                full = await reader.get_parameters(NAMES)
+                assert all(p.rule == sgd(0.25) for p in full.params), route
+                assert {p.name: bytes(p.data) for p in without.params} == {
+                    p.name: bytes(p.data) for p in full.params
+                }

@@ -194,6 +194,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         wait: float | None = None,
         known_versions: Mapping[str, int | tuple[int, str]] | None = None,
         encoding: str | None = None,
+        rules: bool = True,
         timeout: float | EllipsisType | None = ...,
     ) -> Any:
         """Fetch parameters: those of ``names`` that exist with ``version >= min_version``.
@@ -215,6 +216,9 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
                 nodes wrote it at once: last-writer-wins).
             encoding: ask for the data encoded (``"fp16"``, ``"bf16"``,
                 ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.values.compression`).
+            rules: False: each parameter comes without its rule (``rule`` None),
+                less to send and to read (a node older than this option sends
+                them all the same).
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -239,6 +243,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             min_version=min_version,
             all_names=True if names is None else None,
             encoding=encoding,
+            without_rules=None if rules else True,
         )
         if known_versions is not None:
             versions, origins = {}, {}
@@ -469,7 +474,10 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         """Fetch parameters as numpy arrays, by name (see :meth:`get_parameters`).
 
         Raw data comes as read-only views of the received bytes (no copy);
-        encoded data is decoded into new arrays.
+        encoded data is decoded into new arrays. The parameters' rules are
+        not sent, unless this client compresses gradients with error feedback
+        (which bounds what it holds back by each parameter's rule, as last
+        read or set).
         """
         response = await self.get_parameters(
             names,
@@ -477,6 +485,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             wait=wait,
             known_versions=known_versions,
             encoding=encoding,
+            rules=self._feedback is not None or self._auto is not None,
             timeout=timeout,
         )
         return {p.name: _array(p) for p in response.params}

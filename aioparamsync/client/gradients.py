@@ -85,8 +85,9 @@ class GradientClient:
                 the parameter's rule, as this client last read or set it
                 (0.5 for ``sum`` and ``sgd`` without momentum, ``0.5 * (1 -
                 momentum)`` with it, ``0.5 * (1 - beta1)`` for ``adam``; that
-                of momentum 0.9 for a rule not seen), lowered while what there
-                is to send grows. 1.0: exactly ``ratio`` (unbounded: at a
+                of momentum 0.9 for a rule not seen; ``get_arrays`` reads
+                rules once the client pushes with feedback), lowered while what
+                there is to send grows. 1.0: exactly ``ratio`` (unbounded: at a
                 step size that converges uncompressed, training may diverge).
             warmup: top-k: for each parameter's first ``warmup`` pushes, the
                 least share falls from 25% to ``ratio`` (sparsity warm-up).

@@ -250,6 +250,8 @@ class ParameterService:
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding) for e in entries]
+        elif request.without_rules:
+            params = [e.to_parameter(False) for e in entries]
         else:
             params = [e.to_parameter() for e in entries]
         if manifests:

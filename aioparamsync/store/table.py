@@ -129,8 +129,9 @@ class Entry:
     def nbytes(self) -> int:
         return self.data.nbytes
 
-    def to_parameter(self) -> Any:
-        """The wire's ``Parameter`` for this entry (its data by reference, not copied)."""
+    def to_parameter(self, rule: bool = True) -> Any:
+        """The wire's ``Parameter`` for this entry (its data by reference, not copied);
+        ``rule=False``: without its rule."""
         return thrift.Parameter(
             name=self.name,
             data=self.data,
@@ -138,7 +139,7 @@ class Entry:
             dtype=self.dtype,
             shape=list(self.shape) if self.shape is not None else None,
             origin=self.origin,
-            rule=self.rule,
+            rule=self.rule if rule else None,
         )
 
 
