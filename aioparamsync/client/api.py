@@ -274,10 +274,10 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
                     )
             except TimeoutError:
                 raise CallTimeout(f"pull_parameters did not complete within {deadline} s") from None
-        rules = self._rules
+        known = self._rules
         for p in response.params:
             if p.rule is not None:
-                rules[p.name] = p.rule
+                known[p.name] = p.rule
         if self._auto is not None and self._auto.measuring:
             self._auto.observe_read(response.params, time.monotonic() - started)
         return response
