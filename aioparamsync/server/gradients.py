@@ -236,7 +236,7 @@ class GradientPushes:
         large = [
             g
             for g in push.grads
-            if ((n := elements_of(g)) is None or n > per) and table.entry(g.name) is None
+            if table.entry(g.name) is None and ((n := elements_of(g)) is None or n > per)
         ]
         if not large:
             return push, {}

@@ -243,9 +243,9 @@ class ParameterService:
         limit = inline_limit(request)
         if request.piece_offset is not None:
             params = piece_of(request, entries, self.max_decoded_bytes)
-        elif any(e.nbytes > limit for e in entries) or (
-            request.max_inline_bytes is not None and sum(e.nbytes for e in entries) > limit
-        ):
+        elif sum(e.data.nbytes for e in entries) > limit and (
+            request.max_inline_bytes is not None or any(e.nbytes > limit for e in entries)
+        ):  # (one over the limit makes the sum so: a read of small ones sums them once)
             budget = [limit]  # (what the answer may still carry: the rest as headers)
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
