@@ -552,6 +552,12 @@ async def test_rules_come_with_a_read_unless_it_leaves_them_out(client: Paramete
         p.shape,
         bytes(p.data),
     )
+    # Encoded, and past the answer's inline bytes (a header, read in pieces): without too.
+    (q,) = (await client.get_parameters(["w"], encoding="fp16", rules=False)).params
+    assert q.rule is None and q.encoding == "fp16"
+    request = thrift.ParameterRequest(param_names=["w"], max_inline_bytes=0, without_rules=True)
+    (q,) = (await client.invoke(method("pull_parameters"), request=request)).params
+    assert q.rule is None and q.total_bytes == 16
     # A request that says nothing of rules (the founding IDL's, any other client's) gets them.
     raw = thrift.ParameterRequest(param_names=["w"])
     answer = await client.invoke(method("pull_parameters"), request=raw)

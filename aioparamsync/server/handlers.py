@@ -250,10 +250,11 @@ class ParameterService:
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding) for e in entries]
-        elif request.without_rules:
-            params = [e.to_parameter(False) for e in entries]
         else:
-            params = [e.to_parameter() for e in entries]
+            params = [e.to_parameter(not request.without_rules) for e in entries]
+        if request.without_rules:
+            for p in params:  # (each made for this answer alone)
+                p.rule = None
         if manifests:
             params += [e.to_parameter() for e in manifests]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
