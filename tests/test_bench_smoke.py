@@ -14,6 +14,8 @@ import pytest
 from cluster_helpers import run_bounded
 from cpp_helpers import need_cpp_baseline
 
+from aioparamsync._ext import compiled
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_node.py"
 # (all but cpp, which its own test below runs: it skips where the C++ server cannot be built)
 VARIANTS = {
@@ -226,6 +228,32 @@ def test_bench_percall_refuses_bad_arguments() -> None:
         rc, _, stderr = run_bounded([sys.executable, str(PERCALL), *bad], timeout=60)
         assert rc == 2, (bad, stderr)
         assert "error:" in stderr
+
+
+TENSORS = BENCH.parent / "bench_tensors.py"
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["default", "pure"])
+def test_bench_tensors_smoke(tmp_path: Path, pure: bool) -> None:
+    out = tmp_path / "tensors.json"
+    cmd = [sys.executable, str(TENSORS), "--count", "3", "--elements", "5", "--number", "2"]
+    cmd += ["--reps", "1", "--json", str(out)]
+    env = {**os.environ, "AIOPARAMSYNC_NO_EXT": "1"} if pure else None
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    assert (figures["count"], figures["elements"]) == (3, 5)
+    compiled_here = compiled("values._cfold") is not None  # (as the child reads the environment)
+    assert figures["path"] == ("pure" if pure or not compiled_here else "compiled")
+    parts = ["fold", "answer, rules", "answer, no rules", "decode, rules", "decode, no rules"]
+    for part in [*parts, "to_parameter", "from_parameter"]:
+        assert figures[part] > 0 and math.isfinite(figures[part]), part
+        assert part in done.stdout
+    for bad in (["--count", "0"], ["--reps", "-1"], ["--elements", "many"]):
+        refused = subprocess.run(
+            [sys.executable, str(TENSORS), *bad], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "error:" in refused.stderr, bad
 
 
 PUSH = BENCH.parent / "bench_push.py"
