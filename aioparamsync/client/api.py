@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import CallTimeout
 from ..values import pieces
-from ..values.arrays import from_parameter
+from ..values.arrays import array_of
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 from .addresses import Address, check_seconds, parse_address
 from .addresses import parse_addresses as parse_addresses  # (importable from here too)
@@ -216,9 +216,8 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
                 nodes wrote it at once: last-writer-wins).
             encoding: ask for the data encoded (``"fp16"``, ``"bf16"``,
                 ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.values.compression`).
-            rules: False: each parameter comes without its rule (``rule`` None),
-                less to send and to read (a node older than this option sends
-                them all the same).
+            rules: False: each parameter without its rule (``rule`` None), less
+                to send and read (a node older than this option sends them).
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -488,7 +487,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             rules=self._feedback is not None or self._auto is not None,
             timeout=timeout,
         )
-        return {p.name: _array(p) for p in response.params}
+        return {p.name: array_of(p) for p in response.params}
 
     async def update_arrays(
         self,
@@ -595,12 +594,3 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         barrier held (what it waits for, whom, and for how many seconds).
         """
         return await self.invoke(METHODS.info, timeout=timeout)
-
-
-def _array(p: Any) -> np.ndarray:
-    """The array of a received ``Parameter``, decoded if it is encoded."""
-    if not p.encoding:
-        return from_parameter(p)
-    from ..values import compression
-
-    return compression.decode(p)

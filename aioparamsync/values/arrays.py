@@ -28,6 +28,7 @@ from ..wire import thrift
 
 __all__ = [
     "BFLOAT16",
+    "array_of",
     "check_layout",
     "check_shape",
     "describe_layout",
@@ -331,6 +332,16 @@ def from_parameter(param: Any, dtype: Any = None) -> np.ndarray:
     if SWAP_BFLOAT16 and stored == BFLOAT16:
         arr = arr.view(np.uint16).byteswap().view(dt)
     return arr.reshape(shape) if shape is not None else arr
+
+
+def array_of(param: Any) -> np.ndarray:
+    """The array of a received ``Parameter``: :func:`from_parameter`'s, or decoded where
+    it is encoded (see :func:`aioparamsync.values.compression.decode`)."""
+    if not param.encoding:
+        return from_parameter(param)
+    from .compression import decode  # (not imported for raw data)
+
+    return decode(param)
 
 
 def to_parameters(arrays: Any) -> list[Any]:
