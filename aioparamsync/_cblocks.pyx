@@ -22,8 +22,8 @@ What is kept is bounded twice:
 * at most ``cap`` bytes are kept (:func:`set_cap`; :func:`trim` gives all
   back).
 
-:func:`new` makes no block of ``MIN_BYTES`` or less (it answers None): glibc's
-``malloc`` takes those from its heap, and a node's process keeps that memory for
+Blocks are for arrays of more than ``MIN_BYTES`` (``aioparamsync.blocks`` asks for no
+other): glibc's ``malloc`` takes those from its heap, and a node's process keeps that memory for
 reuse (``cli/memory.py``); larger ones it maps anew each time, whatever it is
 told. All of this runs holding the GIL (``__dealloc__`` too), which serializes it.
 """
@@ -152,13 +152,6 @@ cdef class Block:
         if self._p != NULL:
             _give_back(self._p, self._mapped)
             self._p = NULL
-
-
-def new(Py_ssize_t nbytes):
-    """A :class:`Block` of ``nbytes``, or None for ``MIN_BYTES`` or fewer."""
-    if nbytes <= MIN_BYTES:
-        return None
-    return Block(nbytes)
 
 
 def set_cap(Py_ssize_t cap):
