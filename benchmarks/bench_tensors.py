@@ -21,7 +21,8 @@ script times those parts alone (``timeit``, the best of ``--reps`` repetitions o
     python benchmarks/bench_tensors.py --elements 262144  # 200 x 1 MiB
     python benchmarks/bench_tensors.py --json tensors.json
 
-On the compiled path where it was built (``AIOPARAMSYNC_NO_EXT=1``: the pure one).
+On the compiled path where it was built (``AIOPARAMSYNC_NO_EXT=1``: the pure one), with
+glibc's malloc set as a node sets it (``cli/memory.py``: freed memory kept for reuse).
 One core, no I/O: the floor of what each part costs on this machine.
 """
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from aioparamsync import sgd, thrift
 from aioparamsync._ext import compiled
+from aioparamsync.cli.memory import keep_freed_memory
 from aioparamsync.store.table import ParameterTable
 from aioparamsync.values.arrays import from_parameter, to_parameter
 from aioparamsync.wire.codec import BinaryReader, encode_message
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = parser.parse_args(argv)
     path = "compiled" if compiled("values._cfold") is not None else "pure"
+    keep_freed_memory()  # (as a node does)
     figures = measure(args.count, args.elements, args.number, args.reps)
     print(f"{args.count} x {args.elements * 4} bytes float32, {path} path, best of {args.reps}")
     width = max(map(len, PARTS))

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from aioparamsync import ErrorCode, RequestError, adam, sgd, sum_rule
+from aioparamsync import ErrorCode, RequestError, adam, sgd, sum_rule, thrift
 from aioparamsync.store.table import ParameterTable
 from aioparamsync.values import parallel, rules
 from aioparamsync.values.arrays import to_parameter
@@ -324,3 +324,104 @@ def test_a_large_push_with_one_bad_value_in_any_part_is_refused_whole(fold_threa
     entry = table.entry("w")
     assert entry is not None and entry.version == 2
     assert np.all(np.frombuffer(entry.data, np.float32) == np.float32(-0.1))
+
+
+# -- many small folds in one call (rules.fold_many, as a push's fold uses it) ---------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_many_folds_in_one_call_are_numpys_bit_for_bit_from_every_state(dtype: type) -> None:
+    # Every rule in one call, each tensor by its own, over three steps (each from the state
+    # the one before left), gradients as raw bytes at every offset a frame may hold them.
+    # (wild values hold NaN and inf: rules that fold them, as the numpy path is asked to)
+    allowing = {k: thrift.Rule(**{**r.__dict__, "allow_nonfinite": True}) for k, r in RULES.items()}
+    rng = np.random.default_rng(7 + dtype().itemsize)
+    names = sorted(RULES)
+    n = 1025
+    ws = [wild(rng, n, dtype) for _ in names]
+    mine: list = [None] * len(names)
+    theirs: list = [rules.State()] * len(names)
+    for step in range(3):
+        gs = [wild(rng, n, dtype) for _ in names]
+        items = [
+            (allowing[name], w, at_offset(g, (i + step) % dtype().itemsize).view(np.uint8), mine[i])
+            for i, (name, w, g) in enumerate(zip(names, ws, gs, strict=True))
+        ]
+        got = rules.fold_many(items, names)
+        assert len(got) == len(names)
+        for i, name in enumerate(names):
+            with np.errstate(all="ignore"):
+                expected, theirs[i] = rules._fold_numpy(RULES[name], ws[i], gs[i], theirs[i])
+            value, mine[i] = got[i]
+            where = f"{name} {dtype.__name__} step {step}"
+            assert same(value, expected), where
+            assert not value.flags.writeable, where
+            assert mine[i].step == theirs[i].step == step + 1, where
+            assert same(mine[i].momentum, theirs[i].momentum), where
+            assert same(mine[i].variance, theirs[i].variance), where
+            ws[i] = expected
+
+
+def test_many_folds_refuse_a_gradient_with_nan_or_inf_by_its_name_unless_its_rule_allows():
+    w = np.zeros(16, np.float32)
+    clean = np.ones(16, np.float32).tobytes()
+    for bad in (np.nan, np.inf, -np.inf):
+        g = np.ones(16, np.float32)
+        g[15] = bad
+        items = [(sgd(0.1), w, clean, None), (sgd(0.1), w, g.tobytes(), None)]
+        with pytest.raises(RequestError, match="gradient 'b' holds 1 of 16") as caught:
+            rules.fold_many(items, ["a", "b"])
+        assert caught.value.code == ErrorCode.BAD_REQUEST
+        (value, _), (allowed, _) = rules.fold_many(
+            [items[0], (sgd(0.1, allow_nonfinite=True), w, g.tobytes(), None)], ["a", "b"]
+        )
+        assert (value == np.float32(-0.1)).all()
+        assert same(allowed, g * np.float32(-0.1))
+
+
+def test_many_folds_take_only_gradients_of_their_parameters_bytes() -> None:
+    w = np.zeros(8, np.float32)
+    for data in (b"\0" * 31, b"\0" * 33, b""):
+        with pytest.raises(TypeError, match=f"raw input has {len(data)} bytes"):
+            rules.fold_many([(sgd(0.1), w, data, None)], ["w"])
+    with pytest.raises(TypeError, match="float32 or float64, not 'i'"):
+        rules.fold_many([(sgd(0.1), np.zeros(8, np.int32), b"\0" * 32, None)], ["w"])
+    assert rules.fold_many([], []) == []
+
+
+def test_a_push_folds_small_large_and_converted_gradients_as_one_pass_of_each_would():
+    # One push: small float32 and float64 tensors (fold_many), a large one (in parts), a
+    # float16 gradient of a float32 parameter and a float16 parameter (numpy's path).
+    rng = np.random.default_rng(3)
+    large = rules._SPLIT_BYTES // 4 + 5
+    shapes = {
+        "small32": (np.float32, np.float32, (4, 8)),
+        "small64": (np.float64, np.float64, (33,)),
+        "large": (np.float32, np.float32, (large,)),
+        "converted": (np.float32, np.float16, (9,)),
+        "half": (np.float16, np.float16, (9,)),
+    }
+    table = ParameterTable()
+    stored = []
+    for i, (name, (dtype, _, shape)) in enumerate(shapes.items()):
+        p = to_parameter(name, rng.standard_normal(shape).astype(dtype))
+        p.rule = [adam(0.01), sgd(0.1, momentum=0.9), sgd(0.2)][i % 3]
+        stored.append(p)
+    table.apply(stored, 1)
+    raw = {"small32", "small64"}
+    for step in range(2):
+        grads = {n: rng.standard_normal(s).astype(g) for n, (_, g, s) in shapes.items()}
+        before = {n: np.frombuffer(table.entry(n).data, d).reshape(s).copy()
+                  for n, (d, _, s) in shapes.items()}  # fmt: skip
+        states = {n: table.state(n) for n in shapes}
+        work = table.check_gradients([to_parameter(n, g) for n, g in grads.items()],
+                                     finite=False, raw=True)  # fmt: skip
+        assert {c.name for c, *_, quick in work if quick} == raw
+        table.fold([to_parameter(n, g) for n, g in grads.items()], 2 + step)
+        for name, (dtype, _, shape) in shapes.items():
+            entry = table.entry(name)
+            expected, state = rules.fold(entry.rule, before[name], grads[name], states[name])
+            assert entry.version == 2 + step, name
+            assert same(np.frombuffer(entry.data, dtype).reshape(shape), expected), name
+            assert table.state(name).step == state.step == step + 1, name
+            assert same(table.state(name).momentum, state.momentum), name

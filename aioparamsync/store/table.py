@@ -143,17 +143,20 @@ class Entry:
         )
 
 
-def _like(g: Any, dtype: str | None, weights: np.ndarray) -> np.ndarray | None:
-    """The gradient ``g`` as an array, at once where it has the dtype string and the shape
-    of its parameter (``dtype``, ``weights``) and their bytes; else None (see
-    from_parameter, which checks it, and says what does not fit)."""
+def _fits(g: Any, dtype: str | None, weights: np.ndarray) -> bool:
+    """True if the gradient ``g`` has the dtype string and the shape of its parameter
+    (``dtype``, ``weights``) and their bytes, and is read as it is (not byte-swapped):
+    it may be read at once, without from_parameter's checks (which say what does not fit)."""
     shape = g.shape
     if g.dtype != dtype or shape is None or len(shape) != weights.ndim:
-        return None
+        return False
     if tuple(shape) != weights.shape or memoryview(g.data).nbytes != weights.nbytes:
-        return None
-    if SWAP_BFLOAT16 and dtype == BFLOAT16:
-        return None  # (read byte-swapped: from_parameter)
+        return False
+    return not (SWAP_BFLOAT16 and dtype == BFLOAT16)  # (bfloat16 swapped: from_parameter)
+
+
+def _like(g: Any, weights: np.ndarray) -> np.ndarray:
+    """The gradient ``g`` that :func:`_fits` its parameter's ``weights``, as an array."""
     grad = np.frombuffer(g.data, dtype=weights.dtype)
     return grad if weights.ndim == 1 else grad.reshape(weights.shape)
 
@@ -393,19 +396,25 @@ class ParameterTable:
         Raises:
             RequestError: a gradient may not be folded (nothing is changed).
         """
-        work = self.check_gradients(grads, finite=False)
+        work = self.check_gradients(grads, finite=False, raw=True)
         # Every check passed (but that of finite values: each fold's, below): compute
-        # all, then store all.
+        # all, then store all. The small ones a compiled fold takes as they came go in
+        # one call (rules.fold_many); any other, one at a time.
+        kept = self._states
+        raw = [(c.rule, w, g, kept.get(c.name)) for c, w, g, quick in work if quick]
+        many = iter(rules.fold_many(raw, [c.name for c, *_, q in work if q]) if raw else ())
         made = []
         states = {}
         with np.errstate(all="ignore"):  # (once for all: see rules.fold_into)
-            for current, weights, grad in work:
-                state = self._states.get(current.name)
-                value, states[current.name] = rules.fold_into(
-                    current.rule, weights, grad, state, check=current.name
-                )
+            for current, weights, grad, quick in work:
+                if quick:
+                    value, states[current.name] = next(many)
+                else:
+                    value, states[current.name] = rules.fold_into(
+                        current.rule, weights, grad, kept.get(current.name), check=current.name
+                    )
+                    value.flags.writeable = False
                 # ours alone (new, C-contiguous): the entry keeps its bytes, uncopied
-                value.flags.writeable = False
                 flat = value if value.ndim == 1 else value.reshape(-1)
                 made.append(
                     Entry(
@@ -419,19 +428,21 @@ class ParameterTable:
                         value,
                     )
                 )
-        self._states.update(states)
+        kept.update(states)
         return self._store(made, timestamp)
 
     def check_gradients(
-        self, grads: Sequence[Any], *, finite: bool = True
-    ) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
+        self, grads: Sequence[Any], *, finite: bool = True, raw: bool = False
+    ) -> list[tuple[Entry, np.ndarray, Any, bool]]:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
 
         A gradient holding NaN or inf is refused unless its parameter's rule
         allows them (see :func:`~aioparamsync.values.rules.check_finite`);
         ``finite=False`` leaves that to the caller (the fold's own pass checks it).
 
-        Answers, for each, its parameter's entry, the parameter's array and the gradient's.
+        Answers, for each, its parameter's entry, the parameter's array, the gradient's,
+        and False; with ``raw``, a gradient that :func:`~aioparamsync.values.rules.fold_many`
+        takes as it came (its parameter's dtype and shape, small) is its bytes, and True.
         """
         check_names(self.limits, grads, what="gradients")
         entries = self._entries
@@ -457,9 +468,13 @@ class ParameterTable:
             if weights is None:
                 weights = from_parameter(current)
                 _set_entry_array(current, weights)  # (a cache, not a change: see Entry)
-            grad = _like(g, current.dtype, weights)
-            if grad is None:
+            if not _fits(g, current.dtype, weights):
                 grad = from_parameter(g)
+            elif raw and rules.folds_raw(weights):
+                work.append((current, weights, g.data, True))  # (fold_many checks finite)
+                continue
+            else:
+                grad = _like(g, weights)
             if grad.dtype.kind not in "iuf" and not is_bfloat16(grad.dtype):
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
@@ -475,7 +490,7 @@ class ParameterTable:
                 check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
             if finite:
                 rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
-            work.append((current, weights, grad))
+            work.append((current, weights, grad, False))
         return work
 
     def state(self, name: str) -> rules.State | None:

@@ -36,6 +36,8 @@ from cpython.buffer cimport (
 from libc.math cimport isfinite, sqrt, sqrtf
 from libc.string cimport memcpy
 
+import math
+
 ctypedef fused real:
     float
     double
@@ -79,9 +81,12 @@ cdef class _Arrays:
         for i in range(self.held):
             PyBuffer_Release(&self.views[i])
 
-    cdef const char* take(self, object array, bint writable, bint unaligned=False) except NULL:
+    cdef const char* take(
+        self, object array, bint writable, bint unaligned=False, bint raw=False
+    ) except NULL:
         """A C-contiguous array of the fold's dtype and length (checked), held: aligned,
-        unless ``unaligned`` (an input read by :func:`_get`)."""
+        unless ``unaligned`` (an input read by :func:`_get`). ``raw``: an input given as
+        its bytes (any format: read as the fold's dtype), as many as the fold's arrays'."""
         if self.held == MOST:
             raise ValueError(f"a fold takes at most {MOST} arrays")
         cdef Py_buffer* view = &self.views[self.held]
@@ -90,6 +95,13 @@ cdef class _Arrays:
             flags |= PyBUF_WRITABLE
         PyObject_GetBuffer(array, view, flags)
         self.held += 1
+        if raw and self.held > 1:
+            if view.len != self.count * (4 if self.kind == b'f' else 8):
+                raise TypeError(
+                    f"a fold's raw input has {view.len} bytes, not those of {self.count} "
+                    f"elements of {chr(self.kind)}"
+                )
+            return <const char*>view.buf
         cdef char code = _code(view)
         if self.held == 1:
             if code == 0:
@@ -218,6 +230,71 @@ def adam(
     return _run(ADAM, w, g, out, m, v, m_old, v_old, s, check)
 
 
+def fold_many(list items, object empty_like, object stepped, object State, bint check=True):
+    """Fold many small gradients in one call, each by its own rule (the per-tensor work
+    of a push of many small tensors, without a Python call for each).
+
+    ``items``: ``(rule, w, g, state)`` tuples: ``w`` a parameter's C-contiguous float32
+    or float64 array, ``g`` its gradient as raw bytes (``w``'s dtype in this machine's
+    order, as many bytes), ``state`` the rule's :class:`~.rules.State` or None.
+    ``empty_like(w)`` makes each new array; ``stepped(step)`` is the state of a rule
+    that keeps no arrays, ``State(step, m, v)`` that of one that does.
+
+    The rules' numbers are computed as :func:`~.rules._fold_compiled` computes them (in
+    Python's floats), and the folds are :func:`sgd`'s, :func:`add`'s and :func:`adam`'s.
+
+    Answers a list of ``(value, state)``, each value read-only; or, with ``check``, the
+    index of the first gradient that holds NaN or inf where its rule does not allow them
+    (the new arrays are left unused: nothing is changed)."""
+    cdef list answers = []
+    cdef Scalars s
+    cdef Kind kind
+    cdef Py_ssize_t i
+    cdef object rule, w, g, state, step, out, new1, new2, old1, old2, b1, b2, lr
+    for i in range(len(items)):
+        rule, w, g, state = <tuple>items[i]
+        old1 = old2 = new1 = new2 = None
+        if state is None:
+            step = 1
+        else:
+            step = state.step + 1
+        decay = rule.weight_decay or 0.0
+        out = empty_like(w)
+        name = rule.kind
+        if name == "sum":
+            kind = ADD
+            s = _scalars(0, 0, 0, 0, 0, 0, 0)
+        elif name == "sgd":
+            kind = SGD
+            momentum = rule.momentum
+            if momentum:
+                new1 = empty_like(w)
+                if state is not None:
+                    old1 = state.momentum
+            else:
+                momentum = 0.0
+            s = _scalars(-rule.lr, decay, momentum, 0, 0, 0, 0)
+        elif name == "adam":
+            kind = ADAM
+            b1, b2, lr = rule.beta1, rule.beta2, rule.lr
+            s = _scalars(
+                -(lr / (1 - b1**step)), decay, 0, b1, b2, math.sqrt(1 - b2**step), rule.eps
+            )
+            new1, new2 = empty_like(w), empty_like(w)
+            if state is not None:
+                old1, old2 = state.momentum, state.variance
+            if (old1 is None) != (old2 is None):
+                raise ValueError("adam reads both moments or neither")
+        else:
+            raise ValueError(f"unknown rule {name!r}")
+        if not _run(kind, w, g, out, new1, new2, old1, old2, s,
+                    check and not rule.allow_nonfinite, True):
+            return i
+        out.flags.writeable = False
+        answers.append((out, stepped(step) if new1 is None else State(step, new1, new2)))
+    return answers
+
+
 cdef Scalars _scalars(
     double neg_lr, double weight_decay, double momentum, double beta1, double beta2,
     double sqrt_bias2, double eps,
@@ -236,15 +313,16 @@ cdef Scalars _scalars(
 
 cdef bint _run(
     Kind kind, object w, object g, object out, object new1, object new2, object old1,
-    object old2, Scalars s, bint check,
+    object old2, Scalars s, bint check, bint raw=False,
 ) except -1:
     """Hold the arrays (None: not used), check them, and fold, without the GIL: True, or
     with ``check``, whether every element of ``g`` is finite (its own loop, before the
-    fold's: one that vectorizes, as the fold's does)."""
+    fold's: one that vectorizes, as the fold's does). ``raw``: ``g`` is bytes (see
+    :meth:`_Arrays.take`)."""
     cdef bint ok = True
     cdef _Arrays a = _Arrays()
     cdef const char* pw = a.take(w, False, True)
-    cdef const char* pg = a.take(g, False, True)
+    cdef const char* pg = a.take(g, False, True, raw)
     cdef const char* po = a.take(out, True)
     cdef const char* n1 = a.take(new1, True) if new1 is not None else NULL
     cdef const char* n2 = a.take(new2, True) if new2 is not None else NULL

@@ -379,6 +379,33 @@ def _in_parts(fold: Any) -> Any:
     return run
 
 
+def folds_raw(w: np.ndarray) -> bool:
+    """True if :func:`fold_many` folds into ``w``: the compiled folds are here, ``w`` is
+    a C-contiguous float32 or float64 array of this machine's order, and small (one
+    call, no parts)."""
+    return _cfold is not None and _compiled_dtype(w) and w.nbytes < _SPLIT_BYTES
+
+
+def fold_many(items: list[tuple[Any, np.ndarray, Any, State | None]], names: list[str]) -> list:
+    """:func:`fold_into` (with ``check``) of many small gradients in one compiled call:
+    ``items`` are ``(rule, w, data, state)``, each ``w`` one that :func:`folds_raw`
+    takes and ``data`` its gradient's raw bytes (``w``'s dtype and byte count), named
+    ``names`` (for the message). Answers ``(value, state)`` for each, each value
+    read-only, as :func:`fold_into` answers them; the same bits.
+
+    Raises:
+        RequestError: a gradient holds NaN or inf, and its rule refuses them (nothing
+            is changed).
+    """
+    assert _cfold is not None  # (the caller asks folds_raw)
+    made = _cfold.fold_many(items, empty_like, _stepped_state, State)
+    if isinstance(made, int):  # the index of a gradient that is not finite
+        rule, w, data, _ = items[made]
+        check_finite(f"gradient {names[made]!r}", np.frombuffer(data, w.dtype), rule)
+        raise AssertionError("the fold and check_finite disagree")  # pragma: no cover
+    return made
+
+
 def _stepped_state(step: int) -> State:
     """``State(step)``: of a rule that keeps nothing else, one object for each step count
     (a State is never changed; making one costs as much as a small fold's arithmetic)."""
