@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import test_fuzz as fuzz
 from codec_helpers import PROPERTY, GeneralReader, mutate, outcome
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from thriftpy2.thrift import TType
 
@@ -172,6 +172,35 @@ async def test_a_replaced_value_is_freed_at_once(elements: int) -> None:
 
 
 # -- one contract, two implementations --------------------------------------------------
+
+
+@needs_codec
+@settings(max_examples=40, deadline=None)
+@example(sizes=[4096] * 200, seed=1)  # (a push of 200 x 4 KiB: ~830 KB)
+@example(sizes=[16 * 1024 - 1] * 300, seed=2)
+@given(
+    sizes=st.lists(st.integers(0, 16 * 1024 - 1), min_size=1, max_size=300),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_message_of_many_small_binaries_is_written_alike_and_its_buffer_not_oversized(
+    sizes: list[int], seed: int
+) -> None:
+    # Binaries under ZERO_COPY_MIN_BYTES are copied into the message's buffer, which the
+    # compiled writer grows by half of itself past 64 KiB (up to ~4.7 MiB here): the same
+    # bytes as the pure writer's, and at most about a third of its buffer spare.
+    rng = np.random.default_rng(seed)
+    grads = [
+        to_parameter(f"t{i}", rng.integers(0, 256, n, dtype=np.uint8)) for i, n in enumerate(sizes)
+    ]
+    args = method("push_gradients").args(push=thrift.GradientPush(grads=grads, request_id="r"))
+    msg = ("push_gradients", MessageType.CALL, 7, args)
+    pure, compiled = both(encoded, msg)
+    assert pure == compiled
+    with running("compiled"):
+        parts, size = encode_message(*msg)
+    assert len(parts) == 1 and len(parts[0]) == size
+    spare = sys.getsizeof(parts[0]) - sys.getsizeof(bytearray(size))
+    assert spare <= size // 2 + 64, (size, spare)
 
 
 @needs_codec
