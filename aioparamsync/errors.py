@@ -179,3 +179,24 @@ class RunningLoopError(ParamSyncError, RuntimeError):
     client's own loop, never be answered): async code uses
     :class:`~aioparamsync.ParameterClient` and awaits its methods.
     """
+
+
+def drop_tracebacks(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and of every exception it chains (cause, context).
+
+    A node calls it once a refused or failed call's error has been logged and is
+    answered. A traceback holds every frame the exception passed through, and each frame
+    what it held: a request's decoded values, a 64 MiB frame of it. Where one of those
+    frames also holds the exception (a future set with it, a task that raised it), the
+    two form a cycle that only the garbage collector frees, and every bad request would
+    leave its bytes behind until its next pass.
+    """
+    pending = [exc]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending.extend(c for c in (e.__cause__, e.__context__) if c is not None)

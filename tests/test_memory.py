@@ -82,3 +82,57 @@ async def test_a_push_lets_its_frame_go_once_folded() -> None:
             assert sys.getrefcount(buffer) == 3  # (kept, here, and the call's argument)
             del buffer
         assert (await client.get_arrays(["w0"]))["w0"][0] == -3
+
+
+# -- a refused call keeps nothing of its bytes ------------------------------------------------
+
+
+@pytest.mark.parametrize("elements", [1 << 16, 3 << 20])  # (256 KiB; 12 MiB: in partitions)
+async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collector(
+    elements: int,
+) -> None:
+    """A refused write's traceback held the frames it passed through (the writer's batch,
+    the handlers' decoded values), and one of them the future set with it: a cycle that
+    kept the request's bytes until the collector's next pass (15 refused 64 MiB writes
+    left ~960 MiB behind with the collector off). Every kind of write refused, each
+    kind twice; then nothing of theirs is garbage in a cycle."""
+    import gc
+    import types
+
+    import numpy as np
+
+    from aioparamsync import Node, ParameterClient, RequestError, sgd
+
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await client.update_arrays({"w": np.zeros(elements, np.float32)}, rules=sgd(1))
+        await client.update_arrays({"plain": np.zeros(elements, np.float32)})
+        bad = np.ones(elements, np.float32)
+        bad[-1] = np.nan
+        refused = [
+            lambda: client.update_arrays({"w": np.zeros((elements // 4, 4), np.float32)}),
+            lambda: client.update_arrays({"w": np.zeros(elements, np.float64)}),
+            lambda: client.push_gradients({"plain": np.ones(elements, np.float32)}),
+            lambda: client.push_gradients({"nope": np.ones(elements, np.float32)}),
+            lambda: client.push_gradients({"w": bad}),
+            lambda: client.push_gradients({"w": np.ones(elements + 1, np.float32)}),
+        ]
+        gc.collect()
+        gc.disable()
+        try:
+            for call in refused * 2:
+                with pytest.raises(RequestError):
+                    await call()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            frames = [
+                f"{o.f_code.co_filename}:{o.f_code.co_name}"
+                for o in gc.garbage
+                if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
+            ]
+            large = [o for o in gc.garbage if isinstance(o, memoryview) and o.nbytes >= 1 << 16]
+            assert not frames and not large, (frames[:10], len(large))
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert (await client.get_arrays(["w"]))["w"].sum() == 0  # (nothing was applied)

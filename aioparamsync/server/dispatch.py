@@ -32,7 +32,13 @@ from typing import Protocol as TypingProtocol
 
 from thriftpy2.thrift import TApplicationException
 
-from ..errors import ErrorCode, LocalProtocolError, RemoteProtocolError, RequestError
+from ..errors import (
+    ErrorCode,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RequestError,
+    drop_tracebacks,
+)
 from ..wire import Frame, MessageType, Method, decode_header, encode_message, method, thrift
 from ..wire.protocol import CALL, ONEWAY, REPLY
 from .ordering import MAX_PIPELINE, CallOrder
@@ -289,6 +295,14 @@ class CallDispatch(CallOrder):
         self._flush()
 
     def _error_reply(self, m: Method, exc: BaseException) -> tuple[int, Any]:
+        """The reply to a call that failed with ``exc`` (logged if it is not a refusal);
+        ``exc``'s tracebacks are dropped (see drop_tracebacks)."""
+        try:
+            return self._reply_to(m, exc)
+        finally:
+            drop_tracebacks(exc)
+
+    def _reply_to(self, m: Method, exc: BaseException) -> tuple[int, Any]:
         if isinstance(exc, RequestError):
             if m.typed_errors and m.result is not None:
                 error = thrift.ParameterError(
@@ -304,7 +318,7 @@ class CallDispatch(CallOrder):
                     f"the node is shutting down: {m.name} was not finished (a write may "
                     "have been applied); try again, at another node",
                 )
-                return self._error_reply(m, unfinished)
+                return self._reply_to(m, unfinished)
             return MessageType.EXCEPTION, app_error(
                 TApplicationException.INTERNAL_ERROR, f"{m.name} was cancelled (shutting down)"
             )

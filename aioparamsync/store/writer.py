@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import ErrorCode, RequestError
+from ..errors import ErrorCode, RequestError, drop_tracebacks
 from .cuts import CallLog, Hold
 from .table import Applied, Entry, ParameterTable
 
@@ -64,6 +64,9 @@ def _tell(future: Answer) -> None:
 
 
 def _fail(future: Answer, exc: BaseException) -> None:
+    # (the writer's frames, which hold the batch and the future, are of no use to the
+    # caller: without them, no cycle keeps the batch's bytes; see drop_tracebacks)
+    drop_tracebacks(exc)
     future.set_exception(exc)
     if future.eager is not None:
         _tell(future)
