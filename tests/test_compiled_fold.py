@@ -425,3 +425,14 @@ def test_a_push_folds_small_large_and_converted_gradients_as_one_pass_of_each_wo
             assert same(np.frombuffer(entry.data, dtype).reshape(shape), expected), name
             assert table.state(name).step == state.step == step + 1, name
             assert same(table.state(name).momentum, state.momentum), name
+
+
+def test_many_folds_make_numpys_own_arrays_where_the_store_would() -> None:
+    # fold_many makes its arrays with np.empty_like: right only while every array it folds
+    # (under _SPLIT_BYTES) is one blocks.empty_like would make as numpy's own too.
+    from aioparamsync import _cblocks, blocks
+
+    assert _cblocks is not None  # (built with the folds)
+    assert rules._SPLIT_BYTES <= _cblocks.MIN_BYTES
+    w = np.zeros(rules._SPLIT_BYTES // 4 - 1, np.float32)
+    assert rules.folds_raw(w) and blocks.empty_like(w).base is None

@@ -251,6 +251,7 @@ def fold_many(list items, object empty_like, object stepped, object State, bint 
     cdef Kind kind
     cdef Py_ssize_t i
     cdef object rule, w, g, state, step, out, new1, new2, old1, old2, b1, b2, lr
+    cdef object last_step = None, last_state = None  # (a push's tensors share their step)
     for i in range(len(items)):
         rule, w, g, state = <tuple>items[i]
         old1 = old2 = new1 = new2 = None
@@ -291,7 +292,12 @@ def fold_many(list items, object empty_like, object stepped, object State, bint 
                     check and not rule.allow_nonfinite, True):
             return i
         out.flags.writeable = False
-        answers.append((out, stepped(step) if new1 is None else State(step, new1, new2)))
+        if new1 is not None:
+            answers.append((out, State(step, new1, new2)))
+        else:
+            if step != last_step:
+                last_step, last_state = step, stepped(step)
+            answers.append((out, last_state))
     return answers
 
 

@@ -398,7 +398,9 @@ def fold_many(items: list[tuple[Any, np.ndarray, Any, State | None]], names: lis
             is changed).
     """
     assert _cfold is not None  # (the caller asks folds_raw)
-    made = _cfold.fold_many(items, empty_like, _stepped_state, State)
+    # (numpy's own arrays: these are smaller than _SPLIT_BYTES, and blocks.empty_like
+    # makes numpy's below its MIN_BYTES, far above; a test checks it)
+    made = _cfold.fold_many(items, np.empty_like, _stepped_state, State)
     if isinstance(made, int):  # the index of a gradient that is not finite
         rule, w, data, _ = items[made]
         check_finite(f"gradient {names[made]!r}", np.frombuffer(data, w.dtype), rule)
