@@ -136,3 +136,52 @@ async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collec
             gc.garbage.clear()
             gc.enable()
         assert (await client.get_arrays(["w"]))["w"].sum() == 0  # (nothing was applied)
+
+
+async def test_a_timed_out_call_leaves_nothing_of_its_bytes_to_the_garbage_collector() -> None:
+    """The client's side: a call that timed out held its error in its future, whose
+    traceback held the frame that awaited it, which held the future and the request (the
+    caller's 16 MiB): a cycle. Pushes, updates and reads, pooled and held, each timed out;
+    and the node's side of the connections the client then closed."""
+    import gc
+    import types
+
+    import numpy as np
+
+    from aioparamsync import CallTimeout, Node, ParameterClient, sgd
+
+    elements = 4 << 20
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await client.update_arrays({"w": np.zeros(elements, np.float32)}, rules=sgd(1))
+        calls = [
+            lambda: client.push_gradients({"w": np.ones(elements, np.float32)}, timeout=1e-4),
+            lambda: client.update_arrays({"w": np.ones(elements, np.float32)}, timeout=1e-4),
+            lambda: client.get_arrays(["w"], timeout=1e-4),
+            # (held by the node, on a connection of its own: the spare one the call below
+            # leaves, so the deadline falls on the call, not on its connect)
+            lambda: client.get_arrays(["w"], min_version=10**6, wait=5.0, timeout=0.05),
+        ]
+        await client.get_arrays(["w"], wait=5.0)  # (answered at once: its connection kept)
+        gc.collect()
+        gc.disable()
+        try:
+            for call in calls * 2:
+                with pytest.raises(CallTimeout):
+                    await call()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            frames = [
+                f"{o.f_code.co_filename}:{o.f_code.co_name}"
+                for o in gc.garbage
+                if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
+            ]
+            # (a connect cut short by the deadline may leave its receiver's 256 KiB scratch
+            # in a cycle of uvloop's transport: not the call's bytes, 16 MiB here)
+            large = [o for o in gc.garbage if isinstance(o, memoryview) and o.nbytes >= 1 << 20]
+            assert not frames and not large, (frames[:10], len(large))
+            served = [o for o in gc.garbage if type(o).__name__ == "ServerConnection"]
+            assert not served  # (the node's end of the closed connections, and its buffers)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()

@@ -366,6 +366,7 @@ class _Connection(asyncio.BufferedProtocol):
             return await future
         finally:
             self.forget(seqid, when)
+            del future  # (no cycle through an error it holds: see ConnectionPool.invoke)
 
     def send(self, m: Method, args: Any, when: float | None) -> tuple[int, asyncio.Future]:
         """Send a two-way call now; answer its seqid and the future of its result.

@@ -359,6 +359,9 @@ class ConnectionPool:
                         result = await future
                     finally:
                         conn.forget(seqid, when)
+                        # (an error the future holds has this frame in its traceback, and
+                        # this frame the request: without this, a cycle kept its bytes)
+                        del future
                     break
                 except ConnectionLostError:
                     if retries == 0 or self._closed:

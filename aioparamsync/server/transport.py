@@ -214,6 +214,7 @@ class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self.receiver.close()
+        self.receiver.on_grant = None  # (a cycle through it kept the receiver's buffers)
         self._calls.clear()
         # Nobody is left to answer: stop the reads held for it (long polls,
         # barriers). A write is applied all the same.
