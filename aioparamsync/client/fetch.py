@@ -11,7 +11,7 @@ same way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -53,10 +53,16 @@ async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:
     what it applied under the write's id) could be applied twice.
     """
     answers = await asyncio.gather(*calls, return_exceptions=True)
-    for answer in answers:
-        if isinstance(answer, BaseException):
-            raise answer
-    return answers  # type: ignore[return-value]
+    failed = next((a for a in answers if isinstance(a, BaseException)), None)
+    if failed is None:
+        return answers  # type: ignore[return-value]
+    # The error's traceback holds this frame: it must not hold the error (nor the
+    # others, whose frames hold the parts' bytes), or the two are a cycle.
+    answers.clear()
+    try:
+        raise failed
+    finally:
+        del failed
 
 
 async def gather_or_stop(calls: Iterable[Awaitable[T]]) -> list[T]:
@@ -71,10 +77,16 @@ async def gather_or_stop(calls: Iterable[Awaitable[T]]) -> list[T]:
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _stop(tasks)
+        tasks.clear()  # (the error's traceback holds this frame, a task the error: a cycle)
         raise
+
+
+async def _stop(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def fetch(

@@ -220,7 +220,10 @@ class Routes:
                     self.topology = Topology(answer)
                 return
         if self.topology is None and last is not None:
-            raise last
+            try:
+                raise last
+            finally:
+                del last  # (the error's traceback holds this frame: not a cycle through it)
 
     def _pool(self, address: tuple[str, int]) -> ConnectionPool:
         client = self.client
@@ -429,6 +432,8 @@ class Routes:
         except RequestError as exc:
             for name in chosen:
                 known.pop(name, None)  # (read again before the next write)
+            if readable_error(exc) is exc:  # (then not `raise exc from exc`: it would hold
+                raise  # itself, and with it every frame it passed, until a collection)
             raise readable_error(exc) from exc
         if arg == "update":
             known.update(chosen)

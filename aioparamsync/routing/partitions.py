@@ -43,7 +43,8 @@ class Replaced(RequestError):
 
 
 def readable_error(exc: RequestError) -> RequestError:
-    """``exc`` with its message :func:`readable` (itself when there is nothing to change)."""
+    """``exc`` with its message :func:`readable` (itself when there is nothing to change:
+    re-raise it then, never ``raise exc from exc``: an exception that holds itself)."""
     message = readable(exc.message)
     if message == exc.message:
         return exc
@@ -264,6 +265,8 @@ async def _read_keys(
     try:
         return await read(sub)
     except RequestError as exc:
+        if readable_error(exc) is exc:  # (then not `raise exc from exc`: it would hold
+            raise  # itself, and with it every frame it passed, until a collection)
         raise readable_error(exc) from exc
 
 

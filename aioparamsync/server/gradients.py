@@ -115,6 +115,8 @@ def _collapsed(future: asyncio.Future, chosen: Mapping[str, Any]) -> asyncio.Fut
         try:
             reply = await future
         except RequestError as exc:
+            if readable_error(exc) is exc:  # (then not `raise exc from exc`: it would hold
+                raise  # itself, and with it every frame it passed, until a collection)
             raise readable_error(exc) from exc
         reply.success.versions = collapse(reply.success.versions, chosen)
         return reply

@@ -501,6 +501,8 @@ class Partitioned:
         try:
             return await self.service.write_parts(update, params, parts, acks)
         except RequestError as exc:
+            if readable_error(exc) is exc:  # (then not `raise exc from exc`: it would hold
+                raise  # itself, and with it every frame it passed, until a collection)
             raise readable_error(exc) from exc
 
     def checked(self, params: Sequence[Any]) -> Sequence[Any]:
