@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import subprocess
 import sys
+import types
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -87,6 +92,36 @@ async def test_a_push_lets_its_frame_go_once_folded() -> None:
 # -- a refused call keeps nothing of its bytes ------------------------------------------------
 
 
+@contextlib.contextmanager
+def collector_off() -> Iterator[list[Any]]:
+    """Python's garbage collector off within; then the list it yields holds what a
+    collection finds: the objects only a reference cycle kept."""
+    gc.collect()
+    gc.disable()
+    found: list[Any] = []
+    try:
+        yield found
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found.extend(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def ours(garbage: list[Any], min_bytes: int) -> tuple[list[str], int]:
+    """The frames of aioparamsync's code among ``garbage``, and how many buffers of at
+    least ``min_bytes`` it holds."""
+    frames = [
+        f"{o.f_code.co_filename}:{o.f_code.co_name}"
+        for o in garbage
+        if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
+    ]
+    large = sum(1 for o in garbage if isinstance(o, memoryview) and o.nbytes >= min_bytes)
+    return frames, large
+
+
 @pytest.mark.parametrize("elements", [1 << 16, 3 << 20])  # (256 KiB; 12 MiB: in partitions)
 async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collector(
     elements: int,
@@ -96,9 +131,6 @@ async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collec
     kept the request's bytes until the collector's next pass (15 refused 64 MiB writes
     left ~960 MiB behind with the collector off). Every kind of write refused, each
     kind twice; then nothing of theirs is garbage in a cycle."""
-    import gc
-    import types
-
     import numpy as np
 
     from aioparamsync import Node, ParameterClient, RequestError, sgd
@@ -116,25 +148,12 @@ async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collec
             lambda: client.push_gradients({"w": bad}),
             lambda: client.push_gradients({"w": np.ones(elements + 1, np.float32)}),
         ]
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off() as garbage:
             for call in refused * 2:
                 with pytest.raises(RequestError):
                     await call()
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            frames = [
-                f"{o.f_code.co_filename}:{o.f_code.co_name}"
-                for o in gc.garbage
-                if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
-            ]
-            large = [o for o in gc.garbage if isinstance(o, memoryview) and o.nbytes >= 1 << 16]
-            assert not frames and not large, (frames[:10], len(large))
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+        frames, large = ours(garbage, 1 << 16)
+        assert not frames and not large, (frames[:10], large)
         assert (await client.get_arrays(["w"]))["w"].sum() == 0  # (nothing was applied)
 
 
@@ -143,9 +162,6 @@ async def test_a_timed_out_call_leaves_nothing_of_its_bytes_to_the_garbage_colle
     traceback held the frame that awaited it, which held the future and the request (the
     caller's 16 MiB): a cycle. Pushes, updates and reads, pooled and held, each timed out;
     and the node's side of the connections the client then closed."""
-    import gc
-    import types
-
     import numpy as np
 
     from aioparamsync import CallTimeout, Node, ParameterClient, sgd
@@ -162,29 +178,14 @@ async def test_a_timed_out_call_leaves_nothing_of_its_bytes_to_the_garbage_colle
             lambda: client.get_arrays(["w"], min_version=10**6, wait=5.0, timeout=0.05),
         ]
         await client.get_arrays(["w"], wait=5.0)  # (answered at once: its connection kept)
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off() as garbage:
             for call in calls * 2:
                 with pytest.raises(CallTimeout):
                     await call()
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            frames = [
-                f"{o.f_code.co_filename}:{o.f_code.co_name}"
-                for o in gc.garbage
-                if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
-            ]
-            # (a connect cut short by the deadline may leave its receiver's 256 KiB scratch
-            # in a cycle of uvloop's transport: not the call's bytes, 16 MiB here)
-            large = [o for o in gc.garbage if isinstance(o, memoryview) and o.nbytes >= 1 << 20]
-            assert not frames and not large, (frames[:10], len(large))
-            served = [o for o in gc.garbage if type(o).__name__ == "ServerConnection"]
-            assert not served  # (the node's end of the closed connections, and its buffers)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+        frames, large = ours(garbage, 1 << 20)
+        assert not frames and not large, (frames[:10], large)
+        served = [o for o in garbage if type(o).__name__ == "ServerConnection"]
+        assert not served  # (the node's end of the closed connections, and its buffers)
 
 
 @pytest.mark.parametrize("replication_factor", [1, 2])
@@ -195,9 +196,6 @@ async def test_refused_writes_through_a_cluster_leave_nothing_of_their_bytes_beh
     through gathers that held them in frames their tracebacks held, and an error the
     routing had nothing to add to was raised ``from`` itself. 6 refused writes of 48 MiB
     left 512 MiB of cyclic garbage with the collector off."""
-    import gc
-    import types
-
     import numpy as np
     from cluster_helpers import LocalCluster
 
@@ -227,24 +225,11 @@ async def test_refused_writes_through_a_cluster_leave_nothing_of_their_bytes_beh
                     acks="all",
                 ),
             ]
-            gc.collect()
-            gc.disable()
-            try:
+            with collector_off() as garbage:
                 for call in refused * 2:
                     with pytest.raises(RequestError):
                         await call()
-                gc.set_debug(gc.DEBUG_SAVEALL)
-                gc.collect()
-                frames = [
-                    f"{o.f_code.co_filename}:{o.f_code.co_name}"
-                    for o in gc.garbage
-                    if isinstance(o, types.FrameType) and "aioparamsync" in o.f_code.co_filename
-                ]
-                large = [o for o in gc.garbage if isinstance(o, memoryview) and o.nbytes >= 1 << 20]
-                assert not frames and not large, (frames[:10], len(large))
-            finally:
-                gc.set_debug(0)
-                gc.garbage.clear()
-                gc.enable()
+            frames, large = ours(garbage, 1 << 20)
+            assert not frames and not large, (frames[:10], large)
     finally:
         await cluster.close()
