@@ -249,12 +249,9 @@ class ParameterService:
             budget = [limit]  # (what the answer may still carry: the rest as headers)
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
-            params = [self.encoded(e, request.encoding) for e in entries]
+            params = [self.encoded(e, request.encoding, not request.without_rules) for e in entries]
         else:
             params = [e.to_parameter(not request.without_rules) for e in entries]
-        if request.without_rules:
-            for p in params:  # (each made for this answer alone)
-                p.rule = None
         if manifests:
             params += [e.to_parameter() for e in manifests]
         return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
@@ -262,6 +259,7 @@ class ParameterService:
     def _inline_or_header(self, request: Any, entry: Entry, budget: list[int]) -> Any:
         """A parameter in the answer, or its header (no data, total_bytes) where it is over
         ``budget[0]``: what the answer may still carry, for a caller that reads pieces."""
+        rule = not request.without_rules
         if entry.nbytes > budget[0]:
             if request.max_inline_bytes is None:  # a client that cannot take pieces
                 raise RequestError(
@@ -269,14 +267,14 @@ class ParameterService:
                     f"{entry.name!r} has {entry.nbytes} bytes, more than one message holds: "
                     "read it in pieces (ParameterRequest.max_inline_bytes)",
                 )
-            header = entry.to_parameter()
+            header = entry.to_parameter(rule)
             header.data, header.total_bytes = b"", entry.nbytes
             return header
         if request.max_inline_bytes is not None:
             budget[0] -= entry.nbytes
         if request.encoding:
-            return self.encoded(entry, request.encoding)
-        return entry.to_parameter()
+            return self.encoded(entry, request.encoding, rule)
+        return entry.to_parameter(rule)
 
     def incoming(self, params: Sequence[Any]) -> Sequence[Any]:
         """An update's parameters as the store takes them: whole and decoded.
@@ -323,20 +321,22 @@ class ParameterService:
             self._sweeper = None
 
     @staticmethod
-    def encoded(entry: Entry, encoding: str) -> Any:
-        """``entry`` as a ``Parameter`` in ``encoding`` (raw where it cannot be encoded)."""
+    def encoded(entry: Entry, encoding: str, rule: bool = True) -> Any:
+        """``entry`` as a ``Parameter`` in ``encoding`` (raw where it cannot be encoded);
+        ``rule=False``: without its rule."""
         from ..values import compression
         from ..values.arrays import from_parameter
 
         if not compression.encodable(entry.dtype, encoding):
-            return entry.to_parameter()  # e.g. fp16 of integers: sent raw
+            return entry.to_parameter(rule)  # e.g. fp16 of integers: sent raw
         try:
             param = compression.encode(entry.name, from_parameter(entry), encoding)
         except ValueError:
             # int8 has no code for NaN or inf (say, after a model diverged):
             # sent raw, as are values no encoding fits.
-            return entry.to_parameter()
-        param.version, param.origin, param.rule = entry.version, entry.origin, entry.rule
+            return entry.to_parameter(rule)
+        param.version, param.origin = entry.version, entry.origin
+        param.rule = entry.rule if rule else None
         if entry.dtype is None:  # plain bytes: a shape says how many
             param.dtype, param.shape = None, [entry.nbytes]
         return param

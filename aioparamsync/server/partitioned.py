@@ -91,7 +91,7 @@ def piece_of(request: Any, entries: list[Entry], max_bytes: int) -> list[Any]:
             ErrorCode.BAD_REQUEST,
             f"{entry.name!r} has {entry.nbytes} bytes; no piece starts at {offset}",
         )
-    piece = entry.to_parameter()
+    piece = entry.to_parameter(not request.without_rules)
     piece.data = entry.data[offset : offset + size]
     piece.offset, piece.total_bytes = offset, entry.nbytes
     return [piece]
