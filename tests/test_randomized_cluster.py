@@ -63,9 +63,11 @@ async def test_a_randomized_run_violates_nothing(
     if result.violations:
         result.history.dump(tmp_path / "history.json")
         shown = "\n".join(f"  - {v}" for v in result.violations)
+        verdict = f"{report}\n{result.plan.summary()}\nviolations:\n{shown}\n"
+        (tmp_path / "violations.txt").write_text(verdict)  # (kept with the history)
         pytest.fail(
-            f"{report}\n{result.plan.summary()}\nviolations:\n{shown}\n"
-            f"history: {tmp_path / 'history.json'} (pytest's --basetemp DIR keeps it)\n"
+            f"{verdict}history: {tmp_path / 'history.json'}, violations: "
+            f"{tmp_path / 'violations.txt'} (pytest's --basetemp DIR keeps them)\n"
             f"replay: {options.replay_command(chaos_seed, chaos_duration, os.environ)}",
             pytrace=False,
         )
