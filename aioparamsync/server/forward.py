@@ -24,6 +24,14 @@ to send a part to a node (``send``) and how to serve it here (``here``).
   elsewhere (it could apply twice); it fails ``INDETERMINATE`` (a push sent
   again with its request id folds once). A
   read (``idempotent``) goes on to the next replica, as if not reached.
+* A push's part in doubt (:class:`InDoubt`): the node that passed it on
+  notes, under the push's request id, where each key's part went when its
+  call ended without an answer (or answered ``INDETERMINATE``). Sent again
+  under that id while that node cannot be reached (not reached now, or not
+  live in this node's view, and still a member), the part is sent nowhere
+  else (it may have been folded there, and the ids a node has seen are its
+  own: another replica would fold it again); it fails ``INDETERMINATE`` until
+  that node can be reached, which folds it once.
 * Any other refusal is the caller's answer, as it is.
 
 A part sent to a node that is not the keys' primary in this node's view
@@ -44,6 +52,7 @@ anew. A part that moved goes on to its holder as this node now sees it
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -60,7 +69,9 @@ from ..placement import LIVE, Placement
 
 __all__ = [
     "FORWARD_RETRY_DELAYS",
+    "MAX_IN_DOUBT",
     "Holders",
+    "InDoubt",
     "by_holder",
     "cut",
     "gate",
@@ -73,6 +84,9 @@ __all__ = [
 # Waits before a part answered Moved goes again to its holders as this node
 # sees them then (seconds): views differ for a moment while members change.
 FORWARD_RETRY_DELAYS = (0.02, 0.1, 0.5, 1.0)
+# Keys of parts in doubt a node remembers, over all request ids (the oldest ids' are
+# forgotten first): ~100 bytes each.
+MAX_IN_DOUBT = 100_000
 
 T = TypeVar("T")
 
@@ -95,6 +109,69 @@ class Holders(Protocol):
     def by_id(self) -> Mapping[str, Any]: ...
     @property
     def links(self) -> Mapping[str, Any]: ...
+
+
+class InDoubt:
+    """Where the parts of pushes went whose calls ended without an answer, by request id.
+
+    For each request id, each key and the node its part was sent to: folded there or
+    not, nobody here knows. At most ``size`` keys in all, the latest request ids'. See
+    the module.
+    """
+
+    def __init__(self, size: int = MAX_IN_DOUBT) -> None:
+        self.size = size
+        self._sent: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
+        self._keys = 0  # (in all of _sent)
+        self.refused = 0  # parts sent again not passed on to a next replica
+
+    def __len__(self) -> int:
+        return self._keys
+
+    def note(self, request_id: str | None, keys: Iterable[str], node: str) -> None:
+        """The part of ``keys`` sent to ``node`` under ``request_id`` ended unanswered."""
+        if request_id is None:
+            return
+        sent = self._sent.setdefault(request_id, {})
+        self._keys -= len(sent)
+        sent.update(dict.fromkeys(keys, node))
+        self._keys += len(sent)
+        self._sent.move_to_end(request_id)
+        while self._keys > self.size and len(self._sent) > 1:
+            self._keys -= len(self._sent.popitem(last=False)[1])
+
+    def check(
+        self,
+        cluster: Holders,
+        request_id: str | None,
+        keys: Iterable[str],
+        target: str | None,
+        tried: frozenset[str],
+        what: str,
+    ) -> None:
+        """Refuse to send ``keys`` to ``target`` (None: to any node) when an earlier try
+        of ``request_id`` left a part of them in doubt at another node that cannot be
+        reached now (tried and not reached, or not live in this view; still a member).
+
+        Raises:
+            Indeterminate: (see the module) naming the keys and where they went.
+        """
+        sent = self._sent.get(request_id) if request_id is not None else None
+        if not sent:
+            return
+        away = tried | (frozenset(cluster.placement.members) - cluster.live)
+        doubtful = {k: sent[k] for k in keys if sent.get(k) in away and sent[k] != target}
+        if not doubtful:
+            return
+        self.refused += 1
+        nodes = ", ".join(sorted(set(doubtful.values())))
+        raise Indeterminate(
+            f"{what} of {_shown(list(doubtful))} not sent on: an earlier try of this push "
+            f"passed them on to {nodes}, which did not answer and cannot be reached now, "
+            "and may have folded them; sent to another replica they could be folded twice. "
+            "Try again under the same request id once it can be reached (they fold once)",
+            cluster.epoch,
+        )
 
 
 def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> str | None:
@@ -241,6 +318,8 @@ async def pass_on(
     idempotent: bool = False,
     tried: frozenset[str] = frozenset(),
     moves: int = 0,
+    in_doubt: InDoubt | None = None,
+    request_id: str | None = None,
 ) -> list[T]:
     """Send ``keys``' part to ``target`` by the policy (see the module); answer every result.
 
@@ -255,18 +334,25 @@ async def pass_on(
         what: the call, as errors name it ("gradients", "an update", ...).
         idempotent: the call may be sent again elsewhere when its outcome is
             unknown (a read).
+        in_doubt: where this node notes the parts of a push (``request_id``) that
+            ended unanswered, and finds those of its earlier tries (see the module).
 
     Raises:
         RequestError: UNAVAILABLE when a key's part could be applied nowhere,
             ``Indeterminate`` when it may have been (see the module); a node's
             refusal as it is.
     """
+    doubt = (in_doubt, request_id)
+    if in_doubt is not None:
+        in_doubt.check(cluster, request_id, keys, target, tried, what)
     if target == cluster.me.node_id:
         try:
             return [await here(keys)]
         except Moved as exc:
             moves = await _again(cluster, exc, keys, moves, what)
-            return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, exc)
+            return await _onwards(
+                cluster, keys, send, here, what, idempotent, tried, moves, exc, doubt
+            )
     link = cluster.by_id.get(target)
     try:
         if link is None:
@@ -278,8 +364,14 @@ async def pass_on(
     except ConnectError as exc:
         tried = tried | {target}
         last = exc
+    except Indeterminate:  # (applied there, its replicas' confirmation missing)
+        if in_doubt is not None:
+            in_doubt.note(request_id, keys, target)
+        raise
     except (ConnectionLostError, CallTimeout) as exc:
         if not idempotent:
+            if in_doubt is not None:
+                in_doubt.note(request_id, keys, target)
             raise Indeterminate(
                 f"{what} passed on to {link.name if link else target} ended without an answer "
                 f"({exc}): it may or may not have been applied there; try again",
@@ -287,7 +379,7 @@ async def pass_on(
             ) from exc
         tried = tried | {target}
         last = exc
-    return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, last)
+    return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, last, doubt)
 
 
 async def _again(cluster: Holders, exc: Moved, keys: list[str], moves: int, what: str) -> int:
@@ -314,8 +406,13 @@ async def _onwards(
     tried: frozenset[str],
     moves: int,
     last: Exception,
+    doubt: tuple[InDoubt | None, str | None],
 ) -> list[T]:
-    """``keys`` to their holders as this node sees them now, ``tried`` left out."""
+    """``keys`` to their holders as this node sees them now, ``tried`` left out (not
+    those an earlier try left in doubt at a node tried: see the module)."""
+    in_doubt, request_id = doubt
+    if in_doubt is not None:
+        in_doubt.check(cluster, request_id, keys, None, tried, what)
     groups = by_holder(cluster, keys, tried)
     lost = groups.pop(None, None)
     if lost:
@@ -325,7 +422,14 @@ async def _onwards(
             f"({last}); try again",
             cluster.epoch,
         ) from last
-    kw: dict[str, Any] = {"what": what, "idempotent": idempotent, "tried": tried, "moves": moves}
+    kw: dict[str, Any] = {
+        "what": what,
+        "idempotent": idempotent,
+        "tried": tried,
+        "moves": moves,
+        "in_doubt": in_doubt,
+        "request_id": request_id,
+    }
     answers = await asyncio.gather(
         *(pass_on(cluster, node, ks, send, here, **kw) for node, ks in groups.items())  # type: ignore[arg-type]
     )

@@ -153,6 +153,8 @@ class GradientPushes:
         self.waiting = waiting
         self.max_decoded_bytes = max_decoded_bytes
         self.ledger = PushLedger()
+        # (parts passed on whose calls ended unanswered: see forward.InDoubt)
+        self.in_doubt = forward.InDoubt()
         self.forwarded = 0  # gradient pushes folded by their owner, another node
         self.forward_failures = 0  # ... that could not reach it, and were folded here
         # Gradients received from clients, by the encoding they came in ("none": raw):
@@ -266,17 +268,23 @@ class GradientPushes:
         """Fold ``grads`` of ``push``, here or at their owners: a future of the reply."""
         parts = self._parts(push, grads)
         if not grads:  # every part was folded already
-            future = asyncio.get_running_loop().create_future()
-            future.set_result(
-                method.result(
-                    success=thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
-                )
-            )
-            return future
+            return asyncio.ensure_future(self._folded_before(method, push, before))
         if any(node is not None for node in parts):
             self._check(parts)
             return asyncio.ensure_future(self._forward(method, push, parts, timestamp, before))
         return self._fold_here(method, push, grads, before, timestamp)
+
+    async def _folded_before(self, method: Method, push: Any, before: dict[str, int]) -> Any:
+        """The answer to a push every part of which earlier tries folded: with acks=all,
+        once the replicas of those folded here have them (the earlier try's wait for
+        them may have ended Indeterminate)."""
+        cluster = self.cluster
+        if cluster is not None and cluster.links and self._acks_all(push):
+            held = [name for name in before if cluster.holds_here(name)]
+            if held:
+                await cluster.replicated(held)
+        versions = thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
+        return method.result(success=versions)
 
     def _parts(self, push: Any, grads: list[Any]) -> dict[str | None, list[Any]]:
         """``grads`` by the node that folds them (None: this one); {} when none is elsewhere.
@@ -374,9 +382,12 @@ class GradientPushes:
                 # (they moved while the fold waited for the writer: on to their holders now)
                 parts = self._parts(push, grads)
                 return await self._forward(method, push, parts, timestamp, before)
+            # (remembered as folded before the wait for its replicas: should that end
+            # Indeterminate, the push sent again under its request id folds it no more)
+            made = result(applied)
             if acks_all:
                 await cluster.replicated([e.name for e in applied.entries])
-            return result(applied)
+            return made
 
         return asyncio.ensure_future(folded())
 
@@ -483,14 +494,26 @@ class GradientPushes:
             applied = await self.store.submit(
                 grads, timestamp, gradients=True, call=call, check=self._still_here(push, names)
             )
+            made = update_result(applied)
+            # (remembered before the wait for its replicas, as in _fold_here)
+            self.ledger.remember_folded(push.request_id, made.versions)
             if acks == "all":
                 await cluster.replicated([e.name for e in applied.entries])
-            return update_result(applied)
+            return made
 
         async def fold(node: str | None, grads: list[Any]) -> Any:
             names = [g.name for g in grads]
             target = cluster.me.node_id if node is None else node  # (None: here, see pass_on)
-            done = await forward.pass_on(cluster, target, names, send, here, what="gradients")
+            done = await forward.pass_on(
+                cluster,
+                target,
+                names,
+                send,
+                here,
+                what="gradients",
+                in_doubt=self.in_doubt,
+                request_id=push.request_id,
+            )
             return merge_results(done)
 
         results = await asyncio.gather(

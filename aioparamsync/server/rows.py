@@ -77,6 +77,8 @@ class RowService:
         self.cluster = cluster
         self.tables = tables if tables is not None else RowTables()
         self.passed_on = 0  # parts of row calls passed on to other nodes
+        # (parts of pushes passed on whose calls ended unanswered: see forward.InDoubt)
+        self.in_doubt = forward.InDoubt()
         self.replication_failures = 0
         #: the buckets pulled and handed off after a change of topology
         self.moves = BucketMoves(self)
@@ -400,7 +402,16 @@ class RowService:
             what = f"rows of table {table.spec.name!r}"
             if node is None:
                 node = cluster.me.node_id  # (served here, or where its keys went)
-            return await forward.pass_on(cluster, node, keys, send, here, what=what)
+            return await forward.pass_on(
+                cluster,
+                node,
+                keys,
+                send,
+                here,
+                what=what,
+                in_doubt=self.in_doubt,
+                request_id=push.request_id,
+            )
 
         results = await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
         done = [r for rs in results for r in rs]
