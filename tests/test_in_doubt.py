@@ -41,6 +41,7 @@ from test_sharding import FaultProxy
 
 from aioparamsync import (
     CallTimeout,
+    ErrorCode,
     Indeterminate,
     NetworkError,
     ParameterClient,
@@ -166,7 +167,8 @@ async def test_a_push_in_doubt_is_not_folded_at_a_next_replica_when_sent_again(
     Members by ``--peers``, A no longer counts B live once its links to B are down (the
     part would go to C as its primary, which refuses it: C sees B up); by a coordinator,
     B stays a member and live, A cannot reach it, and the part would go to C as a next
-    replica's, folded where it arrives (twice, without the record of the first try)."""
+    replica's, folded where it arrives (twice, without the record of the first try); and a
+    gradient's other pushes are folded only by B while it is a member."""
     procs = ProcessCluster(repair_interval=0.5, replication_factor="3")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(procs.close)
@@ -251,6 +253,14 @@ async def test_a_push_in_doubt_is_not_folded_at_a_next_replica_when_sent_again(
         with pytest.raises(Indeterminate, match="cannot be reached now"):
             await push()  # (not to C, which would fold it again)
         await _eventually(lambda: _equal(held(cc), folded_once))  # (B's fold, once)
+        if kind == "gradients" and members == "coordinator":
+            # Another push of the key, B a member out of A's reach: folded by no other node
+            # (B folds the key's other pushes meanwhile: two nodes folding it would make
+            # versions beside each other's, one of the two lost by last-writer-wins).
+            with pytest.raises(RequestError, match="only it applies them") as info:
+                await ca.push_gradients({name: ones(4)}, request_id="another", acks="all")
+            assert info.value.code == ErrorCode.UNAVAILABLE
+            assert await held(cc) == folded_once
 
         for proxy in proxies:
             proxy.heal()

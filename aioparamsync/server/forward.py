@@ -16,7 +16,11 @@ to send a part to a node (``send``) and how to serve it here (``here``).
   after the last wait it fails ``UNAVAILABLE`` (nothing applied).
 * The node cannot be reached (``ConnectError``: nothing was sent): the part
   goes to each key's next live replica; this node serves it when it is that
-  replica. A key none of whose replicas is left fails ``UNAVAILABLE``
+  replica. Unless the caller says it may not (``fallback=False``: a gradient
+  fold under a coordinator, whose primary is still a member and may be folding
+  other pushes of the same keys: a second node folding them would make versions
+  beside its, one of the two lost by last-writer-wins): it fails
+  ``UNAVAILABLE``, nothing applied. A key none of whose replicas is left fails ``UNAVAILABLE``
   (nothing applied): a part is never sent to, nor applied at, a node that
   does not hold its key, where it would start the key anew.
 * The call broke in flight or timed out (``ConnectionLostError``,
@@ -320,6 +324,7 @@ async def pass_on(
     moves: int = 0,
     in_doubt: InDoubt | None = None,
     request_id: str | None = None,
+    fallback: bool = True,
 ) -> list[T]:
     """Send ``keys``' part to ``target`` by the policy (see the module); answer every result.
 
@@ -336,13 +341,21 @@ async def pass_on(
             unknown (a read).
         in_doubt: where this node notes the parts of a push (``request_id``) that
             ended unanswered, and finds those of its earlier tries (see the module).
+        fallback: a part whose node cannot be reached may go to a next replica.
 
     Raises:
         RequestError: UNAVAILABLE when a key's part could be applied nowhere,
             ``Indeterminate`` when it may have been (see the module); a node's
             refusal as it is.
     """
-    doubt = (in_doubt, request_id)
+    # (how every part of this call goes on, as far as it goes: see _onwards)
+    policy: dict[str, Any] = {
+        "what": what,
+        "idempotent": idempotent,
+        "in_doubt": in_doubt,
+        "request_id": request_id,
+        "fallback": fallback,
+    }
     if in_doubt is not None:
         in_doubt.check(cluster, request_id, keys, target, tried, what)
     if target == cluster.me.node_id:
@@ -350,9 +363,7 @@ async def pass_on(
             return [await here(keys)]
         except Moved as exc:
             moves = await _again(cluster, exc, keys, moves, what)
-            return await _onwards(
-                cluster, keys, send, here, what, idempotent, tried, moves, exc, doubt
-            )
+            return await _onwards(cluster, keys, send, here, tried, moves, exc, policy)
     link = cluster.by_id.get(target)
     try:
         if link is None:
@@ -364,6 +375,16 @@ async def pass_on(
     except ConnectError as exc:
         tried = tried | {target}
         last = exc
+        if not fallback:
+            if in_doubt is not None:  # (an earlier try's part there: not known, not refused)
+                in_doubt.check(cluster, request_id, keys, None, tried, what)
+            raise RequestError(
+                ErrorCode.UNAVAILABLE,
+                f"{what} of {_shown(keys)} not applied: their primary {target} cannot be "
+                f"reached from {cluster.me.node_id} ({exc}), and only it applies them while "
+                "it is a member; try again",
+                cluster.epoch,
+            ) from None
     except Indeterminate:  # (applied there, its replicas' confirmation missing)
         if in_doubt is not None:
             in_doubt.note(request_id, keys, target)
@@ -379,7 +400,7 @@ async def pass_on(
             ) from exc
         tried = tried | {target}
         last = exc
-    return await _onwards(cluster, keys, send, here, what, idempotent, tried, moves, last, doubt)
+    return await _onwards(cluster, keys, send, here, tried, moves, last, policy)
 
 
 async def _again(cluster: Holders, exc: Moved, keys: list[str], moves: int, what: str) -> int:
@@ -401,18 +422,17 @@ async def _onwards(
     keys: list[str],
     send: Callable[[Any, list[str], bool], Awaitable[T]],
     here: Callable[[list[str]], Awaitable[T]],
-    what: str,
-    idempotent: bool,
     tried: frozenset[str],
     moves: int,
     last: Exception,
-    doubt: tuple[InDoubt | None, str | None],
+    policy: dict[str, Any],
 ) -> list[T]:
     """``keys`` to their holders as this node sees them now, ``tried`` left out (not
-    those an earlier try left in doubt at a node tried: see the module)."""
-    in_doubt, request_id = doubt
+    those an earlier try left in doubt at a node tried: see the module); ``policy``:
+    :func:`pass_on`'s keyword arguments."""
+    what, in_doubt = policy["what"], policy["in_doubt"]
     if in_doubt is not None:
-        in_doubt.check(cluster, request_id, keys, None, tried, what)
+        in_doubt.check(cluster, policy["request_id"], keys, None, tried, what)
     groups = by_holder(cluster, keys, tried)
     lost = groups.pop(None, None)
     if lost:
@@ -422,15 +442,10 @@ async def _onwards(
             f"({last}); try again",
             cluster.epoch,
         ) from last
-    kw: dict[str, Any] = {
-        "what": what,
-        "idempotent": idempotent,
-        "tried": tried,
-        "moves": moves,
-        "in_doubt": in_doubt,
-        "request_id": request_id,
-    }
     answers = await asyncio.gather(
-        *(pass_on(cluster, node, ks, send, here, **kw) for node, ks in groups.items())  # type: ignore[arg-type]
+        *(
+            pass_on(cluster, node, ks, send, here, tried=tried, moves=moves, **policy)  # type: ignore[arg-type]
+            for node, ks in groups.items()
+        )
     )
     return [a for answer in answers for a in answer]

@@ -513,6 +513,8 @@ class GradientPushes:
                 what="gradients",
                 in_doubt=self.in_doubt,
                 request_id=push.request_id,
+                # (under a coordinator, folded only at the primary: see forward)
+                fallback=cluster.coordinator is None,
             )
             return merge_results(done)
 
