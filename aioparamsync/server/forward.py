@@ -20,9 +20,9 @@ to send a part to a node (``send``) and how to serve it here (``here``).
   fold under a coordinator, whose primary is still a member and may be folding
   other pushes of the same keys: a second node folding them would make versions
   beside its, one of the two lost by last-writer-wins): it fails
-  ``UNAVAILABLE``, nothing applied. A key none of whose replicas is left fails ``UNAVAILABLE``
-  (nothing applied): a part is never sent to, nor applied at, a node that
-  does not hold its key, where it would start the key anew.
+  ``UNAVAILABLE``, nothing applied. A key none of whose replicas is left fails
+  ``UNAVAILABLE`` (nothing applied): a part is never sent to, nor applied at, a
+  node that does not hold its key, where it would start the key anew.
 * The call broke in flight or timed out (``ConnectionLostError``,
   ``CallTimeout``): the outcome there is unknown, so a write is not sent
   elsewhere (it could apply twice); it fails ``INDETERMINATE`` (a push sent

@@ -276,13 +276,15 @@ class GradientPushes:
 
     async def _folded_before(self, method: Method, push: Any, before: dict[str, int]) -> Any:
         """The answer to a push every part of which earlier tries folded: with acks=all,
-        once the replicas of those folded here have them (the earlier try's wait for
-        them may have ended Indeterminate)."""
+        once the replicas of those this node folds (it is their primary) have them (the
+        earlier try's wait for them may have ended Indeterminate; those folded elsewhere
+        are here only once their primary answered, confirmed)."""
         cluster = self.cluster
         if cluster is not None and cluster.links and self._acks_all(push):
-            held = [name for name in before if cluster.holds_here(name)]
-            if held:
-                await cluster.replicated(held)
+            me = cluster.me.node_id
+            mine = [name for name in before if forward.holder(cluster, name) == me]
+            if mine:
+                await cluster.replicated(mine)
         versions = thrift.UpdateResult(versions=before, timestamp=self.store.timestamp)
         return method.result(success=versions)
 
