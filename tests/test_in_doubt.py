@@ -50,6 +50,7 @@ from aioparamsync import (
     sum_rule,
 )
 from aioparamsync.placement import Placement, bucket_key, bucket_of
+from aioparamsync.server import forward
 from aioparamsync.server.forward import InDoubt
 
 pytestmark = pytest.mark.timeout(90)
@@ -141,6 +142,63 @@ async def test_a_push_folded_but_not_confirmed_folds_once_when_sent_again(
             got = await client.get_arrays(["w"], min_version=2, wait=5)
             assert got["w"].tolist() == [1.0, 1.0]
         assert primary.table.entry("w").version == 2
+    finally:
+        await cluster.close()
+
+
+async def test_a_push_in_doubt_whose_parameter_moved_is_answered_by_the_node_that_folded_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pushes (acks=all) a parameter whose primary is X: X folds it, its replicas'
+    confirmation fails (injected), the push is Indeterminate at A. Y joins and becomes the
+    parameter's primary. Sent again at A under its request id, the part goes to X first,
+    which answers the fold it made from its memory (X is not the primary any more): Y folds
+    nothing, one version in all."""
+    r = 2
+    ids = ["in-a", "in-x", "in-y"]  # (node ids of A, X and Y: placement is known before)
+    name = next(
+        n
+        for n in (f"w{i}" for i in range(1000))
+        if Placement(ids[:2], r).replicas(n)[0] == "in-x"
+        and Placement(ids, r).replicas(n)[0] == "in-y"
+    )
+    cluster = LocalCluster(replication_factor=r)
+    try:
+        flags: dict[str, Any] = {"balance_interval": 0}
+        a = await cluster.start(node_id=ids[0], **flags)
+        x = await cluster.start(peers=[a], node_id=ids[1], **flags)
+        await cluster.formed([a, x])
+        async with node_client(a.address) as ca:
+            await ca.update_arrays({name: np.zeros(2, np.float32)}, rules=sum_rule(), acks="all")
+            confirm = x.cluster.replicated
+            waits: list[list[str]] = []
+
+            async def fails_first(names: Any, *args: Any, **kwargs: Any) -> None:
+                waits.append(list(names))
+                if len(waits) == 1:
+                    raise Indeterminate("applied by in-x, but replicas did not confirm")
+                await confirm(names, *args, **kwargs)
+
+            monkeypatch.setattr(x.cluster, "replicated", fails_first)
+            with pytest.raises(Indeterminate, match="did not confirm"):
+                await ca.push_gradients({name: ones(2)}, request_id="r1", acks="all")
+            assert x.table.entry(name).version == 2  # (folded at X)
+
+            y = await cluster.start(peers=[a], node_id=ids[2], **flags)
+            await cluster.formed([a, x, y])
+
+            def moved_to_y() -> None:
+                for node in (a, x, y):
+                    assert forward.holder(node.cluster, name) == ids[2], node.node_id
+                entry = y.table.entry(name)
+                assert entry is not None and entry.version == 2, entry
+
+            await eventually(moved_to_y, timeout=FORM_TIMEOUT)
+            versions = await ca.push_gradients({name: ones(2)}, request_id="r1", acks="all")
+            assert versions == {name: 2}  # (X's fold: Y folded nothing)
+            got = await ca.get_arrays([name], min_version=2, wait=5)
+            assert got[name].tolist() == [1.0, 1.0]
+        assert y.table.entry(name).version == 2
     finally:
         await cluster.close()
 

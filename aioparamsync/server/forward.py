@@ -35,7 +35,11 @@ to send a part to a node (``send``) and how to serve it here (``here``).
   live in this node's view, and still a member), the part is sent nowhere
   else (it may have been folded there, and the ids a node has seen are its
   own: another replica would fold it again); it fails ``INDETERMINATE`` until
-  that node can be reached, which folds it once.
+  that node can be reached, which folds it once. Where that node is no longer
+  the keys' holder (they moved: a join, a claim), the part goes to it first
+  all the same: it answers what it folded under the id from its memory,
+  whatever it holds now, and ``Moved`` for the rest, which then goes on to
+  the holders.
 * Any other refusal is the caller's answer, as it is.
 
 A part sent to a node that is not the keys' primary in this node's view
@@ -176,6 +180,37 @@ class InDoubt:
             "Try again under the same request id once it can be reached (they fold once)",
             cluster.epoch,
         )
+
+    def elsewhere(
+        self, cluster: Holders, request_id: str | None, keys: Iterable[str], target: str
+    ) -> dict[str, list[str]]:
+        """The keys of ``keys`` an earlier try of ``request_id`` left in doubt at a member
+        other than ``target``, by that member (in doubt at a node that is no longer a
+        member: forgotten, see the module)."""
+        sent = self._sent.get(request_id) if request_id is not None else None
+        back: dict[str, list[str]] = {}
+        if not sent:
+            return back
+        gone = []
+        members = cluster.placement.members
+        for k in keys:
+            if (node := sent.get(k)) is not None and node != target:
+                if node in members:
+                    back.setdefault(node, []).append(k)
+                else:
+                    gone.append(k)
+        self.settled(request_id, gone)
+        return back
+
+    def settled(self, request_id: str | None, keys: Iterable[str]) -> None:
+        """The node in doubt answered for ``keys`` (folded them, or did not): no more doubt."""
+        if request_id is None or not (sent := self._sent.get(request_id)):
+            return
+        for k in keys:
+            if sent.pop(k, None) is not None:
+                self._keys -= 1
+        if not sent:
+            del self._sent[request_id]
 
 
 def holder(cluster: Holders, key: str, tried: frozenset[str] = frozenset()) -> str | None:
@@ -358,6 +393,20 @@ async def pass_on(
     }
     if in_doubt is not None:
         in_doubt.check(cluster, request_id, keys, target, tried, what)
+        if back := in_doubt.elsewhere(cluster, request_id, keys, target):
+            # (parts an earlier try left in doubt at a node that can be reached, no
+            # longer their holder: it folded them or not, only it knows: asked first)
+            parts = {**back}
+            rest = [k for k in keys if not any(k in ks for ks in back.values())]
+            if rest:
+                parts.setdefault(target, []).extend(rest)
+            answers = await asyncio.gather(
+                *(
+                    pass_on(cluster, node, ks, send, here, tried=tried, moves=moves, **policy)
+                    for node, ks in parts.items()
+                )
+            )
+            return [a for answer in answers for a in answer]
     if target == cluster.me.node_id:
         try:
             return [await here(keys)]
@@ -368,8 +417,13 @@ async def pass_on(
     try:
         if link is None:
             raise ConnectError(f"node {target} is not linked")
-        return [await send(link, keys, bool(tried))]
+        answer = await send(link, keys, bool(tried))
+        if in_doubt is not None:
+            in_doubt.settled(request_id, keys)
+        return [answer]
     except Moved as exc:
+        if in_doubt is not None:  # (not folded there: it answers those it folded)
+            in_doubt.settled(request_id, keys)
         moves = await _again(cluster, exc, keys, moves, what)
         last: Exception = exc
     except ConnectError as exc:

@@ -217,10 +217,13 @@ class GradientPushes:
 
     def _check_primary(self, push: Any) -> None:
         """Refuse (MOVED) a part passed on here by a node that took this one for the
-        primary of names it is not the primary of now."""
+        primary of names it is not the primary of now (but for names folded here under
+        its request id: answered from the ledger, whatever this node is now; see
+        forward.InDoubt)."""
         cluster = self.cluster
         if cluster is not None:
-            names = [g.name for g in push.grads or ()]
+            folded = self.ledger.folded.get(push.request_id) if push.request_id else None
+            names = [g.name for g in push.grads or () if not folded or g.name not in folded]
             forward.gate(
                 cluster,
                 names,
