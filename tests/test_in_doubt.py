@@ -8,10 +8,14 @@ Two ways a push's outcome goes unknown (``Indeterminate``) after it was folded:
 - a node passed it on to the primary, which folded it, and the call broke before the answer
   came back: sent again while that primary cannot be reached, the node that passes it on
   does not send it to a next replica (whose memory of request ids is its own: it would fold
-  it again) but fails ``INDETERMINATE`` until the primary answers, which folds it once.
+  it again) but fails ``INDETERMINATE`` until the primary answers, which folds it once; and
+  sent again after the parameter moved to another primary (a join), it goes first to the
+  node that folded it, which answers from its memory.
 
-The first runs in-process (its fault injected where the replicas confirm); the second as
-node processes, each behind a proxy (``FaultProxy``) that cuts or stalls one node's links.
+Under a coordinator, besides, a gradient push whose primary cannot be reached is folded by
+no other node (``UNAVAILABLE``). The first case, and the move, run in-process (the fault
+injected where the replicas confirm); the cut, as node processes, each behind a proxy
+(``FaultProxy``) that cuts or stalls one node's links.
 """
 
 from __future__ import annotations
