@@ -396,17 +396,10 @@ async def pass_on(
         if back := in_doubt.elsewhere(cluster, request_id, keys, target):
             # (parts an earlier try left in doubt at a node that can be reached, no
             # longer their holder: it folded them or not, only it knows: asked first)
-            parts = {**back}
-            rest = [k for k in keys if not any(k in ks for ks in back.values())]
-            if rest:
-                parts.setdefault(target, []).extend(rest)
-            answers = await asyncio.gather(
-                *(
-                    pass_on(cluster, node, ks, send, here, tried=tried, moves=moves, **policy)
-                    for node, ks in parts.items()
-                )
-            )
-            return [a for answer in answers for a in answer]
+            asked = {k for ks in back.values() for k in ks}
+            if rest := [k for k in keys if k not in asked]:
+                back[target] = rest
+            return await _each(cluster, back, send, here, tried, moves, policy)
     if target == cluster.me.node_id:
         try:
             return [await here(keys)]
@@ -496,10 +489,23 @@ async def _onwards(
             f"({last}); try again",
             cluster.epoch,
         ) from last
+    return await _each(cluster, groups, send, here, tried, moves, policy)  # type: ignore[arg-type]
+
+
+async def _each(
+    cluster: Holders,
+    parts: Mapping[str, list[str]],
+    send: Callable[[Any, list[str], bool], Awaitable[T]],
+    here: Callable[[list[str]], Awaitable[T]],
+    tried: frozenset[str],
+    moves: int,
+    policy: dict[str, Any],
+) -> list[T]:
+    """Each node's part (node -> its keys) by :func:`pass_on`, concurrently; every result."""
     answers = await asyncio.gather(
         *(
-            pass_on(cluster, node, ks, send, here, tried=tried, moves=moves, **policy)  # type: ignore[arg-type]
-            for node, ks in groups.items()
+            pass_on(cluster, node, ks, send, here, tried=tried, moves=moves, **policy)
+            for node, ks in parts.items()
         )
     )
     return [a for answer in answers for a in answer]
