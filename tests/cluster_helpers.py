@@ -173,10 +173,12 @@ def _differ(name: str, who: str, got: Any, other: str, value: Any) -> str:
 
 def assert_mesh(nodes: Iterable[Node]) -> None:
     """Each node has exactly one link to each other node, up, knowing its id; each is up
-    (it has joined: pulled what it holds)."""
+    (it has joined: pulled what it holds) and settled (every member up answered that it
+    knows: until then the node folds nothing and claims nothing)."""
     nodes = list(nodes)
     for node in nodes:
         assert node.cluster.state == "up", f"{node.node_id} is {node.cluster.state}"
+        assert node.cluster.settling is None, f"{node.node_id} is settling"
         others = {address_text(o.address): o.node_id for o in nodes if o is not node}
         links = node.cluster.links
         assert set(links) == set(others), f"{node.node_id} links to {sorted(links)}"
