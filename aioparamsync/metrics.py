@@ -48,7 +48,9 @@ Metrics (every name starts with ``aioparamsync_``):
   ``batches_total``, ``updates_applied_total``, ``updates_refused_total``;
 - training: ``long_polls_waiting``, ``barrier_waiters``, ``barrier_groups``,
   ``wait_timeouts_total``, ``gradient_pushes_repeated_total``,
-  ``gradient_pushes_forwarded_total``, ``gradient_forward_failures_total``;
+  ``gradient_pushes_forwarded_total``, ``gradient_forward_failures_total``,
+  ``gradient_pushes_in_doubt_total``, ``row_pushes_in_doubt_total`` (parts of
+  pushes sent again, held back: an earlier try is in doubt at a node out of reach);
 - each peer (label ``peer``, its ``host:port``): ``peer_outbox_depth``,
   ``peer_updates_sent_total``, ``peer_updates_coalesced_total``,
   ``peer_send_failures_total``, ``peer_repaired_total``,
@@ -117,23 +119,9 @@ class Metered(Protocol):
 
 # Upper bounds of the latency histograms' buckets (seconds).
 LATENCY_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
 # Every state a peer link can be in (see PeerLink).
 PEER_STATES = (LinkState.CONNECTING, LinkState.UP, LinkState.BACKOFF, LinkState.REFUSED)
 PREFIX = "aioparamsync_"
@@ -384,6 +372,16 @@ class _NodeCollector:
             "Parts of gradient pushes whose owner could not be reached (folded here).",
             service.forward_failures,
         )
+        for kind, in_doubt in (
+            ("gradient", service.gradients.in_doubt),
+            ("row", service.rows.in_doubt),
+        ):
+            yield counter(
+                f"{kind}_pushes_in_doubt",
+                f"Parts of {kind} pushes sent again and held back (INDETERMINATE): an earlier "
+                "try passed them on to a node that did not answer and cannot be reached now.",
+                in_doubt.refused,
+            )
 
         # -- following another cluster (see aioparamsync.follower) ---------------------
         if service.following is not None:

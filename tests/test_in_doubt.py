@@ -314,6 +314,10 @@ async def test_a_push_in_doubt_is_not_folded_at_a_next_replica_when_sent_again(
         await _eventually(b_cut_off_from_a)
         with pytest.raises(Indeterminate, match="cannot be reached now"):
             await push()  # (not to C, which would fold it again)
+        counters = (await ca.info()).counters or {}
+        held_back = {k: counters[k] for k in ("gradient_pushes_in_doubt", "row_pushes_in_doubt")}
+        mine = "gradient_pushes_in_doubt" if kind == "gradients" else "row_pushes_in_doubt"
+        assert held_back == {**dict.fromkeys(held_back, 0), mine: 1}, held_back
         await _eventually(lambda: _equal(held(cc), folded_once))  # (B's fold, once)
         if kind == "gradients" and members == "coordinator":
             # Another push of the key, B a member out of A's reach: folded by no other node

@@ -204,6 +204,8 @@ async def test_a_scrape_shows_waits_and_gradient_pushes(cluster: LocalCluster) -
             assert value(samples, "gradient_pushes_repeated_total") == 1
             assert value(samples, "gradient_pushes_forwarded_total") == 0
             assert value(samples, "gradient_forward_failures_total") == 0
+            assert value(samples, "gradient_pushes_in_doubt_total") == 0
+            assert value(samples, "row_pushes_in_doubt_total") == 0
             assert value(samples, "requests_total", method="push_gradients") == 3
             # Each gradient as it came (the one sent again counts again).
             assert value(samples, "gradients_received_total", encoding="none") == 2

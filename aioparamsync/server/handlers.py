@@ -512,6 +512,9 @@ class ParameterService:
         counters["gradient_pushes_repeated"] = self.gradients.ledger.repeated
         counters["gradient_pushes_forwarded"] = self.gradients.forwarded
         counters["gradient_forward_failures"] = self.forward_failures
+        # (parts sent again and held back: an earlier try is in doubt at a node out of reach)
+        counters["gradient_pushes_in_doubt"] = self.gradients.in_doubt.refused
+        counters["row_pushes_in_doubt"] = self.rows.in_doubt.refused
         for hook in self.statistics_hooks:
             counters.update(hook())
         info = thrift.NodeInfo(
