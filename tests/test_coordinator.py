@@ -594,8 +594,9 @@ async def test_a_node_refuses_a_cluster_of_another_replication_factor(
 ) -> None:
     prefix = new_prefix()
     await procs.spawn(extra=coordinated(etcd.endpoint, prefix))
-    flags = ["--port", "0", *coordinated(etcd.endpoint, prefix), "--replication-factor", "3"]
-    rc, err = await run_node(*flags, timeout=30.0)
+    rc, err = await run_node(
+        *coordinated(etcd.endpoint, prefix), "--replication-factor", "3", timeout=30.0
+    )
     assert rc == 1, err
     assert "replication factor 2" in err and "started with 3" in err
 
@@ -603,7 +604,7 @@ async def test_a_node_refuses_a_cluster_of_another_replication_factor(
 async def test_a_node_that_cannot_reach_etcd_exits_with_a_clear_error() -> None:
     unused = f"etcd://{LOOPBACK}:{free_port()}"
     started = time.monotonic()
-    rc, err = await run_node("--port", "0", *coordinated(unused, "/nowhere"), timeout=60.0)
+    rc, err = await run_node(*coordinated(unused, "/nowhere"), timeout=60.0)
     assert rc == 1, err
     assert "could not reach the coordinator within" in err and unused in err
     assert time.monotonic() - started < 40.0
@@ -679,7 +680,12 @@ async def test_without_aetcd_the_node_says_which_extra_to_install() -> None:
 async def run_node(
     *flags: str, timeout: float, env: Mapping[str, str] | None = None
 ) -> tuple[int, str]:
-    """Run a node to its exit (killed past ``timeout``); answer (exit code, stderr)."""
+    """Run a node to its exit (killed past ``timeout``); answer (exit code, stderr).
+
+    On a port of its own unless ``flags`` name one (the default, 9090, may be another
+    run's: the suite passes twice at once)."""
+    if "--port" not in flags:
+        flags = ("--port", "0", *flags)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -748,8 +754,7 @@ async def test_etcd_is_reached_over_tls_with_the_nodes_certificate(
         node = await procs.spawn(extra=[*coordinated(server.endpoint, prefix), *tls])
         assert "registered as joining" in node.stderr
         # Without the node's certificate (plain gRPC), etcd cannot be reached.
-        flags = ["--port", "0", *coordinated(server.endpoint, new_prefix())]
-        rc, err = await run_node(*flags, timeout=60.0)
+        rc, err = await run_node(*coordinated(server.endpoint, new_prefix()), timeout=60.0)
         assert rc == 1 and "could not reach the coordinator" in err, err
     finally:
         server.kill()
