@@ -6,7 +6,8 @@ What is compiled (with Cython, into C extensions):
   writer, written for C (``aioparamsync.wire.binary`` uses it when present);
 * ``aioparamsync/values/_crows.pyx``: the embedding rows' hashes, index lookup
   and row copy (``aioparamsync.values.rowindex`` and ``.rowcopy`` use it when
-  present);
+  present), and ``_crowfold.pyx`` beside it: the row rules' folds
+  (``aioparamsync.values.rows`` and ``aioparamsync.store.rows``);
 * ``aioparamsync/values/_cfold.pyx``: the training rules' arithmetic, one pass
   a fold (``aioparamsync.values.rules`` uses it when present);
 * ``aioparamsync/_cblocks.pyx``: large blocks of memory kept for reuse once let go
@@ -72,6 +73,7 @@ COMPILED_MODULES: list[str] = []
 CYTHON_MODULES = [
     "aioparamsync/wire/_cbinary.pyx",
     "aioparamsync/values/_crows.pyx",
+    "aioparamsync/values/_crowfold.pyx",
     "aioparamsync/values/_cfold.pyx",
     "aioparamsync/_cblocks.pyx",
 ]

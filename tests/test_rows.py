@@ -304,7 +304,7 @@ def test_sum_duplicates_matches_a_loop() -> None:
     assert same_ids.tolist() == [3, 1] and np.array_equal(same, grads[:2])
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rowcopy._crows is None, reason="the compiled path is not built")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("n", "dim"), [(100_000, 64), (70_000, 3), (5, 1), (2, 1), (9000, 300)])
 def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
@@ -335,21 +335,21 @@ def test_compiled_sums_of_repeats_are_numpys_bit_for_bit(
     )  # (the numpy path, given where they lie)
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rowcopy._crows is None, reason="the compiled path is not built")
 def test_the_compiled_distinct_ids_and_where_each_id_went_are_numpys() -> None:
     rng = np.random.default_rng(3)
     extremes = arr([0, -1, 2**63 - 1, -(2**63), 5, 5])
     for ids in (extremes, rng.integers(-(2**63), 2**63 - 1, 5000), rng.zipf(1.2, 9000)):
         ids = np.concatenate([ids, ids[: len(ids) // 3]]).astype(np.int64)
-        uniq, inverse = rowcopy._unique(rows_module._crows, ids)
+        uniq, inverse = rowcopy._unique(rowcopy._crows, ids)
         numpy_uniq, numpy_inverse = np.unique(ids, return_inverse=True)
         assert uniq.tolist() == numpy_uniq.tolist()
         assert inverse.tolist() == numpy_inverse.reshape(-1).tolist()
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rowcopy._crows is None, reason="the compiled path is not built")
 def test_compiled_sums_refuse_bad_rows_and_add_nothing() -> None:
-    sum_rows = rows_module._crows.sum_rows
+    sum_rows = rowcopy._crows.sum_rows
     grads, sums = np.ones((3, 2), np.float32), np.zeros((2, 2))
     with pytest.raises(IndexError, match="out of 2"):
         sum_rows(arr([0, 2, 1]), grads, sums, 4)
@@ -700,7 +700,7 @@ def test_the_compiled_hashes_refuse_what_they_cannot_hash() -> None:
     assert rowindex.bucket_of(small, 8).tolist() == placement.bucket_of(small, 8).tolist()
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rows_module._crowfold is None, reason="the compiled path is not built")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("rule", [sgd(0.1), adagrad(0.5, eps=1e-6), adagrad(1e-3, eps=1e-50)])
 def test_a_compiled_row_fold_is_numpys_bit_for_bit(rule: RowRule, dtype: str) -> None:
@@ -724,11 +724,11 @@ def test_a_compiled_row_fold_is_numpys_bit_for_bit(rule: RowRule, dtype: str) ->
             assert mine[~nan].tobytes() == theirs[~nan].tobytes(), name
 
 
-@pytest.mark.skipif(rows_module._crows is None, reason="the compiled path is not built")
+@pytest.mark.skipif(rows_module._crowfold is None, reason="the compiled path is not built")
 def test_a_compiled_row_fold_refuses_bad_slots_and_writes_nothing() -> None:
     rows, sums = np.ones((4, 3), np.float32), np.ones((4, 3), np.float32)
     g = np.ones((2, 3), np.float32)
-    fold = rows_module._crows.fold_rows
+    fold = rows_module._crowfold.fold_rows
     for slots, error, match in (
         ([0, 4], IndexError, "out of bounds"),
         ([-1, 0], IndexError, "out of bounds"),

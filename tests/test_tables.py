@@ -496,3 +496,151 @@ def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
         assert set(mine) == set(theirs)
         for name, values in mine.items():
             assert values.tobytes() == theirs[name].tobytes(), (bucket, name)
+
+
+class _Counted:
+    """A compiled module whose ``fold_held`` calls are counted."""
+
+    def __init__(self, module: object) -> None:
+        self.module, self.calls = module, 0
+
+    def fold_held(self, *args: object) -> object:
+        self.calls += 1
+        return self.module.fold_held(*args)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("case", "one_pass"),
+    [
+        ("sgd", True),
+        ("adagrad, float64", True),
+        ("repeats", True),
+        ("rows made in new buckets", True),
+        ("adam", False),
+        ("float16", False),
+        ("float64 gradients of float32 rows", False),
+        ("repeats, a bucket's part longer than a sum's chunk", False),
+    ],
+)
+def test_a_tables_push_folds_every_bucket_in_one_pass_where_it_can(
+    case: str, one_pass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table's push folds the rows of every bucket in one compiled pass (its rule sgd
+    or adagrad, the gradients of the rows' dtype; repeated ids summed first, rows made
+    first where missing), else block by block; either way the same rows, state,
+    versions and times, bit for bit, as each block folding its own part."""
+    from aioparamsync.store import rows as store_rows
+    from aioparamsync.store.rows import RowTable, table_spec
+
+    if store_rows._crowfold is None:
+        pytest.skip("the compiled path is not built")
+    counted = _Counted(store_rows._crowfold)
+    monkeypatch.setattr(store_rows, "_crowfold", counted)
+    rule = "adam" if case == "adam" else "adagrad" if "adagrad" in case else "sgd"
+    dtype = {"float16": "<f2", "adagrad, float64": "<f8"}.get(case, "<f4")
+    long = "longer" in case  # (dim 2**16: a sum's chunk is 32 rows)
+    dim, n = (1 << 16, 40) if long else (6, 4000)
+    wire = thrift.Table(name="t", dim=dim, dtype=dtype, buckets=1 if long else 16)
+    wire.rule = thrift.Rule(kind=rule, lr=0.1)
+    by_table, by_block = RowTable(table_spec(wire)), RowTable(table_spec(wire))
+    rng = np.random.default_rng(len(case))
+    made = rng.integers(0, 2**62, n)
+    first = rng.standard_normal((n, dim)).astype(np.float32)
+    for table in (by_table, by_block):  # (rows in half the buckets, unless they are made)
+        part = made[table.buckets_of(made) % 2 == 0] if "new buckets" in case else made
+        table.fold(part, first[: len(part)], 5.0)
+    counted.calls = 0
+    ids = rng.choice(made, n) if "repeats" in case else rng.permutation(made)
+    grads = rng.standard_normal((n, dim)).astype(np.float64 if "gradients" in case else dtype)
+    before = by_block.rows
+    changed, created = by_table.fold(ids, grads, 7.0)
+    assert counted.calls == (1 if one_pass else 0)
+    for bucket, positions in by_block.by_bucket(ids):
+        folded = by_block.block(bucket).fold(ids[positions], grads[positions], 7.0)
+        assert changed[bucket].tolist() == folded.tolist()
+    assert set(changed) == set(by_block.buckets_in(ids))
+    assert created == by_block.rows - before
+    if "new buckets" in case:
+        assert created > 0
+    assert set(by_table.blocks) == set(by_block.blocks)
+    for bucket, block in by_table.blocks.items():
+        mine, theirs = block.export(), by_block.blocks[bucket].export()
+        for name, values in mine.items():
+            assert values.tobytes() == theirs[name].tobytes(), (bucket, name)
+    # (a row made later without a time gets the latest time the block has seen)
+    late = np.array([made.max() + 1], np.int64)
+    assert by_table.pull(late).tobytes() == by_block.pull(late).tobytes()
+    assert [b._clock for b in by_table.blocks.values()] == [
+        by_block.blocks[b]._clock for b in by_table.blocks
+    ]
+
+
+def test_a_tables_push_at_a_time_not_finite_is_refused_and_changes_nothing() -> None:
+    from aioparamsync.store.rows import RowTable, table_spec
+
+    table = RowTable(table_spec(thrift.Table(name="t", dim=3, rule=thrift.Rule(kind="sgd"))))
+    ids = np.arange(100, dtype=np.int64)
+    table.fold(ids, np.ones((100, 3), np.float32), 1.0)
+    before = {b: block.export() for b, block in table.blocks.items()}
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(RequestError, match="now"):
+            table.fold(ids, np.ones((100, 3), np.float32), bad)
+    for bucket, block in table.blocks.items():
+        for name, values in block.export().items():
+            assert values.tobytes() == before[bucket][name].tobytes(), name
+
+
+def test_the_compiled_walk_and_fold_of_held_rows_refuse_bad_input_and_write_nothing() -> None:
+    from aioparamsync.store import rows as store_rows
+
+    c, f = store_rows._crows, store_rows._crowfold
+    if c is None or f is None:
+        pytest.skip("the compiled path is not built")
+    index, sids = np.full(8, -1, np.int64), np.arange(4, dtype=np.int64)
+    index[sids] = sids  # (id i in slot i, at its home or walked to)
+    ids = np.array([0, 1, 9], np.int64)
+    slots, owner = np.empty(3, np.int64), np.empty(3, np.int64)
+    held = np.array([4], np.int64)
+    with pytest.raises(ValueError, match="one length"):
+        c.locate([index], [sids], held, ids, slots[:2], owner)
+    with pytest.raises(ValueError, match="one per bucket"):
+        c.locate([index], [sids], np.array([4, 4], np.int64), ids, slots, owner)
+    with pytest.raises(ValueError, match="one per bucket"):
+        c.locate([], [], held[:0], ids, slots, owner)
+    with pytest.raises(ValueError, match="power of two"):
+        c.locate([index[:6]], [sids], held, ids, slots, owner)
+    with pytest.raises(ValueError, match="no more rows"):
+        c.locate([index], [sids], np.array([5], np.int64), ids, slots, owner)
+    assert c.locate([None], [None], held, ids, slots, owner) == 3
+    assert slots.tolist() == [-1, -1, -1] and owner.tolist() == [0, 0, 0]
+
+    rows = np.ones((4, 2), np.float32)
+    sums, versions, touched = rows.copy(), np.zeros(4, np.int64), np.zeros(4)
+    grads = np.ones((2, 2), np.float32)
+    arrays = [[rows], [sums], [versions], [touched]]
+
+    def fold(slots: list[int], owner: list[int], g: np.ndarray = grads, **kw: object) -> None:
+        s, o = np.array(slots, np.int64), np.array(owner, np.int64)
+        lists = kw.get("arrays", arrays)
+        f.fold_held(*lists, s, o, g, 0.5, 0.0, True, 3.0)  # type: ignore[misc]
+
+    for bad_slots, bad_owner, error in (
+        ([0, 4], [0, 0], IndexError),
+        ([0, -1], [0, 0], IndexError),
+        ([0, 1], [0, 1], IndexError),
+        ([0, 1], [0, -1], IndexError),
+    ):
+        with pytest.raises(error, match="not held"):
+            fold(bad_slots, bad_owner)
+    with pytest.raises(IndexError, match="not held"):  # (a bucket with no block)
+        fold([0, 1], [0, 0], arrays=[[None], [None], [None], [None]])
+    with pytest.raises(ValueError, match="one length"):
+        fold([0], [0])
+    with pytest.raises(ValueError, match="one per bucket"):
+        fold([0, 1], [0, 0], arrays=[[rows], [sums, sums], [versions], [touched]])
+    with pytest.raises(ValueError, match="as wide"):
+        fold([0, 1], [0, 0], np.ones((2, 3), np.float32))
+    assert np.all(rows == 1) and np.all(sums == 1) and not versions.any() and not touched.any()
+    fold([2, 0], [0, 0])
+    assert versions.tolist() == [1, 0, 1, 0] and touched.tolist() == [3.0, 0.0, 3.0, 0.0]
+    assert np.all(rows[1] == 1) and np.all(rows[3] == 1) and np.all(rows[[0, 2]] < 1)

@@ -26,13 +26,16 @@ from typing import Any
 
 import numpy as np
 
+from .._ext import compiled
 from ..errors import ErrorCode, RequestError
 from ..values import rules
 from ..values.arrays import parse_dtype, wire_dtype
 from ..values.compression import _from_le, _le_bytes
-from ..values.rowcopy import gather, take_rows
-from ..values.rowindex import bucket_of
+from ..values.parallel import in_parts
+from ..values.rowcopy import SUM_CHUNK, gather, sum_repeats, take_rows
+from ..values.rowindex import bucket_of, has_duplicates
 from ..values.rows import BlockSpec, Init, RowBlock, RowRule
+from ..values.rowspec import check_time
 from ..values.rowwire import decode_ids, encode_ids
 from ..wire import thrift
 
@@ -51,6 +54,10 @@ MAX_BUCKETS = 1 << 16
 MAX_DIM = 1 << 16
 #: the rule of a table whose creator says nothing: adagrad, the field's default for embeddings
 DEFAULT_RULE = "adagrad"
+
+# The compiled walk and fold of every bucket at once (see RowTable._fold_held).
+_crows, _crowfold = compiled("values._crows"), compiled("values._crowfold")
+
 # Request ids a ledger remembers (the oldest are forgotten first).
 LEDGER_SIZE = 100_000
 
@@ -241,7 +248,74 @@ class RowTable:
         # (each bucket's gradients folded where they lie in the push: see RowBlock.fold;
         # made contiguous here, if they are not, not once a bucket)
         grads = np.require(grads, None, ("C",))
-        return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
+        before, now = self.rows, check_time("now", now)
+        held = self._fold_held(ids, grads, now)
+        if held is None:
+            return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
+        # (the ids folded by bucket, in the order each block's fold answers them)
+        folded, owner = held
+        order = np.argsort(owner.astype(np.uint16), kind="stable")
+        counts = np.bincount(owner, minlength=self.spec.buckets)
+        parts = np.split(folded[order], np.cumsum(counts)[:-1])
+        changed = {b: parts[b] for b in np.flatnonzero(counts).tolist()}
+        return changed, self.rows - before
+
+    def _fold_held(
+        self, ids: np.ndarray, grads: np.ndarray, now: float
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`fold`'s folds in one compiled pass over every bucket (``_crows.locate``
+        and ``_crowfold.fold_held``: the same bits as each block's fold) where it can
+        be: the rule is ``sgd`` or ``adagrad``, the gradients of the rows' dtype. The
+        gradients of a repeated id are summed first, and the missing rows made, as each
+        block's fold does. Answers the distinct ids folded and the bucket of each; None,
+        having changed nothing, where it cannot be done so (the caller folds block by
+        block)."""
+        buckets, rule, dtype = self.spec.buckets, self.spec.rows.rule, self.spec.rows.dtype
+        if _crows is None or _crowfold is None or rule.kind not in ("sgd", "adagrad"):
+            return None
+        if grads.dtype != dtype:
+            return None
+        if not len(ids) or len(self.blocks) > len(ids):
+            return None
+        ids = np.ascontiguousarray(ids, np.int64)
+        if has_duplicates(ids):
+            # (summed first, each row's gradients in order from 0.0, as each block sums
+            # its part: one chunk, unless a part is longer; then each block's way)
+            step = max(1, SUM_CHUNK // self.spec.dim)
+            if np.bincount(self.buckets_of(ids)).max() > step:
+                return None
+            ids, grads = sum_repeats(ids, grads, self.spec.rows.work_dtype, step=len(ids))
+            if grads.dtype != dtype:
+                return None
+        n = len(ids)
+        slots, owner = np.empty(n, np.int64), np.empty(n, np.int64)
+        for attempt in range(2):
+            layouts: list[Any] = [None] * buckets
+            for bucket, block in self.blocks.items():
+                layouts[bucket] = block.fold_layout()
+                if layouts[bucket] is None:
+                    return None
+            held = np.array([0 if a is None else min(map(len, a[1:])) for a in layouts], np.int64)
+            index = [None if a is None else a[0] for a in layouts]
+            slot_ids = [None if a is None else a[1] for a in layouts]
+            missing = _crows.locate(index, slot_ids, held, ids, slots, owner)
+            if not missing:
+                break
+            if attempt:  # (every row was made: not reached)
+                raise AssertionError(f"{missing} rows not found once made")
+            lost = np.flatnonzero(slots < 0)
+            for bucket, positions in self.by_bucket(ids[lost]):
+                self.block(bucket).make(ids[lost][positions], now)
+        arrays = [[None if a is None else a[k] for a in layouts] for k in range(2, 6)]
+        scalars = (rule.lr, rule.eps, rule.kind == "adagrad", now)
+
+        def fold(p: slice) -> None:  # (rows of one id each: parts on several cores at once)
+            _crowfold.fold_held(*arrays, slots[p], owner[p], grads[p], *scalars)
+
+        in_parts(fold, n, grads.itemsize * self.spec.dim)
+        for bucket in np.flatnonzero(np.bincount(owner, minlength=buckets)).tolist():
+            self.blocks[bucket].make(ids[:0], now)  # (its clock: see RowBlock.make)
+        return ids, owner
 
     def assign(
         self, ids: np.ndarray, rows: np.ndarray, now: float

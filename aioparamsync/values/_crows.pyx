@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The row index's lookup, compiled: one probe loop per id in C; and the ids' hashes,
-the rows' copy, a pull's read of every bucket at once (:func:`gather_rows`) and the
-row rules' folds.
+the rows' copy, a pull's read of every bucket at once (:func:`gather_rows`), the walk
+of a table's push (:func:`locate`) and the sums of repeated ids' gradients (the row
+rules' folds: ``_crowfold.pyx``).
 
 The same contract as :meth:`aioparamsync.values.rowindex.RowIndex.lookup` (its
 numpy version probes every id at once, a round per bucket of the longest probe
@@ -22,7 +23,6 @@ waiting for them).
 :mod:`aioparamsync._ext`); the tests run both against the same model.
 """
 
-from libc.math cimport sqrt, sqrtf
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -149,6 +149,100 @@ def copy_rows(
             memcpy(&out[where[i], 0], &source[slots[i], 0], width)
 
 
+cdef Py_ssize_t _locate(
+    list tables, list slot_ids, const int64_t* held, const int64_t[::1] ids,
+    int64_t* slots, int64_t* owner,
+) except -1:
+    # slots[i] = the slot of ids[i] in the index of its bucket owner[i] (a slot below
+    # held[owner[i]]), or -1; answers how many are -1. tables[b] and slot_ids[b]: bucket
+    # b's index (as probe walks it), or None where the table holds no block of b.
+    cdef Py_ssize_t i, b, n = ids.shape[0], count = len(tables), lost = 0
+    if count <= 0 or len(slot_ids) != count:
+        raise ValueError("tables and slot_ids are one per bucket, one or more")
+    cdef const int64_t[::1] table
+    cdef const int64_t[::1] sids
+    cdef const int64_t** tab = <const int64_t**>calloc(count, sizeof(int64_t*))
+    cdef const int64_t** sid = <const int64_t**>calloc(count, sizeof(int64_t*))
+    cdef int64_t* masks = <int64_t*>calloc(count, sizeof(int64_t))
+    cdef int64_t* homes = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
+    cdef uint64_t h, c = <uint64_t>count
+    cdef int64_t pos, slot, want, mask, steps
+    try:
+        if not (tab and sid and masks and homes):
+            raise MemoryError()
+        for b in range(count):
+            if tables[b] is None:
+                continue
+            table, sids = tables[b], slot_ids[b]
+            if table.shape[0] == 0 or table.shape[0] & (table.shape[0] - 1):
+                raise ValueError("an index's buckets are a power of two")
+            if held[b] > sids.shape[0]:
+                raise ValueError("a block holds no more rows than its index has slots")
+            tab[b], sid[b], masks[b] = &table[0], &sids[0], table.shape[0] - 1
+        with nogil:
+            for i in range(n):  # (each id's bucket and home, hashed once)
+                h = _mix64(<uint64_t>ids[i])
+                b = <Py_ssize_t>((h >> 32) & (c - 1) if c & (c - 1) == 0 else (h >> 32) % c)
+                owner[i] = b
+                homes[i] = <int64_t>(h & <uint64_t>masks[b])
+            for i in range(n):  # (the walks, as probe's)
+                if i + AHEAD < n and tab[owner[i + AHEAD]] != NULL:
+                    APS_PREFETCH(&tab[owner[i + AHEAD]][homes[i + AHEAD]])
+                b = owner[i]
+                slots[i] = -1
+                if tab[b] == NULL:
+                    lost += 1
+                    continue
+                want, mask, pos = ids[i], masks[b], homes[i]
+                steps = mask  # (a walk ends at an empty bucket, or after every one)
+                while True:
+                    slot = tab[b][pos]
+                    if slot == -1:
+                        break
+                    if 0 <= slot < held[b] and sid[b][slot] == want:
+                        slots[i] = slot
+                        break
+                    if steps == 0:
+                        break
+                    steps -= 1
+                    pos = (pos + 1) & mask
+                if slots[i] < 0:
+                    lost += 1
+        return lost
+    finally:
+        free(tab)
+        free(sid)
+        free(masks)
+        free(homes)
+
+
+def locate(
+    list tables,
+    list slot_ids,
+    const int64_t[::1] held,
+    const int64_t[::1] ids,
+    int64_t[::1] slots,
+    int64_t[::1] owner,
+):
+    """``owner[i]`` = the bucket of ``ids[i]`` (as :func:`buckets` computes it) and
+    ``slots[i]`` = its slot in that bucket's index, or -1 where it has none; answers how
+    many have none.
+
+    ``tables[b]`` and ``slot_ids[b]`` are bucket ``b``'s index (as :func:`probe` walks
+    it), or None where the table holds no block of ``b``; ``held[b]`` is how many of
+    its slots are rows (a slot past it is not found). One walk for every bucket, as
+    :func:`gather_rows` makes.
+    """
+    cdef Py_ssize_t n = ids.shape[0]
+    if slots.shape[0] != n or owner.shape[0] != n:
+        raise ValueError("ids, slots and owner are of one length")
+    if held.shape[0] != len(tables):
+        raise ValueError("held is one per bucket")
+    if n == 0:
+        return 0
+    return _locate(tables, slot_ids, &held[0], ids, &slots[0], &owner[0])
+
+
 def gather_rows(
     list tables,
     list slot_ids,
@@ -175,61 +269,26 @@ def gather_rows(
         raise ValueError("ids, out and missing are of one length")
     if count <= 0 or len(slot_ids) != count or len(rows) != count:
         raise ValueError("tables, slot_ids and rows are one per bucket, one or more")
-    cdef const int64_t[::1] table
-    cdef const int64_t[::1] sids
     cdef const unsigned char[:, ::1] block
-    cdef const int64_t** tab = <const int64_t**>calloc(count, sizeof(int64_t*))
-    cdef const int64_t** sid = <const int64_t**>calloc(count, sizeof(int64_t*))
     cdef const unsigned char** first = <const unsigned char**>calloc(count, sizeof(void*))
-    cdef int64_t* masks = <int64_t*>calloc(count, sizeof(int64_t))
     cdef int64_t* held = <int64_t*>calloc(count, sizeof(int64_t))
     cdef int64_t* slots = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
-    cdef int64_t* homes = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
     cdef int64_t* owner = <int64_t*>malloc(max(n, 1) * sizeof(int64_t))
-    cdef uint64_t h, c = <uint64_t>count
-    cdef int64_t pos, slot, want, mask, steps
     cdef const unsigned char* row
     try:
-        if not (tab and sid and first and masks and held and slots and homes and owner):
+        if not (first and held and slots and owner):
             raise MemoryError()
         for b in range(count):
             if tables[b] is None:
                 continue
-            table, sids, block = tables[b], slot_ids[b], rows[b]
+            block = rows[b]
             if block.shape[1] != width:
                 raise ValueError("every block's rows are as wide as out's")
-            if table.shape[0] == 0 or table.shape[0] & (table.shape[0] - 1):
-                raise ValueError("an index's buckets are a power of two")
-            tab[b], sid[b], masks[b] = &table[0], &sids[0], table.shape[0] - 1
             # (a slot past the block's rows or ids would read out of bounds)
-            held[b] = min(sids.shape[0], block.shape[0])
+            held[b] = min(len(slot_ids[b]), block.shape[0])
             first[b] = &block[0, 0] if block.shape[0] else NULL
+        _locate(tables, slot_ids, held, ids, slots, owner)
         with nogil:
-            for i in range(n):  # (each id's bucket and home, hashed once)
-                h = _mix64(<uint64_t>ids[i])
-                b = <Py_ssize_t>((h >> 32) & (c - 1) if c & (c - 1) == 0 else (h >> 32) % c)
-                owner[i] = b
-                homes[i] = <int64_t>(h & <uint64_t>masks[b])
-            for i in range(n):  # (the walks, as probe's)
-                if i + AHEAD < n and tab[owner[i + AHEAD]] != NULL:
-                    APS_PREFETCH(&tab[owner[i + AHEAD]][homes[i + AHEAD]])
-                b = owner[i]
-                slots[i] = -1
-                if tab[b] == NULL:
-                    continue
-                want, mask, pos = ids[i], masks[b], homes[i]
-                steps = mask  # (a walk ends at an empty bucket, or after every one)
-                while True:
-                    slot = tab[b][pos]
-                    if slot == -1:
-                        break
-                    if 0 <= slot < held[b] and sid[b][slot] == want:
-                        slots[i] = slot
-                        break
-                    if steps == 0:
-                        break
-                    steps -= 1
-                    pos = (pos + 1) & mask
             if width:
                 for i in range(n):  # (the copies, as copy_rows')
                     if i + AHEAD < n and slots[i + AHEAD] >= 0:
@@ -246,113 +305,15 @@ def gather_rows(
                     lost += 1
         return lost
     finally:
-        free(tab)
-        free(sid)
         free(first)
-        free(masks)
         free(held)
         free(slots)
-        free(homes)
         free(owner)
 
 
 ctypedef fused real:
     float
     double
-
-
-def fold_rows(
-    real[:, ::1] rows,
-    real[:, ::1] sums,
-    const int64_t[::1] slots,
-    const real[:, ::1] grads,
-    double lr,
-    double eps,
-    bint adagrad,
-    const int64_t[::1] grad_rows=None,
-):
-    """Fold ``grads[i]`` into ``rows[slots[i]]`` in place, by ``sgd``
-    (``w -= lr * g``) or, with ``adagrad``, by Adagrad (``s += g * g``, then
-    ``w -= lr * (g / (sqrt(s) + eps))``, ``s`` the row's ``sums``; ``sums`` is
-    ``rows`` itself for ``sgd``, and not read).
-
-    Each element as numpy computes :meth:`RowBlock._fold_chunk
-    <aioparamsync.values.rows.RowBlock>`'s gathered rows, operation by operation,
-    the scalars first converted to the rows' type: the same bits (the tests
-    compare them). The slots are distinct (a row folded twice would see its own
-    first fold, where numpy's gather sees the old row for both); checked first,
-    with their bounds: a bad one raises, and nothing is written.
-
-    With ``grad_rows``, the gradient of ``slots[i]`` is ``grads[grad_rows[i]]``
-    (a table's push folds each bucket's part where it lies in the push, with no
-    copy of it).
-    """
-    cdef Py_ssize_t i, j, n = slots.shape[0], dim = rows.shape[1], held = rows.shape[0]
-    cdef Py_ssize_t given = grads.shape[0], at
-    cdef int64_t slot
-    cdef real r_lr = <real>lr, r_eps = <real>eps, g, s
-    cdef real* w
-    cdef real* acc
-    cdef const real* gr
-    cdef bint indexed = grad_rows is not None
-    if grads.shape[1] != dim or (grads.shape[0] != n if not indexed else grad_rows.shape[0] != n):
-        raise ValueError("grads are (len(slots), the rows' width), or indexed by grad_rows")
-    if indexed:
-        for i in range(n):
-            if not 0 <= grad_rows[i] < given:
-                raise IndexError(f"gradient {grad_rows[i]} is out of bounds")
-    if adagrad and (sums.shape[0] != held or sums.shape[1] != dim):
-        raise ValueError("adagrad's sums are of the rows' shape")
-    for i in range(n):  # (checked first: a bad slot raises, nothing is written)
-        if not 0 <= slots[i] < held:
-            raise IndexError(f"row {slots[i]} is out of bounds")
-    if has_duplicates(slots):  # (a hash set of the slots: not a mark per row held)
-        raise ValueError("a row is folded twice in one call")
-    if n == 0 or dim == 0:
-        return
-    # (gradients read where they lie in a frame may be unaligned: each row is copied
-    # into an aligned one first, a memcpy of a row that is in the cache by then)
-    cdef bint unaligned = (<size_t>&grads[0, 0]) % sizeof(real) != 0
-    cdef real* line = <real*>malloc(dim * sizeof(real)) if unaligned else NULL
-    if unaligned and line == NULL:
-        raise MemoryError()
-    with nogil:
-        for i in range(n):
-            if i + AHEAD < n:
-                APS_PREFETCH(&rows[slots[i + AHEAD], 0])
-                if adagrad:
-                    APS_PREFETCH(&sums[slots[i + AHEAD], 0])
-                if indexed:
-                    gr = &grads[grad_rows[i + AHEAD], 0]
-                    j = 0
-                    while j < dim:
-                        APS_PREFETCH(gr + j)
-                        j += LINE // sizeof(real)
-            slot = slots[i]
-            w = &rows[slot, 0]
-            at = grad_rows[i] if indexed else i
-            gr = &grads[at, 0]
-            if unaligned:
-                memcpy(line, gr, dim * sizeof(real))
-                gr = line
-            if adagrad:
-                acc = &sums[slot, 0]
-                for j in range(dim):
-                    g = gr[j]
-                    s = acc[j] + g * g
-                    acc[j] = s
-                    w[j] = w[j] - r_lr * (g / (_sqrt(s) + r_eps))
-            else:
-                for j in range(dim):
-                    w[j] = w[j] - r_lr * gr[j]
-    free(line)
-
-
-cdef inline real _sqrt(real x) noexcept nogil:
-    if real is float:
-        return sqrtf(x)
-    else:
-        return sqrt(x)
 
 
 def has_duplicates(const int64_t[::1] ids):
@@ -439,7 +400,8 @@ def sum_rows(
     The rows are first put in order of their sums (a counting sort, which keeps each
     sum's rows in their order): each sum is then made whole, its chunk's part in a
     row of registers' worth, where adding into every sum at once would keep a chunk's
-    part of all of them (``len(sums) * dim``) in memory.
+    part of all of them (``len(sums) * dim``) in memory. In one chunk (``step`` at
+    least the rows), each row is added into its sum as it comes: the same additions.
 
     With ``grad_rows``, row ``i``'s gradient is ``grads[grad_rows[i]]`` (a table's
     push, summed where its gradients lie).
@@ -474,44 +436,63 @@ def sum_rows(
     cdef const real* g
     cdef double* out
     with nogil:
-        for i in range(n):  # (start[r + 1]: how many rows sum into r, then where r's end)
-            start[inverse[i] + 1] += 1
-        for r in range(count):
-            start[r + 1] += start[r]
-        for i in range(n):  # (start[r]: where r's next row goes, then where r's rows end)
-            order[start[inverse[i]]] = i
-            start[inverse[i]] += 1
-        p = 0
-        for r in range(count):
-            out = &sums[r, 0]
-            part_of = -1
-            while p < start[r]:
-                i = order[p]
-                if p + AHEAD < n:
-                    at = grad_rows[order[p + AHEAD]] if indexed else order[p + AHEAD]
-                    g = &grads[at, 0]
+        if step >= n:  # (one chunk: each row added into its sum as it comes, the same bits)
+            for i in range(n):
+                if i + AHEAD < n:  # (every line of the sum and, read by index, the row)
+                    out = &sums[inverse[i + AHEAD], 0]
+                    at = grad_rows[i + AHEAD] if indexed else -1
                     j = 0
                     while j < dim:
-                        APS_PREFETCH(g + j)
-                        j += LINE // sizeof(real)
-                chunk = i // step
-                if chunk != part_of:
-                    if part_of >= 0:
-                        for j in range(dim):
-                            out[j] += part[j]
-                    for j in range(dim):
-                        part[j] = 0.0
-                    part_of = chunk
+                        APS_PREFETCH(out + j)
+                        if indexed:
+                            APS_PREFETCH(&grads[at, 0] + j)
+                        j += LINE // sizeof(double)
                 g = &grads[grad_rows[i] if indexed else i, 0]
                 if unaligned:
                     memcpy(line, g, dim * sizeof(real))
                     g = line
+                out = &sums[inverse[i], 0]
                 for j in range(dim):
-                    part[j] += <double>g[j]
-                p += 1
-            if part_of >= 0:
-                for j in range(dim):
-                    out[j] += part[j]
+                    out[j] += <double>g[j]
+        else:  # (rows put in order of their sums, each sum made whole in turn)
+            for i in range(n):  # (start[r + 1]: how many rows sum into r, then where r's end)
+                start[inverse[i] + 1] += 1
+            for r in range(count):
+                start[r + 1] += start[r]
+            for i in range(n):  # (start[r]: where r's next row goes, then where r's rows end)
+                order[start[inverse[i]]] = i
+                start[inverse[i]] += 1
+            p = 0
+            for r in range(count):
+                out = &sums[r, 0]
+                part_of = -1
+                while p < start[r]:
+                    i = order[p]
+                    if p + AHEAD < n:
+                        at = grad_rows[order[p + AHEAD]] if indexed else order[p + AHEAD]
+                        g = &grads[at, 0]
+                        j = 0
+                        while j < dim:
+                            APS_PREFETCH(g + j)
+                            j += LINE // sizeof(real)
+                    chunk = i // step
+                    if chunk != part_of:
+                        if part_of >= 0:
+                            for j in range(dim):
+                                out[j] += part[j]
+                        for j in range(dim):
+                            part[j] = 0.0
+                        part_of = chunk
+                    g = &grads[grad_rows[i] if indexed else i, 0]
+                    if unaligned:
+                        memcpy(line, g, dim * sizeof(real))
+                        g = line
+                    for j in range(dim):
+                        part[j] += <double>g[j]
+                    p += 1
+                if part_of >= 0:
+                    for j in range(dim):
+                        out[j] += part[j]
     free(start)
     free(order)
     free(part)

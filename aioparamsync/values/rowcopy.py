@@ -140,17 +140,22 @@ def sum_duplicates(
 
 
 def sum_repeats(
-    ids: np.ndarray, grads: np.ndarray, dtype: Any = np.float32, at: np.ndarray | None = None
+    ids: np.ndarray,
+    grads: np.ndarray,
+    dtype: Any = np.float32,
+    at: np.ndarray | None = None,
+    step: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`sum_duplicates` of ``ids`` its caller knows to repeat: the sorted distinct
-    ids and their sums."""
+    ids and their sums (summed by chunks of ``step`` rows, by default ``SUM_CHUNK``
+    elements' worth)."""
     crows = _crows if grads.dtype in (np.float32, np.float64) else None
     if crows is not None:
         uniq, inverse = _unique(crows, ids)
     else:
         uniq, inverse = np.unique(ids, return_inverse=True)
     k, dim = len(uniq), grads.shape[1]
-    step, inverse = max(1, SUM_CHUNK // dim), inverse.reshape(-1)
+    step, inverse = step or max(1, SUM_CHUNK // dim), inverse.reshape(-1)
     if crows is not None:
         sums = np.zeros((k, dim), np.float64)
         rows = None if at is None else np.ascontiguousarray(at, np.int64)

@@ -54,7 +54,9 @@ from .rowspec import (
     Init,
     RowRule,
     _bad,
-    _real,
+    check_steps,
+    check_time,
+    check_times,
     normal,
     uniform,
     zeros,
@@ -80,7 +82,7 @@ __all__ = [
 GROW_ROWS = 64
 # Elements folded at once (the same cache argument: 2x faster for adam than all at once).
 FOLD_CHUNK = 1 << 16
-_crows = compiled("values._crows")  # (see _crows.pyx; None: the pure path)
+_crowfold = compiled("values._crowfold")  # (see _crowfold.pyx; None: the pure path)
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -171,7 +173,7 @@ class RowBlock:
             RequestError: ``ids`` is not a 1-D int64 array, or ``now`` not finite.
         """
         ids = _check_ids(ids)
-        stamp = None if now is None else _check_time("now", now)
+        stamp = None if now is None else check_time("now", now)
         slots = self._ensure(ids, stamp)
         if stamp is not None:
             self._touch(slots, stamp)
@@ -206,6 +208,22 @@ class RowBlock:
     def layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Its index's buckets and slots' ids, and its rows: what a compiled read walks."""
         return (*self._index.arrays, self._rows)
+
+    def fold_layout(self) -> tuple[np.ndarray, ...] | None:
+        """What a compiled fold of a table's push walks and writes (``_crowfold.fold_held``):
+        :meth:`layout`, then the sums Adagrad keeps (the rows for ``sgd``), versions and
+        times; None where that fold does not take this block's rule or dtype."""
+        if self._folds_in_place(self._rows) is None:
+            return None
+        return (*self.layout(), self._state.get("sum", self._rows), self._versions, self._touched)
+
+    def make(self, ids: np.ndarray, now: float) -> None:
+        """Make the rows of ``ids`` that have none, as a fold at ``now`` does first, and
+        count ``now`` as seen (a compiled fold stamps the rows it folds itself)."""
+        stamp = check_time("now", now)
+        if len(ids):
+            self._ensure(_check_ids(ids), stamp)
+        self._clock = max(self._clock, stamp)
 
     def rows_of(
         self,
@@ -269,7 +287,7 @@ class RowBlock:
                 then unchanged.
         """
         ids = _check_ids(ids)
-        stamp = _check_time("now", now)
+        stamp = check_time("now", now)
         # (with ``at``, the caller checked the values: each is finite once, not again here)
         finite = at is None and not self._spec.rule.allow_nonfinite
         uniq, summed = ids, grads
@@ -301,7 +319,7 @@ class RowBlock:
             raise _bad(f"table {self._spec.name!r}: ids repeat; each row is set once")
         finite = not self._spec.rule.allow_nonfinite
         rows = _check_rows("rows", rows, len(ids), self._spec.dim, finite=finite)
-        stamp = _check_time("now", now)
+        stamp = check_time("now", now)
         slots = self._ensure(ids, stamp)
         with np.errstate(over="ignore"):  # a float16 row may overflow to inf
             self._rows[slots] = rows
@@ -342,7 +360,7 @@ class RowBlock:
         if versions is None:
             versions = np.zeros(len(ids), np.int64)
         else:
-            versions = _check_steps(versions, len(ids), "versions")
+            versions = check_steps(versions, len(ids), "versions")
             held = self._index.lookup(ids)
             newer = held < 0
             have = ~newer
@@ -350,14 +368,14 @@ class RowBlock:
             if not newer.all():
                 ids, rows, versions = ids[newer], rows[newer], versions[newer]
                 checked = {name: a[newer] for name, a in checked.items()}
-        stamp = self._clock if now is None else _check_time("now", now)
+        stamp = self._clock if now is None else check_time("now", now)
         self._install(ids, rows, checked, np.full(len(ids), stamp), versions)
         self._clock = max(self._clock, stamp)
         return len(ids)
 
     def evict(self, older_than: float) -> np.ndarray:
         """Drop the rows last touched before ``older_than``; answer their ids."""
-        stamp = _check_time("older_than", older_than)
+        stamp = check_time("older_than", older_than)
         n = len(self)
         gone = self._index.ids(np.flatnonzero(self._touched[:n] < stamp))
         moved_from, moved_to = self._index.remove(gone)
@@ -389,10 +407,10 @@ class RowBlock:
         ids, rows, checked = block._check_install(arrays["ids"], arrays["rows"], state)
         touched = np.zeros(len(ids))
         if "touched" in arrays:
-            touched = _check_times(arrays["touched"], len(ids))
+            touched = check_times(arrays["touched"], len(ids))
         versions = np.zeros(len(ids), np.int64)
         if "versions" in arrays:
-            versions = _check_steps(arrays["versions"], len(ids), "versions")
+            versions = check_steps(arrays["versions"], len(ids), "versions")
         block._install(ids, rows, checked, touched, versions)
         block._clock = float(touched.max(initial=0.0))
         return block
@@ -446,7 +464,7 @@ class RowBlock:
         # dtype, float32 or float64 (the same bits as _fold_chunk's); else None.
         rule, rows = self._spec.rule, self._rows
         fits = rows.dtype == g.dtype and rows.dtype in (np.float32, np.float64)
-        if _crows is None or rule.kind not in ("sgd", "adagrad") or not fits:
+        if _crowfold is None or rule.kind not in ("sgd", "adagrad") or not fits:
             return None
         return np.require(g, None, ("C",))  # (unaligned, as in a frame: read so)
 
@@ -455,11 +473,11 @@ class RowBlock:
         # place, compiled, where it can (_folds_in_place); else by chunks of rows whose
         # temporaries stay in the cache.
         rule, rows, adagrad = self._spec.rule, self._rows, self._spec.rule.kind == "adagrad"
-        if (fast := self._folds_in_place(g)) is not None and _crows is not None:
+        if (fast := self._folds_in_place(g)) is not None and _crowfold is not None:
             slots = np.ascontiguousarray(slots, np.int64)
             sums, eps = (self._state["sum"], rule.eps) if adagrad else (rows, 0.0)
             at = None if at is None else np.ascontiguousarray(at, np.int64)
-            _crows.fold_rows(rows, sums, slots, fast, rule.lr, eps, adagrad, at)
+            _crowfold.fold_rows(rows, sums, slots, fast, rule.lr, eps, adagrad, at)
             return
         assert at is None  # (only where the compiled fold takes it: see fold)
         step = max(1, FOLD_CHUNK // self._spec.dim)
@@ -513,7 +531,7 @@ class RowBlock:
         checked = {}
         for name in names:
             if name == "step":
-                checked[name] = _check_steps(given[name], n)
+                checked[name] = check_steps(given[name], n)
                 continue
             a = _check_rows(name, given[name], n, dim, finite=finite)
             if name != "exp_avg" and (a < 0).any():
@@ -561,28 +579,3 @@ def _check_rows(what: str, rows: Any, n: int, dim: int, *, finite: bool = True) 
         if not ok.all():
             raise _bad(f"{what} has {ok.size - np.count_nonzero(ok)} NaN or infinite values")
     return rows
-
-
-def _check_steps(steps: Any, n: int, what: str = "step") -> np.ndarray:
-    steps = np.asarray(steps)
-    if steps.dtype.kind not in "iu" or steps.shape != (n,):
-        raise _bad(
-            f"{what} must be {n} integers, not {steps.dtype} of shape {steps.shape}",
-            ErrorCode.SHAPE_MISMATCH,
-        )
-    if (steps < 0).any():
-        raise _bad(f"{what}: a count cannot be negative")
-    return steps.astype(np.int64, copy=False)
-
-
-def _check_time(what: str, value: Any) -> float:
-    if not _real(value):
-        raise _bad(f"{what} must be a finite number, not {value!r}")
-    return float(value)
-
-
-def _check_times(times: Any, n: int) -> np.ndarray:
-    times = np.asarray(times)
-    if times.dtype.kind not in "iuf" or times.shape != (n,) or not np.isfinite(times).all():
-        raise _bad(f"touched must be {n} finite times, not {times.dtype} of shape {times.shape}")
-    return times.astype(np.float64)

@@ -31,6 +31,9 @@ __all__ = [
     "BlockSpec",
     "Init",
     "RowRule",
+    "check_steps",
+    "check_time",
+    "check_times",
     "normal",
     "uniform",
     "zeros",
@@ -315,3 +318,31 @@ class BlockSpec(_Plain):
         fields["init"] = Init.from_dict(fields.get("init", {}))
         fields["rule"] = RowRule.from_dict(fields.get("rule", {}))
         return cls(**fields)
+
+
+def check_steps(steps: Any, n: int, what: str = "step") -> np.ndarray:
+    """``steps`` (counts: a row's versions, Adam's steps) as ``n`` int64, or refused."""
+    steps = np.asarray(steps)
+    if steps.dtype.kind not in "iu" or steps.shape != (n,):
+        raise _bad(
+            f"{what} must be {n} integers, not {steps.dtype} of shape {steps.shape}",
+            ErrorCode.SHAPE_MISMATCH,
+        )
+    if (steps < 0).any():
+        raise _bad(f"{what}: a count cannot be negative")
+    return steps.astype(np.int64, copy=False)
+
+
+def check_time(what: str, value: Any) -> float:
+    """``value`` (a time, in seconds) as a float, or refused: it is a finite number."""
+    if not _real(value):
+        raise _bad(f"{what} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def check_times(times: Any, n: int) -> np.ndarray:
+    """``times`` (each row's last touch) as ``n`` finite float64, or refused."""
+    times = np.asarray(times)
+    if times.dtype.kind not in "iuf" or times.shape != (n,) or not np.isfinite(times).all():
+        raise _bad(f"touched must be {n} finite times, not {times.dtype} of shape {times.shape}")
+    return times.astype(np.float64)
