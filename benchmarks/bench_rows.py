@@ -12,14 +12,17 @@ For each (ROWS, DIM) and each id pattern (``unique``: ROWS distinct ids drawn fr
 and a push sums many gradients into each row):
 
 * ``push``: ``--count`` timed ``push_row_gradients`` of a ``(ROWS, DIM)`` float32
-  block into a table with the ``adagrad`` rule (after one untimed push that makes the
-  rows);
+  block into a table with the rule ``--rule`` (``adagrad``, a table's default, unless
+  told; after one untimed push that makes the rows);
 * ``pull``: ``--count`` timed ``pull_rows`` of the same ids;
 * ``dense get``: beside them, the node's own ``get_arrays`` of one float32 parameter
   of ROWS x DIM values (the same bytes as the pulled rows), ``--count`` timed;
 * ``dense push``: ``push_gradients`` of the same bytes into that parameter (rule
-  ``sgd``: the dense rules have no ``adagrad``; both are one pass of a compiled loop),
-  ``--count`` timed.
+  ``sgd``: the dense rules have no ``adagrad``; both are one pass of a compiled loop;
+  ``--rule sgd`` compares like with like), ``--count`` timed.
+
+The four calls are timed in turn, ``--count`` rounds of one of each, so that the
+machine's drift falls on each alike.
 
 Reported per case: rows/s and MB/s (the rows' values, ROWS x DIM x 4 bytes, over
 the median call), ``pull / dense`` and ``push / dense`` (the ratios of the medians'
@@ -61,33 +64,41 @@ def ids_of(pattern: str, n: int, seed: int) -> np.ndarray:
     return (rng.zipf(1.2, n) % ID_SPACE).astype(np.int64)
 
 
-async def timed(count: int, call: Any) -> float:
-    """The median seconds of ``count`` calls."""
-    seconds = []
+async def interleaved(count: int, *calls: Any) -> list[float]:
+    """The median seconds of ``count`` calls of each of ``calls``, taken in turn (a round
+    calls each once), so that the machine's drift falls on each alike."""
+    seconds: list[list[float]] = [[] for _ in calls]
     for _ in range(count):
-        start = time.perf_counter()
-        await call()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        for call, times in zip(calls, seconds, strict=True):
+            start = time.perf_counter()
+            await call()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in seconds]
 
 
-async def case(client: ParameterClient, rows: int, dim: int, pattern: str, count: int) -> dict:
+async def case(
+    client: ParameterClient, rows: int, dim: int, pattern: str, count: int, rule: str
+) -> dict:
     table = f"t{rows}x{dim}{pattern}"
-    await client.create_table(table, dim, rule=adagrad(0.01))
+    await client.create_table(table, dim, rule=adagrad(0.01) if rule == "adagrad" else sgd(0.01))
     ids = ids_of(pattern, rows, seed=rows + dim)
     grads = np.random.default_rng(1).standard_normal((rows, dim)).astype(np.float32)
     await client.push_row_gradients(table, ids, grads)  # (makes the rows)
-    push = await timed(count, lambda: client.push_row_gradients(table, ids, grads))
-    pull = await timed(count, lambda: client.pull_rows(table, ids))
     name = f"dense{rows}x{dim}"
     await client.update_arrays({name: np.zeros((rows, dim), np.float32)}, rules=sgd(0.01))
-    dense = await timed(count, lambda: client.get_arrays([name]))
-    dense_push = await timed(count, lambda: client.push_gradients({name: grads}))
+    push, pull, dense, dense_push = await interleaved(
+        count,
+        lambda: client.push_row_gradients(table, ids, grads),
+        lambda: client.pull_rows(table, ids),
+        lambda: client.get_arrays([name]),
+        lambda: client.push_gradients({name: grads}),
+    )
     mb = rows * dim * 4 / 1e6
     return {
         "rows": rows,
         "dim": dim,
         "ids": pattern,
+        "rule": rule,
         "distinct": len(np.unique(ids)),
         "push_rows_per_s": rows / push,
         "push_MBps": mb / push,
@@ -109,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict:
             for rows in args.rows:
                 for dim in args.dims:
                     for pattern in ("unique", "zipf"):
-                        r = await case(client, rows, dim, pattern, args.count)
+                        r = await case(client, rows, dim, pattern, args.count, args.rule)
                         results.append(r)
                         print(describe(r), flush=True)
             memory = [await measure_memory(client, args, rule) for rule in ("sgd", "adagrad")]
@@ -120,7 +131,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 def describe(r: dict) -> str:
     return (
-        f"{r['rows']:>7} x {r['dim']:<4} {r['ids']:<6} ({r['distinct']:>6} distinct): "
+        f"{r['rows']:>7} x {r['dim']:<4} {r['ids']:<6} ({r['distinct']:>6} distinct), {r['rule']}: "
         f"push {r['push_rows_per_s']:>10,.0f} rows/s {r['push_MBps']:>7.1f} MB/s | "
         f"pull {r['pull_rows_per_s']:>10,.0f} rows/s {r['pull_MBps']:>7.1f} MB/s | "
         f"dense get {r['dense_MBps']:>7.1f} MB/s | pull / dense {r['pull_over_dense']:.2f} | "
@@ -159,6 +170,7 @@ def main() -> int:
     p.add_argument("--rows", type=counts, default=[1000, 10_000, 100_000])
     p.add_argument("--dims", type=counts, default=[16, 64, 256])
     p.add_argument("--count", type=int, default=10, help="timed calls per figure")
+    p.add_argument("--rule", choices=("adagrad", "sgd"), default="adagrad", help="the tables' rule")
     p.add_argument("--memory-rows", type=int, default=200_000)
     p.add_argument("--memory-dim", type=int, default=64)
     p.add_argument("--json", help="also write the results here")
