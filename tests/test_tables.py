@@ -378,15 +378,25 @@ async def test_parts_of_one_push_for_other_buckets_do_not_wait_for_each_other() 
 
 @pytest.mark.parametrize("buckets", [1, 7, 64, 1000])
 @pytest.mark.parametrize("dtype", ["<f4", "<f8", "<f2", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_a_pull_in_one_pass_reads_what_a_read_bucket_by_bucket_does(
-    buckets: int, dtype: str
+    buckets: int,
+    dtype: str,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
-    """A table's pull reads every bucket's rows in one compiled pass (rowcopy.gather):
-    each id's row from its bucket's block, or its initial row where it has none (no
-    block, or no row in it, or one evicted: walked past); the same bytes as the read
-    bucket by bucket (what the pure path does, and a read into chosen positions)."""
+    """A table's pull reads every bucket's rows in one compiled pass (rowcopy.gather),
+    its ids in parts on several cores where it is large: each id's row from its
+    bucket's block, or its initial row where it has none (no block, or no row in it,
+    or one evicted: walked past); the same bytes as the read bucket by bucket (what
+    the pure path does, and a read into chosen positions)."""
     from aioparamsync.store.rows import RowTable, table_spec
-    from aioparamsync.values import rowcopy
+    from aioparamsync.values import parallel, rowcopy
+
+    monkeypatch.setattr(parallel, "PART_BYTES", 4096)  # (this pull's 80 KiB: parts)
+    kept = parallel.set_threads(threads)
+    request.addfinalizer(lambda: parallel.set_threads(kept))
 
     spec = table_spec(
         thrift.Table(

@@ -12,11 +12,12 @@ dtype, or arrays that are not C-contiguous, go as numpy does it (converting).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from .._ext import compiled
+from .parallel import in_parts
 from .rowindex import has_duplicates
 
 __all__ = ["gather", "put_rows", "records", "sum_duplicates", "sum_repeats", "take_rows"]
@@ -87,8 +88,9 @@ def gather(
     out: np.ndarray,
 ) -> np.ndarray | None:
     """``out[i] =`` the row of ``ids[i]`` in ``blocks[its bucket]``, all ids in one
-    compiled pass; answers the positions of the ids with no row there (their rows in
-    ``out`` left as they were), ascending.
+    compiled pass (a large pull's ids in parts, on several cores at once: see
+    :func:`~aioparamsync.values.parallel.in_parts`); answers the positions of the ids
+    with no row there (their rows in ``out`` left as they were), ascending.
 
     ``blocks``: one per bucket of the table (the bucket of an id as
     :func:`~aioparamsync.placement.bucket_of` computes it), each a block's
@@ -111,9 +113,14 @@ def gather(
         slot_ids.append(sids)
         rows.append(None if values is None else _as_bytes(values))
     missing = np.empty(len(ids), np.int64)
-    want = np.ascontiguousarray(ids, np.int64)
-    lost = _crows.gather_rows(tables, slot_ids, rows, want, _as_bytes(out), missing)
-    return missing[:lost]
+    want, into = np.ascontiguousarray(ids, np.int64), _as_bytes(out)
+
+    def part(p: slice) -> np.ndarray:  # (parts on several cores at once: see in_parts)
+        lost = _crows.gather_rows(tables, slot_ids, rows, want[p], into[p], missing[p])
+        return missing[p][:lost] + p.start
+
+    parts = cast(list[np.ndarray], in_parts(part, len(want), into.shape[1]))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def sum_duplicates(
