@@ -417,7 +417,7 @@ async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_surviv
     prefix = new_prefix()
     async with contextlib.AsyncExitStack() as stack:
         to_etcd = FaultProxy(etcd.port)
-        proxies = [FaultProxy(free_port()) for _ in range(3)]
+        proxies = [FaultProxy() for _ in range(3)]
         for proxy in (to_etcd, *proxies):
             await proxy.start()
             stack.push_async_callback(proxy.close)
@@ -425,9 +425,7 @@ async def test_a_cut_off_node_stops_acknowledging_and_acknowledged_writes_surviv
         nodes: list[NodeProcess] = []
         for i, proxy in enumerate(proxies):
             extra = coordinated(endpoint, prefix, "--advertise", proxy.address_text)
-            nodes.append(
-                await procs.spawn(port=proxy.target[1], extra=[*extra, "--node-id", "abc"[i]])
-            )
+            nodes.append(await proxy.spawn(procs, [*extra, "--node-id", "abc"[i]]))
         a = nodes[0]
         clients = await open_clients(stack, nodes)
         ids = set(clients)
@@ -913,16 +911,14 @@ async def test_a_row_push_a_live_replica_cannot_take_is_refused_before_it_is_fol
 
     prefix = new_prefix()
     async with contextlib.AsyncExitStack() as stack:
-        proxies = [FaultProxy(free_port()) for _ in range(2)]
+        proxies = [FaultProxy() for _ in range(2)]
         for proxy in proxies:
             await proxy.start()
             stack.push_async_callback(proxy.close)
         nodes = []
         for i, proxy in enumerate(proxies):
             extra = coordinated(etcd.endpoint, prefix, "--advertise", proxy.address_text)
-            nodes.append(
-                await procs.spawn(port=proxy.target[1], extra=[*extra, "--node-id", "ab"[i]])
-            )
+            nodes.append(await proxy.spawn(procs, [*extra, "--node-id", "ab"[i]]))
         a = nodes[0]
         clients = await open_clients(stack, nodes)
         await until_agreed(clients)

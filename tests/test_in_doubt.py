@@ -34,7 +34,6 @@ from cluster_helpers import (
     ProcessCluster,
     assert_,
     eventually,
-    free_port,
     node_client,
     open_clients,
     primary_of,
@@ -241,7 +240,7 @@ async def test_a_push_in_doubt_is_not_folded_at_a_next_replica_when_sent_again(
             await etcd.start()
             stack.callback(etcd.kill)
             membership = ["--coordinator", etcd.endpoint, "--coordinator-prefix", "/in-doubt"]
-        proxies = [FaultProxy(free_port()) for _ in range(4)]
+        proxies = [FaultProxy() for _ in range(4)]
         for proxy in proxies:
             await proxy.start()
             stack.push_async_callback(proxy.close)
@@ -251,7 +250,7 @@ async def test_a_push_in_doubt_is_not_folded_at_a_next_replica_when_sent_again(
             flags = ["--advertise", proxy.address_text, "--balance-interval", "0"]
             flags += ["--failure-timeout", "60"]  # (B is never declared failed here)
             flags += membership or (["--peers", proxies[0].address_text] if i else [])
-            nodes.append(await procs.spawn(port=proxy.target[1], extra=flags))
+            nodes.append(await proxy.spawn(procs, flags))
         clients = await open_clients(stack, nodes)
         await wait_formed(clients, timeout=FORM_TIMEOUT)
         ids = [p.address_text for p in proxies]  # (each node's id: where its peers reach it)

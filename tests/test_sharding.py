@@ -35,7 +35,6 @@ from cluster_helpers import (
     ProcessCluster,
     State,
     eventually,
-    free_port,
     launch,
     open_clients,
     run_process,
@@ -519,11 +518,15 @@ class FaultProxy:
     :meth:`stall_from` keeps that process's connections, and accepts its new ones, but
     forwards none of their bytes (a network that drops packets: calls hang, they do not
     fail); :meth:`heal` lets connections through again (stalled bytes flow on). It
-    listens on a port the kernel picks.
+    listens on a port the kernel picks. In front of a node it starts (:meth:`spawn`), it
+    learns the node's port once the node listens; what it accepts before waits for it.
     """
 
-    def __init__(self, target_port: int) -> None:
-        self.target = (LOOPBACK, target_port)
+    def __init__(self, target_port: int | None = None) -> None:
+        self.target = (LOOPBACK, target_port or 0)
+        self._known = asyncio.Event()  # (the target's port)
+        if target_port is not None:
+            self._known.set()
         self.port = 0
         self.cut_all = False
         self.cut_pids: set[int] = set()
@@ -539,6 +542,14 @@ class FaultProxy:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def spawn(self, procs: ProcessCluster, extra: Iterable[str] = ()) -> NodeProcess:
+        """A node of ``procs`` behind this proxy, on a port the kernel picks for it (a
+        port found free before could be taken meanwhile, by any connection's own end)."""
+        node = await procs.spawn(extra=extra)
+        self.target = (LOOPBACK, node.port)
+        self._known.set()
+        return node
 
     def _made_by(self, pids: Iterable[int], client_port: int) -> bool:
         return any(_process_holds(pid, client_port, self.port) for pid in pids)
@@ -559,6 +570,7 @@ class FaultProxy:
             pipe.flowing.set()
         try:
             try:
+                await self._known.wait()
                 node_reader, node_writer = await asyncio.open_connection(*self.target)
             except OSError:
                 return
@@ -654,7 +666,7 @@ async def test_writes_on_both_sides_of_a_healed_partition_converge_everywhere(
     # listens on its own port. The partition cuts C off both ways: the links to C at C's
     # proxy, and C's links to A and B at theirs (C's connections, known by its PID).
     async with contextlib.AsyncExitStack() as stack:
-        proxies = [FaultProxy(free_port()) for _ in range(3)]
+        proxies = [FaultProxy() for _ in range(3)]
         for proxy in proxies:
             await proxy.start()
             stack.push_async_callback(proxy.close)
@@ -666,11 +678,8 @@ async def test_writes_on_both_sides_of_a_healed_partition_converge_everywhere(
                 extra += ["--peers", ",".join(s.address_text for s in seeds)]
             return extra
 
-        a = await procs.spawn(port=pa.target[1], extra=flags(pa))
-        b, c = await asyncio.gather(
-            procs.spawn(port=pb.target[1], extra=flags(pb, pa)),
-            procs.spawn(port=pc.target[1], extra=flags(pc, pa)),
-        )
+        a = await pa.spawn(procs, flags(pa))
+        b, c = await asyncio.gather(pb.spawn(procs, flags(pb, pa)), pc.spawn(procs, flags(pc, pa)))
         clients = await open_clients(stack, [a, b, c])
         ca, cb, cc = clients.values()
         assert list(clients) == [p.address_text for p in proxies]  # (ids: where peers reach)
@@ -943,7 +952,7 @@ async def test_a_push_at_the_primary_waits_for_a_parameter_just_made_at_another_
     replication brought it there, waits there for it (a bounded time) rather than being
     refused as unknown. Here A's links to B are held back while A makes the parameter."""
     async with contextlib.AsyncExitStack() as stack:
-        proxies = [FaultProxy(free_port()) for _ in range(2)]
+        proxies = [FaultProxy() for _ in range(2)]
         for proxy in proxies:
             await proxy.start()
             stack.push_async_callback(proxy.close)
@@ -954,8 +963,8 @@ async def test_a_push_at_the_primary_waits_for_a_parameter_just_made_at_another_
             extra += ["--balance-interval", "0"]
             return extra + (["--peers", ",".join(s.address_text for s in seeds)] if seeds else [])
 
-        a = await procs.spawn(port=pa.target[1], extra=flags(pa))
-        b = await procs.spawn(port=pb.target[1], extra=flags(pb, pa))
+        a = await pa.spawn(procs, flags(pa))
+        b = await pb.spawn(procs, flags(pb, pa))
         clients = await open_clients(stack, [a, b])
         ca, cb = clients.values()
         await wait_formed(clients)
