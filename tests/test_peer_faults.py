@@ -16,7 +16,6 @@ from cluster_helpers import (
     LocalCluster,
     address_text,
     eventually,
-    free_port,
     node_client,
     table_state,
     watched_cluster,
@@ -140,8 +139,8 @@ async def test_a_late_joiner_pulls_more_parameters_than_one_request_may_name(
 async def _a_with_b_down(cluster: LocalCluster, **options: Any) -> tuple[Node, int]:
     """Node a, and the port of its peer b, which joined it and was stopped (same options)."""
     a = await cluster.start(**options)
-    port = free_port()
-    b = await cluster.start(peers=[a], port=port, **options)
+    b = await cluster.start(peers=[a], **options)  # (on a port the kernel picks: b's now)
+    port = b.port
     await cluster.formed([a, b])
     await cluster.stop(b)
     return a, port
