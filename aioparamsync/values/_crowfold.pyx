@@ -6,7 +6,7 @@ block (:func:`fold_rows`, a block's fold) or of every block of a table at once
 Each element as numpy computes :meth:`RowBlock._fold_chunk
 <aioparamsync.values.rows.RowBlock>`'s gathered rows, operation by operation (the
 tests compare the bits). The rows are scattered over memory: a fold fetches every
-line of the rows it will write a few rows ahead, and is mostly waiting for them.
+line of what it will read and write a few rows ahead, and is mostly waiting for it.
 
 :mod:`.rows` and :mod:`aioparamsync.store.rows` use it unless the pure path is asked
 for (see :mod:`aioparamsync._ext`).
@@ -102,16 +102,16 @@ def fold_rows(
         raise MemoryError()
     with nogil:
         for i in range(n):
-            if i + AHEAD < n:
-                APS_PREFETCH(&rows[slots[i + AHEAD], 0])
-                if adagrad:
-                    APS_PREFETCH(&sums[slots[i + AHEAD], 0])
-                if indexed:
-                    gr = &grads[grad_rows[i + AHEAD], 0]
-                    j = 0
-                    while j < dim:
+            if i + AHEAD < n:  # (each line of the row, its sums and its gradient)
+                w, gr = &rows[slots[i + AHEAD], 0], &grads[grad_rows[i + AHEAD], 0] if indexed else NULL
+                j = 0
+                while j < dim:
+                    APS_PREFETCH_W(w + j)
+                    if adagrad:
+                        APS_PREFETCH_W(&sums[slots[i + AHEAD], 0] + j)
+                    if indexed:
                         APS_PREFETCH(gr + j)
-                        j += LINE // sizeof(real)
+                    j += LINE // sizeof(real)
             slot = slots[i]
             w = &rows[slot, 0]
             at = grad_rows[i] if indexed else i
