@@ -188,10 +188,12 @@ async def test_a_cluster_balances_itself_under_pushes_and_loses_no_fold(r: int, 
                     assert node.cluster.placement == nodes[0].cluster.placement
 
             await eventually(holders_agree)
-            # each key is held by its replicas alone, once the moves are done
-            placement = nodes[0].cluster.placement
 
+            # each key is held by its replicas alone, once the moves are done (the
+            # placement read each time: the balancer may claim a key more meanwhile)
             def handed_off() -> None:
+                holders_agree()
+                placement = nodes[0].cluster.placement
                 for name in names:
                     have = {n.node_id for n in nodes if name in n.table}
                     assert have == set(placement.replicas(name)), name
@@ -259,10 +261,11 @@ async def test_a_tables_buckets_are_balanced_by_their_rows_and_no_fold_is_lost(
             for node in nodes:
                 async with ParameterClient(node.address, route=False, timeout=30) as alone:
                     np.testing.assert_array_equal(await alone.pull_rows("emb", ids), expected)
-            # and the buckets end held by their replicas alone
-            placement = nodes[0].cluster.placement
 
+            # and the buckets end held by their replicas alone (the placement read each
+            # time: the balancer may claim a bucket more meanwhile)
             def handed_off() -> None:
+                placement = nodes[0].cluster.placement
                 for node in nodes:
                     assert node.cluster.placement == placement
                 table = {n.node_id: n.service.rows.tables.tables["emb"] for n in nodes}
