@@ -155,6 +155,17 @@ def table_spec(t: Any) -> TableSpec:
     return TableSpec(name, t.dim, dtype, rows, buckets, float(ttl), wire)
 
 
+def _grouped(buckets: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(bucket, positions)`` of ``buckets`` (each id's), positions ascending, each
+    bucket once."""
+    # (a stable sort of 16-bit keys is numpy's radix sort: a few times faster)
+    order = np.argsort(buckets.astype(np.uint16), kind="stable")
+    cuts = np.flatnonzero(np.diff(buckets[order])) + 1
+    for positions in np.split(order, cuts):
+        if len(positions):
+            yield int(buckets[positions[0]]), positions
+
+
 class RowTable:
     """One table on one node: its spec and a block for each bucket it holds rows of."""
 
@@ -190,13 +201,7 @@ class RowTable:
 
     def by_bucket(self, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """``(bucket, positions)`` of ``ids``, positions ascending, each bucket once."""
-        buckets = self.buckets_of(ids)
-        # (a stable sort of 16-bit keys is numpy's radix sort: a few times faster)
-        order = np.argsort(buckets.astype(np.uint16), kind="stable")
-        cuts = np.flatnonzero(np.diff(buckets[order])) + 1
-        for positions in np.split(order, cuts):
-            if len(positions):
-                yield int(buckets[positions[0]]), positions
+        return _grouped(self.buckets_of(ids))
 
     def pull(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` in their order: those held here, else their initial values
@@ -254,10 +259,9 @@ class RowTable:
             return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
         # (the ids folded by bucket, in the order each block's fold answers them)
         folded, owner = held
-        order = np.argsort(owner.astype(np.uint16), kind="stable")
-        counts = np.bincount(owner, minlength=self.spec.buckets)
-        parts = np.split(folded[order], np.cumsum(counts)[:-1])
-        changed = {b: parts[b] for b in np.flatnonzero(counts).tolist()}
+        changed = {bucket: folded[positions] for bucket, positions in _grouped(owner)}
+        for bucket in changed:
+            self.blocks[bucket].make(folded[:0], now)  # (its clock: see RowBlock.make)
         return changed, self.rows - before
 
     def _fold_held(
@@ -270,7 +274,7 @@ class RowTable:
         block's fold does. Answers the distinct ids folded and the bucket of each; None,
         having changed nothing, where it cannot be done so (the caller folds block by
         block)."""
-        buckets, rule, dtype = self.spec.buckets, self.spec.rows.rule, self.spec.rows.dtype
+        rule, dtype = self.spec.rows.rule, self.spec.rows.dtype
         if _crows is None or _crowfold is None or rule.kind not in ("sgd", "adagrad"):
             return None
         if grads.dtype != dtype:
@@ -289,23 +293,15 @@ class RowTable:
                 return None
         n = len(ids)
         slots, owner = np.empty(n, np.int64), np.empty(n, np.int64)
-        for attempt in range(2):
-            layouts: list[Any] = [None] * buckets
-            for bucket, block in self.blocks.items():
-                layouts[bucket] = block.fold_layout()
-                if layouts[bucket] is None:
-                    return None
-            held = np.array([0 if a is None else min(map(len, a[1:])) for a in layouts], np.int64)
-            index = [None if a is None else a[0] for a in layouts]
-            slot_ids = [None if a is None else a[1] for a in layouts]
-            missing = _crows.locate(index, slot_ids, held, ids, slots, owner)
-            if not missing:
-                break
-            if attempt:  # (every row was made: not reached)
-                raise AssertionError(f"{missing} rows not found once made")
-            lost = np.flatnonzero(slots < 0)
-            for bucket, positions in self.by_bucket(ids[lost]):
-                self.block(bucket).make(ids[lost][positions], now)
+        layouts = self._locate(ids, slots, owner)
+        if layouts is None:
+            return None
+        lost = np.flatnonzero(slots < 0)
+        if len(lost):  # (made first, as each block's fold makes them; then walked again)
+            for bucket, positions in _grouped(owner[lost]):
+                self.block(bucket).make(ids[lost[positions]], now)
+            layouts = self._locate(ids, slots, owner)
+            assert layouts is not None and (slots >= 0).all()
         arrays = [[None if a is None else a[k] for a in layouts] for k in range(2, 6)]
         scalars = (rule.lr, rule.eps, rule.kind == "adagrad", now)
 
@@ -313,9 +309,24 @@ class RowTable:
             _crowfold.fold_held(*arrays, slots[p], owner[p], grads[p], *scalars)
 
         in_parts(fold, n, grads.itemsize * self.spec.dim)
-        for bucket in np.flatnonzero(np.bincount(owner, minlength=buckets)).tolist():
-            self.blocks[bucket].make(ids[:0], now)  # (its clock: see RowBlock.make)
         return ids, owner
+
+    def _locate(self, ids: np.ndarray, slots: np.ndarray, owner: np.ndarray) -> list[Any] | None:
+        """Each id's bucket and slot (-1: no row) into ``owner`` and ``slots``, by one walk
+        of every block's index; answers the blocks' :meth:`RowBlock.fold_layout` (None
+        for a bucket with no block), or None where the compiled fold does not take them."""
+        layouts: list[Any] = [None] * self.spec.buckets
+        if _crows is None:
+            return None
+        for bucket, block in self.blocks.items():
+            layouts[bucket] = block.fold_layout()
+            if layouts[bucket] is None:
+                return None
+        held = np.array([0 if a is None else min(map(len, a[1:])) for a in layouts], np.int64)
+        index = [None if a is None else a[0] for a in layouts]
+        slot_ids = [None if a is None else a[1] for a in layouts]
+        _crows.locate(index, slot_ids, held, ids, slots, owner)
+        return layouts
 
     def assign(
         self, ids: np.ndarray, rows: np.ndarray, now: float
