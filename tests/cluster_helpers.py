@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import random
 import re
 import signal
 import socket
@@ -123,10 +124,37 @@ async def eventually(
 
 
 def free_port() -> int:
-    """A port nothing listens on (it was free a moment ago)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on (it was free a moment ago), for a process to listen on later.
+
+    Picked below the kernel's range of ephemeral ports: the kernel gives a connection's
+    own end a port of that range, and one it gave meanwhile (to any test's connection)
+    would take a port found free there before the process listens on it. Below it, only
+    another explicit bind can (another free_port, of some 20,000 ports).
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(FIRST_PICKED_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{FIRST_PICKED_PORT}, {low}) after 100 tries")
+
+
+# free_port's range starts here (above the ports services are commonly configured on)
+FIRST_PICKED_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > FIRST_PICKED_PORT + 1000 else 32768
 
 
 def address_text(address: tuple[str, int]) -> str:

@@ -26,6 +26,7 @@ from cluster_helpers import (
     NODE_COMMAND,
     START_TIMEOUT,
     NodeProcess,
+    free_port,
 )
 
 from aioparamsync import (
@@ -76,13 +77,6 @@ def run_cli(*args: str, timeout: float = START_TIMEOUT) -> subprocess.CompletedP
         timeout=timeout,
         check=False,
     )
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (only used to check nothing listens on it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_nothing_listens(port: int) -> None:

@@ -18,6 +18,7 @@ from cluster_helpers import (
     ProcessCluster,
     assert_,
     eventually,
+    free_port,
     open_clients,
     run_bounded,
     spawn_cluster,
@@ -239,7 +240,7 @@ async def test_a_follower_says_what_it_is_not_with() -> None:
 
 async def test_a_follower_of_a_node_not_yet_up_serves_and_catches_up_once_it_is() -> None:
     async with ProcessCluster() as procs, contextlib.AsyncExitStack() as stack:
-        port = _free_port()
+        port = free_port()
         follower = await procs.spawn(extra=["--follow", f"127.0.0.1:{port}"])
         client = await stack.enter_async_context(follower.client())
         assert (await client.get_parameters(NAMES)).params == []  # (it serves meanwhile)
@@ -275,9 +276,3 @@ async def test_a_bucket_answers_the_rows_touched_since_a_time_of_its_clock() -> 
                     METHODS.bucket_rows, request=ask(table="t", bucket=0, touched_since=bad)
                 )
             assert info.value.code == ErrorCode.BAD_REQUEST
-
-
-def _free_port() -> int:
-    from cluster_helpers import free_port
-
-    return free_port()

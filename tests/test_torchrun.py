@@ -4,24 +4,17 @@ of the environment launchers set."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-from cluster_helpers import ProcessCluster, run_process
+from cluster_helpers import ProcessCluster, free_port, run_process
 
 from aioparamsync import Launch, ParameterClient
 
 pytestmark = pytest.mark.timeout(180)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_train.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_torchrun_workers_train_the_example_and_end_the_cluster() -> None:
