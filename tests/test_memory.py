@@ -48,6 +48,45 @@ def test_a_node_process_takes_large_blocks_from_the_heap_and_keeps_them() -> Non
     assert int(mapped) >= 16 << 20  # (glibc's default: a block of its own, mapped)
 
 
+# (main() as aioparamsync-node runs it, up to where it would serve: uvloop.run reports the
+# collector's state instead, and a cycle made before collect_less is checked collected)
+COLLECTOR_CHILD = """
+import gc, sys, weakref
+import uvloop
+from aioparamsync.cli import node
+
+class Cycle:
+    pass
+
+c = Cycle()
+c.me = c
+gone = weakref.ref(c)
+del c
+
+def report(coro):
+    coro.close()
+    print(gc.get_freeze_count() > 10_000, gc.get_threshold()[0], gone() is None)
+    return 0
+
+uvloop.run = report
+sys.exit(node.main(sys.argv[1:]))
+"""
+
+
+def test_a_node_process_freezes_what_it_made_before_it_serves_and_collects_less_often() -> None:
+    from aioparamsync.cli.memory import YOUNGEST_THRESHOLD
+
+    argv = [sys.executable, "-c", COLLECTOR_CHILD, "--host", "127.0.0.1", "--port", "0"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(YOUNGEST_THRESHOLD), "True"]
+    # A program that imports the package keeps Python's own settings.
+    plain = "import gc, aioparamsync; print(gc.get_freeze_count(), gc.get_threshold()[0])"
+    out = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", str(gc.get_threshold()[0])]
+
+
 # -- the buffer of a large frame, kept for the next -----------------------------------------
 
 

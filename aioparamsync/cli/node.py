@@ -41,7 +41,7 @@ from ..values.pieces import MAX_UPLOAD_BYTES
 from ..wire import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_RECEIVING_BYTES
 from ..wire.protocol import MAX_I32
 from .environ import env_name, from_environment
-from .memory import keep_freed_memory
+from .memory import collect_less, keep_freed_memory
 from .options import (
     TLS_ERRORS,
     address,
@@ -588,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     keep_freed_memory()  # (see cli/memory.py)
+    collect_less()
     if args.fold_threads is not None:
         parallel.set_threads(args.fold_threads)
     return uvloop.run(serve(args))
