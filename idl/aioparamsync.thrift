@@ -153,11 +153,35 @@ struct ParameterRequest {
     // absent; a manifest keeps its own), for a caller that only wants the
     // arrays: less to send and to read.
     13: optional bool without_rules,
+    // Set (with without_rules): the node may answer raw parameters that share
+    // a dtype in ParameterResponse.packed, several in one block, rather than
+    // one Parameter each (a read of many small tensors). A node older than
+    // this field answers them in params, as it may do anyway.
+    14: optional bool packed,
+}
+
+// Many parameters of one dtype in one block (see ParameterRequest.packed).
+struct Packed {
+    1: required list<string> names,
+    // numpy's dtype string (e.g. "<f4"), every parameter's.
+    2: required string dtype,
+    // Each parameter's shape, one after another: its number of dimensions,
+    // then each dimension ([1, 1024, 2, 3, 4]: one of (1024,), then one of
+    // (3, 4)).
+    3: required list<i64> shapes,
+    // Their raw bytes, C order, one after another (no padding between).
+    4: required binary data,
+    // Each parameter's version and origin (as Parameter's), in names' order.
+    5: required list<i32> versions,
+    6: required list<string> origins,
 }
 
 struct ParameterResponse {
     1: required list<Parameter> params,
     2: required i64 timestamp
+    // Parameters answered in blocks (see ParameterRequest.packed), besides
+    // those in params: no name is in both.
+    3: optional list<Packed> packed,
 }
 
 enum ErrorCode {

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import CallTimeout
 from ..values import pieces
-from ..values.arrays import array_of
+from ..values.packing import arrays_of
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, thrift
 from .addresses import Address, check_seconds, parse_address
 from .addresses import parse_addresses as parse_addresses  # (importable from here too)
@@ -195,6 +195,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         known_versions: Mapping[str, int | tuple[int, str]] | None = None,
         encoding: str | None = None,
         rules: bool = True,
+        packed: bool = False,
         timeout: float | EllipsisType | None = ...,
     ) -> Any:
         """Fetch parameters: those of ``names`` that exist with ``version >= min_version``.
@@ -218,6 +219,9 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
                 ``"int8"``, ``"zlib"``; see :mod:`aioparamsync.values.compression`).
             rules: False: each parameter without its rule (``rule`` None), less
                 to send and read (a node older than this option sends them).
+            packed: with ``rules=False``, let the node answer raw parameters in
+                ``response.packed``, several of a dtype in a block
+                (:func:`aioparamsync.values.packing.unpack` reads them).
             timeout: this call's deadline (seconds; default: the client's).
 
         Returns:
@@ -243,6 +247,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             all_names=True if names is None else None,
             encoding=encoding,
             without_rules=None if rules else True,
+            packed=True if packed and not rules else None,
         )
         if known_versions is not None:
             versions, origins = {}, {}
@@ -478,16 +483,20 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         (which bounds what it holds back by each parameter's rule, as last
         read or set).
         """
+        rules = self._feedback is not None or self._auto is not None
+        routes = self.routes
         response = await self.get_parameters(
             names,
             min_version,
             wait=wait,
             known_versions=known_versions,
             encoding=encoding,
-            rules=self._feedback is not None or self._auto is not None,
+            rules=rules,
+            # (a routed read merges the nodes' answers by Parameter: one node's, in blocks)
+            packed=not rules and (routes is None or not routes.wanted()),
             timeout=timeout,
         )
-        return {p.name: array_of(p) for p in response.params}
+        return arrays_of(response)
 
     async def update_arrays(
         self,
@@ -555,18 +564,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         raw, ``bound``: top-k's residual bound then, ``pushes``).
         """
         feedback = self._feedback
-        gradients = {}
-        if feedback is not None:
-            for name in feedback.names:
-                sent = feedback.sent(name)
-                if sent is not None:
-                    gradients[name] = {
-                        "share": sent.share,
-                        "encoding": sent.encoding,
-                        "bound": sent.bound,
-                        "pushes": sent.pushes,
-                    }
-        out: dict[str, Any] = {"gradients": gradients}
+        out: dict[str, Any] = {"gradients": {} if feedback is None else feedback.sent_all()}
         if self._auto is not None:
             out.update(self._auto.stats())
         return out

@@ -12,9 +12,11 @@ __all__ = ["merge_responses", "merge_results", "read_part"]
 
 
 def read_part(request: Any, names: list[str]) -> Any:
-    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too)."""
+    """A copy of a read ``request`` for ``names`` only (the node's passing on cuts so too),
+    answered one ``Parameter`` each (not in blocks: the parts' answers are merged so)."""
     sub = copy.copy(request)
     sub.param_names = names
+    sub.packed = None
     if request.known_versions:
         sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
     if request.known_origins:

@@ -20,6 +20,7 @@ from ..errors import ErrorCode, RequestError
 from ..placement import barrier_key, manifest_key
 from ..store.table import Entry, lww_key
 from ..store.writer import ParameterStore
+from ..values.packing import packed_response
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
@@ -213,8 +214,8 @@ class ParameterService:
 
     # -- the founding methods ----------------------------------------------------
 
-    def _read(self, request: Any) -> Any:
-        """The response to a read, now.
+    def _read(self, request: Any, packed: bool = False) -> Any:
+        """The response to a read, now (``packed``: in blocks, see :mod:`..values.packing`).
 
         A name stored as partitions is answered by its manifest (whatever its
         version: the partitions' versions are the parameter's).
@@ -250,6 +251,8 @@ class ParameterService:
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding, not request.without_rules) for e in entries]
+        elif packed and not manifests:
+            return packed_response(entries, self.store.timestamp)
         else:
             params = [e.to_parameter(not request.without_rules) for e in entries]
         if manifests:
@@ -368,8 +371,8 @@ class ParameterService:
                 outcome = asyncio.ensure_future(
                     router.read(request, parts, self.pull_here, METHODS.pull_parameters)
                 )
-        if outcome is None:
-            outcome = self.pull_here(request)
+        if outcome is None:  # (served here alone: in blocks, if asked, and not a long poll)
+            outcome = self.pull_here(request, request.packed and request.without_rules)
         # (a routed caller puts partitioned ones together itself)
         if (
             request.epoch is None
@@ -383,8 +386,9 @@ class ParameterService:
             return _then(outcome, lambda r: method.result(success=r))
         return method.result(success=outcome)
 
-    def pull_here(self, request: Any) -> Any:
-        """A read served here: its ``ParameterResponse``, or a future of it (a long poll)."""
+    def pull_here(self, request: Any, packed: bool = False) -> Any:
+        """A read served here: its ``ParameterResponse``, or a future of it (a long poll);
+        ``packed``: answered in blocks, unless it is a long poll."""
         if request.encoding:
             from ..values.compression import PULL_ENCODINGS
 
@@ -395,7 +399,7 @@ class ParameterService:
                     f"{', '.join(PULL_ENCODINGS)}",
                 )
         if request.wait_ms is None:
-            return self._read(request)
+            return self._read(request, packed)
         if request.all_names:
             raise RequestError(ErrorCode.BAD_REQUEST, "a long poll names its parameters")
         names = request.param_names

@@ -288,6 +288,14 @@ class ErrorFeedback:
         track = self._tracks.get(name)
         return None if track is None else track.sent
 
+    def sent_all(self) -> dict[str, dict[str, Any]]:
+        """:meth:`sent` of every name that has a residual, each as a dict of its fields."""
+        return {
+            name: {"share": s.share, "encoding": s.encoding, "bound": s.bound, "pushes": s.pushes}
+            for name, track in self._tracks.items()
+            if (s := track.sent) is not None
+        }
+
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of ``name``, or every residual (``None``)."""
         if name is None:
