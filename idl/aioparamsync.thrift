@@ -160,7 +160,8 @@ struct ParameterRequest {
     14: optional bool packed,
 }
 
-// Many parameters of one dtype in one block (see ParameterRequest.packed).
+// Many parameters (or gradients) of one dtype in one block (see
+// ParameterRequest.packed, GradientPush.packed).
 struct Packed {
     1: required list<string> names,
     // numpy's dtype string (e.g. "<f4"), every parameter's.
@@ -171,9 +172,10 @@ struct Packed {
     3: required list<i64> shapes,
     // Their raw bytes, C order, one after another (no padding between).
     4: required binary data,
-    // Each parameter's version and origin (as Parameter's), in names' order.
-    5: required list<i32> versions,
-    6: required list<string> origins,
+    // In an answer: each parameter's version and origin (as Parameter's), in
+    // names' order.
+    5: optional list<i32> versions,
+    6: optional list<string> origins,
 }
 
 struct ParameterResponse {
@@ -241,6 +243,11 @@ struct GradientPush {
     6: optional string acks,
     // As in ParameterUpdate: the call this part is of.
     7: optional string call,
+    // More gradients, raw, several of a dtype in a block (each named once in
+    // the push, here or in grads): a client sends them so only to a node that
+    // has answered a read in blocks (a node older than this field would
+    // leave them out).
+    8: optional list<Packed> packed,
 }
 
 // An embedding table: rows of `dim` values by int64 id, each made on its

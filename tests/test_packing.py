@@ -1,17 +1,19 @@
-"""A read of many parameters answered in blocks (``ParameterRequest.packed``, the IDL's
-``Packed``; ``aioparamsync.values.packing``): the same arrays as one ``Parameter`` each,
-where the node may pack them, and a block that does not add up refused."""
+"""Many parameters in blocks (the IDL's ``Packed``; ``aioparamsync.values.packing``): a read
+answered so (``ParameterRequest.packed``) and a push of gradients sent so
+(``GradientPush.packed``) do what one ``Parameter`` each does, where they apply, and a block
+that does not add up is refused (a push's: nothing of it folded)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cluster_helpers import LocalCluster, eventually
+from cluster_helpers import LocalCluster, assert_, eventually
 
-from aioparamsync import Node, ParameterClient, RemoteProtocolError, sgd
+from aioparamsync import ErrorCode, Node, ParameterClient, RemoteProtocolError, RequestError, sgd
 from aioparamsync.values.arrays import to_parameter
-from aioparamsync.values.packing import unpack
-from aioparamsync.wire import thrift
+from aioparamsync.values.packing import pack_arrays, unpack
+from aioparamsync.values.rules import adam
+from aioparamsync.wire import METHODS, thrift
 
 
 def _mixed() -> dict[str, np.ndarray]:
@@ -150,9 +152,10 @@ def test_a_block_is_read_as_views_of_its_bytes() -> None:
         ({"dtype": "O"}, "not a numeric dtype"),
         ({"dtype": "nonsense"}, "not a numpy dtype"),
         ({"shapes": [1, 2]}, "shapes end or go wrong at 'b'"),
-        ({"shapes": [1, 2, 2, 1]}, "shape of 'b' is (1,)"),
-        ({"shapes": [1, -2, 2, 1, 3]}, "shape of 'a' is (-2,)"),
-        ({"shapes": [40, 2, 2, 1, 3]}, "shapes end or go wrong at 'a'"),
+        ({"shapes": [1, 2, 2, 1]}, "shape of 'b' is [1]"),
+        ({"shapes": [1, -2, 2, 1, 3]}, "shape of 'a' is [-2]"),
+        ({"shapes": [99, 2, 2, 1, 3]}, "shapes end or go wrong at 'a'"),
+        ({"shapes": [5, 2, 2, 1, 3]}, "shape of 'a' is [2, 2, 1, 3]"),
         ({"shapes": [1, 2, 2, 1, 3, 9]}, "1 shape values past"),
         ({"shapes": [1, 2, 2, 1, 1 << 40]}, "ends within 'b'"),
         ({"data": b"\0" * 16}, "ends within 'b'"),
@@ -169,3 +172,203 @@ def test_a_parameter_and_a_block_are_not_confused() -> None:
     """A Parameter is not a block (unpack reads Packed alone)."""
     with pytest.raises(AttributeError):
         unpack([to_parameter("a", np.ones(2, np.float32))])
+
+
+# -- gradients in blocks ----------------------------------------------------------------------
+
+
+def _model() -> dict[str, np.ndarray]:
+    """Parameters of three rules and dtypes, small and large (a large one's gradient is
+    sent as a Parameter of its own), one of two dimensions."""
+    rng = np.random.default_rng(3)
+    out = {f"w/{i}": rng.standard_normal(100 + i, dtype=np.float32) for i in range(20)}
+    out["m"] = rng.standard_normal((6, 7))
+    out["big"] = rng.standard_normal(8192, dtype=np.float32)  # (32 KiB)
+    out["h"] = rng.standard_normal(16).astype(np.float16)
+    return out
+
+
+def _grads(model: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+    return {n: np.full(a.shape, 0.01 * (step + 1), a.dtype) for n, a in model.items()}
+
+
+async def _made(address: object, model: dict[str, np.ndarray]) -> None:
+    async with ParameterClient(address) as client:
+        await client.update_arrays(
+            {n: a for n, a in model.items() if n.startswith("w/")}, rules=sgd(0.1, momentum=0.9)
+        )
+        await client.update_arrays({"m": model["m"], "big": model["big"]}, rules=adam(0.01))
+        await client.update_arrays({"h": model["h"]}, rules=sgd(0.5))
+
+
+async def test_gradients_pushed_in_blocks_fold_as_one_parameter_each() -> None:
+    model = _model()
+    async with Node("127.0.0.1", 0) as packs, Node("127.0.0.1", 0) as plain:
+        await _made(packs.address, model)
+        await _made(plain.address, model)
+        async with ParameterClient(packs.address) as a, ParameterClient(plain.address) as b:
+            assert not a._packs  # (no read answered in blocks yet: none sent so)
+            await a.get_arrays(list(model))
+            assert a._packs
+            blocks, rest = a._packed(_grads(model, 0), None)
+            assert sorted(b.dtype for b in blocks) == ["<f2", "<f4", "<f8"]
+            assert list(rest) == ["big"]
+            for step in range(4):
+                va = await a.push_gradients(_grads(model, step))
+                vb = await b.push_gradients(_grads(model, step), request_id=f"r{step}")
+                assert va == vb == {n: step + 2 for n in model}
+            _same(await a.get_arrays(list(model)), await b.get_arrays(list(model)))
+            got = await a.get_arrays(list(model))
+            assert not np.array_equal(got["w/3"], model["w/3"])
+
+
+async def test_a_client_sends_blocks_only_where_the_node_reads_them() -> None:
+    """Not before a read answered in blocks, not under an id given (sent again as it
+    went), not measured (encoding="auto"), not routed (cut by Parameter): the arrays it
+    would send as they are."""
+    grads = {"a": np.ones(4, np.float32), "b": np.ones(3, np.float32)}
+
+    def sent(client: ParameterClient, request_id: str | None = None) -> list[list[str]]:
+        blocks, rest = client._packed(grads, request_id)
+        assert sorted([*rest, *(n for b in blocks for n in b.names)]) == ["a", "b"]
+        return [b.names for b in blocks]
+
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        assert sent(client) == []
+        client._packs = True
+        assert sent(client) == [["a", "b"]]
+        assert sent(client, "retry-7") == []
+        client._auto = object()
+        assert sent(client) == []
+    cluster = LocalCluster(replication_factor=1)
+    try:
+        a = await cluster.start()
+        await cluster.start(peers=[a])
+        async with ParameterClient(a.address) as client:
+            client._packs = True
+            await eventually(lambda: assert_(client.routes.wanted()))
+            assert sent(client) == []
+    finally:
+        await cluster.close()
+
+
+def test_only_small_contiguous_numeric_arrays_are_packed() -> None:
+    small = np.arange(6, dtype=np.int32)
+    arrays = {
+        "small": small,
+        "strided": np.arange(12, dtype=np.float32)[::2],
+        "large": np.zeros(4096, np.float32),  # (16 KiB: sent by reference as it is)
+        "empty": np.zeros(0, np.float32),
+        "bools": np.ones(3, bool),
+        "listed": [1.0, 2.0],
+    }
+    blocks, rest = pack_arrays(arrays)
+    assert [(b.names, b.dtype, b.shapes) for b in blocks] == [(["small"], "<i4", [1, 6])]
+    assert bytes(blocks[0].data) == small.tobytes()
+    assert list(rest) == ["strided", "large", "empty", "bools", "listed"]
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "says"),
+    [
+        ("counts", ErrorCode.BAD_REQUEST, "ends within"),
+        ("dtype", ErrorCode.SHAPE_MISMATCH, "not a numpy dtype"),
+        ("shape", ErrorCode.SHAPE_MISMATCH, "'w/3' has shape (3,)"),
+        ("unknown", ErrorCode.UNKNOWN_PARAMETER, "no parameter 'nope'"),
+        ("twice", ErrorCode.BAD_REQUEST, "w/1"),
+        ("nan", ErrorCode.BAD_REQUEST, "not finite"),
+    ],
+)
+async def test_a_push_with_a_bad_block_is_refused_and_folds_nothing(
+    how: str, code: ErrorCode, says: str
+) -> None:
+    model = _model()
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await _made(node.address, model)
+        before = await client.get_arrays(list(model))
+        grads = {n: a for n, a in _grads(model, 0).items() if n.startswith("w/")}
+        if how == "shape":
+            grads["w/3"] = np.ones(3, np.float32)
+        blocks, _ = pack_arrays(grads)
+        [block] = blocks
+        extra = []
+        if how == "counts":
+            block.data = bytes(block.data)[:-4]
+        elif how == "dtype":
+            block.dtype = "<q9"
+        elif how == "unknown":
+            block.names[5] = "nope"
+        elif how == "twice":
+            extra = [to_parameter("w/1", grads["w/1"])]
+        elif how == "nan":
+            data = bytearray(block.data)
+            data[8:12] = np.float32("nan").tobytes()
+            block.data = bytes(data)
+        push = thrift.GradientPush(grads=extra, packed=blocks, request_id="bad-" + how)
+        with pytest.raises(RequestError) as info:
+            await client.invoke(METHODS.push_gradients, push=push)
+        assert info.value.code == code and says in info.value.message, info.value
+        _same(await client.get_arrays(list(model)), before)
+        versions = await client.get_parameters(list(model), rules=False)
+        assert {p.version for p in versions.params} == {1}
+
+
+async def test_a_push_in_blocks_through_a_node_of_a_sharded_cluster_folds_everywhere() -> None:
+    """A client not routed: the node folds its part and passes the rest on, each part as
+    Parameters; acks all."""
+    cluster = LocalCluster(replication_factor=2)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        c = await cluster.start(peers=[a])
+        nodes = [a, b, c]
+
+        def formed() -> None:
+            for node in nodes:
+                assert node.cluster.live == {n.node_id for n in nodes}
+
+        await eventually(formed)
+        model = {f"p{i}": np.zeros(32, np.float32) for i in range(30)}
+        async with ParameterClient(a.address, route=False) as client:
+            await client.update_arrays(model, rules=sgd(1.0))
+            assert 0 < sum(n in a.table for n in model) < len(model)
+            client._packs = True  # (a's answers are merged from the others': not in blocks)
+            for step in range(3):
+                versions = await client.push_gradients(
+                    {n: np.full(32, -1.0, np.float32) for n in model}, acks="all"
+                )
+                assert versions == {n: step + 2 for n in model}
+            got = await client.get_arrays(list(model))
+            _same(got, {n: np.full(32, 3.0, np.float32) for n in model})
+    finally:
+        await cluster.close()
+
+
+async def test_gradients_a_node_leaves_out_of_blocks_go_again_one_parameter_each(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a node older than GradientPush.packed does: its decoder skips the field, and it
+    folds the rest. The client sends what was left out again, and no more in blocks."""
+    from aioparamsync.server.gradients import GradientPushes
+
+    folds = GradientPushes.push
+
+    def older(self: GradientPushes, method: object, args: object) -> object:
+        args.push.packed = None  # type: ignore[attr-defined]
+        return folds(self, method, args)
+
+    monkeypatch.setattr(GradientPushes, "push", older)
+    model = _model()
+    async with Node("127.0.0.1", 0) as node, Node("127.0.0.1", 0) as plain:
+        await _made(node.address, model)
+        await _made(plain.address, model)
+        async with ParameterClient(node.address) as a, ParameterClient(plain.address) as b:
+            await a.get_arrays(list(model))
+            assert a._packs
+            with caplog.at_level("WARNING", logger="aioparamsync.client.gradients"):
+                versions = await a.push_gradients(_grads(model, 0))
+            assert versions == {n: 2 for n in model}  # (each folded once)
+            assert "folded none of 22 gradients sent in blocks" in caplog.text
+            assert not a._packs
+            await b.push_gradients(_grads(model, 0), request_id="r")
+            _same(await a.get_arrays(list(model)), await b.get_arrays(list(model)))

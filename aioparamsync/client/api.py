@@ -134,6 +134,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         # follows the rule's momentum: see values.feedback)
         self._rules: dict[str, Any] = {}
         self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
+        self._packs = False  # a node answered a read in blocks (see .gradients._packed)
         self._tables = {}
 
     @classmethod
@@ -496,6 +497,8 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             packed=not rules and (routes is None or not routes.wanted()),
             timeout=timeout,
         )
+        if response.packed:
+            self._packs = True  # (the node knows blocks: pushes may send them so too)
         return arrays_of(response)
 
     async def update_arrays(

@@ -9,6 +9,7 @@ folded on the node by each parameter's rule.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -17,9 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RequestError
 from ..values.arrays import to_parameter
+from ..values.packing import pack_arrays
 from ..wire import METHODS, Method, thrift
 
 __all__ = ["GradientClient"]
+
+log = logging.getLogger(__name__)
 
 
 class GradientClient:
@@ -30,6 +34,8 @@ class GradientClient:
         _feedback: Any
         _last_push: tuple[str, list[Any]] | None
         _rules: dict[str, Any]
+        _packs: bool
+        routes: Any
 
         async def invoke(
             self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
@@ -120,6 +126,7 @@ class GradientClient:
         if acks is not None and acks not in ("1", "all"):
             raise ValueError(f'acks is "1" or "all", not {acks!r}')
         feedback, kept = None, {}
+        packed: list[Any] = []
         last = self._last_push
         auto = None
         if encoding == "auto":
@@ -132,7 +139,8 @@ class GradientClient:
                 # counted it once; encoding it anew would count it twice.
                 params = last[1]
             elif encoding is None:
-                params = [to_parameter(name, g) for name, g in grads.items()]
+                packed, rest = self._packed(grads, request_id)
+                params = [to_parameter(name, g) for name, g in rest.items()]
             else:
                 from ..values import compression
 
@@ -169,6 +177,7 @@ class GradientClient:
                     self._last_push = (request_id, params)
             push = thrift.GradientPush(
                 grads=params,
+                packed=packed or None,
                 request_id=request_id or uuid.uuid4().hex,
                 timestamp=timestamp if timestamp is not None else time.time_ns() // 1_000_000,
                 acks=acks,
@@ -177,6 +186,20 @@ class GradientClient:
             result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
             if self._auto is not None and self._auto.push is not None:
                 self._auto.observe_push(params, time.monotonic() - began)
+            folded = dict(result.versions)
+            if packed and (left := [n for b in packed for n in b.names if n not in folded]):
+                # A node older than GradientPush.packed left the blocks out (and folded
+                # the rest): what it left goes again, as Parameters, under an id of its own.
+                log.warning(
+                    "the node folded none of %d gradients sent in blocks (older than "
+                    "GradientPush.packed): sent again one Parameter each",
+                    len(left),
+                )
+                self._packs = False
+                again = {n: grads[n] for n in left}
+                return folded | await self.push_gradients(
+                    again, timestamp=push.timestamp, acks=acks, timeout=timeout
+                )
         except (RequestError, TypeError, ValueError):
             # Not applied (refused by the node, or never sent): error feedback
             # keeps the residuals it had, so what this push would have sent is
@@ -188,4 +211,16 @@ class GradientClient:
                 feedback.restore(kept)
                 self._last_push = None  # (to be encoded again, from the old residuals)
             raise
-        return dict(result.versions)
+        return folded
+
+    def _packed(self, grads: Mapping[str, Any], request_id: str | None) -> tuple[list, Mapping]:
+        """The small raw gradients of ``grads`` in blocks (``GradientPush.packed``), and the
+        others; none in blocks unless the node has answered a read so (it knows them),
+        the push is not routed (a routed push is cut by Parameter) and its id is new (a
+        push sent again under an id is sent as it was)."""
+        routes = self.routes
+        if not self._packs or request_id is not None or self._auto is not None:
+            return [], grads
+        if routes is not None and routes.wanted():
+            return [], grads
+        return pack_arrays(grads)

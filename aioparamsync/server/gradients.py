@@ -48,6 +48,7 @@ from ..placement import parse_key
 from ..routing.merge import merge_results
 from ..routing.partitions import collapse, cut, readable_error
 from ..store.cuts import new_call
+from ..values.packing import gradients_of
 from ..values.partitions import elements_of, per_partition
 from ..wire import Method, thrift
 from . import forward
@@ -183,6 +184,9 @@ class GradientPushes:
         push = args.push
         if push is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        if push.packed:  # (gradients in blocks: from here on, as if each came in grads)
+            push.grads = [*(push.grads or ()), *gradients_of(push.packed)]
+            push.packed = None
         if push.acks is not None and push.acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
         if push.epoch is None and not push.forwarded:

@@ -13,49 +13,67 @@ add up is refused whole).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import RemoteProtocolError, RequestError
+from ..errors import ErrorCode, RemoteProtocolError, RequestError
 from ..wire import thrift
+from ..wire.writer import ZERO_COPY_MIN_BYTES
 from .arrays import BFLOAT16, SWAP_BFLOAT16, array_of, parse_dtype
 
-__all__ = ["arrays_of", "pack", "packed_response", "unpack"]
+__all__ = ["arrays_of", "gradients_of", "pack", "pack_arrays", "packed_response", "unpack"]
 
 
 def pack(entries: Iterable[Any]) -> list[Any]:
     """Blocks of ``entries`` (each with ``name``, ``data``, ``version``, ``dtype``,
-    ``shape`` and ``origin``, as a stored entry has), one per dtype, in their order."""
-    blocks: dict[str, tuple[list, list, list, list, list]] = {}
+    ``shape`` and ``origin``, as a stored entry has), one per dtype."""
+    groups: dict[str, list[Any]] = {}
     for e in entries:
-        block = blocks.get(e.dtype)
-        if block is None:
-            block = blocks[e.dtype] = ([], [], [], [], [])
-        names, shapes, datas, versions, origins = block
-        names.append(e.name)
-        shapes.append(len(e.shape))
-        shapes += e.shape
-        datas.append(e.data)
-        versions.append(e.version)
-        origins.append(e.origin)
-    return [
-        thrift.Packed(
-            names=names,
-            dtype=dtype,
-            shapes=shapes,
-            data=b"".join(datas),
-            versions=versions,
-            origins=origins,
-        )
-        for dtype, (names, shapes, datas, versions, origins) in blocks.items()
-    ]
+        groups.setdefault(e.dtype, []).append(e)
+    blocks = []
+    for dtype, group in groups.items():
+        block = _block(dtype, [(e.name, e.shape, e.data) for e in group])
+        block.versions = [e.version for e in group]
+        block.origins = [e.origin for e in group]
+        blocks.append(block)
+    return blocks
+
+
+def pack_arrays(arrays: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Blocks of the small arrays of ``arrays`` (numpy's, C-contiguous, of an integer or
+    float dtype of numpy's own, each of fewer than ``ZERO_COPY_MIN_BYTES``: bytes that
+    the encoder would copy anyway), and the other arrays, by name."""
+    groups: dict[np.dtype, list[tuple[str, Sequence[int], Any]]] = {}
+    rest = {}
+    for name, a in arrays.items():
+        if (
+            type(a) is np.ndarray
+            and 0 < a.nbytes < ZERO_COPY_MIN_BYTES
+            and a.flags.c_contiguous
+            and a.dtype.kind in "iuf"
+        ):
+            groups.setdefault(a.dtype, []).append((name, a.shape, a))
+        else:
+            rest[name] = a
+    return [_block(dtype.str, items) for dtype, items in groups.items()], rest
+
+
+def _block(dtype: str, items: Sequence[tuple[str, Sequence[int], Any]]) -> Any:
+    """A block of ``items``, each ``(name, shape, data)``, of ``dtype``."""
+    names, shapes, datas = [], [], []
+    for name, shape, data in items:
+        names.append(name)
+        shapes.append(len(shape))
+        shapes += shape
+        datas.append(data)
+    return thrift.Packed(names=names, dtype=dtype, shapes=shapes, data=b"".join(datas))
 
 
 def unpack(blocks: Iterable[Any]) -> list[tuple[str, np.ndarray, int, str]]:
-    """``(name, array, version, origin)`` of every parameter of ``blocks``; each array
-    a read-only view of its block's bytes.
+    """``(name, array, version, origin)`` of every parameter of ``blocks`` (an answer's);
+    each array a read-only view of its block's bytes.
 
     Raises:
         RemoteProtocolError: a block whose counts, shapes or bytes do not add up, or
@@ -63,47 +81,101 @@ def unpack(blocks: Iterable[Any]) -> list[tuple[str, np.ndarray, int, str]]:
     """
     out = []
     for block in blocks:
-        names, shapes, data = block.names, block.shapes, block.data
-        versions, origins = block.versions, block.origins
+        names, versions, origins = block.names, block.versions or [], block.origins or []
         if not len(names) == len(versions) == len(origins):
             raise RemoteProtocolError(
                 f"a packed block of {len(names)} names has {len(versions)} versions and "
                 f"{len(origins)} origins"
             )
         try:
-            dtype = parse_dtype(block.dtype)
-        except RequestError as exc:
+            laid = _laid(block)
+        except RequestError as exc:  # (its dtype; a ValueError too: first)
             raise RemoteProtocolError(f"a packed block: {exc.message}") from None
+        except ValueError as exc:
+            raise RemoteProtocolError(str(exc)) from None
+        dtype = parse_dtype(block.dtype)
         swapped = SWAP_BFLOAT16 and block.dtype == BFLOAT16
-        view = memoryview(data).cast("B")
-        whole = np.frombuffer(view, np.uint8)
-        size = dtype.itemsize
-        at = offset = 0
-        for name, version, origin in zip(names, versions, origins, strict=True):
-            if at >= len(shapes) or not 0 <= shapes[at] <= 32:
-                raise RemoteProtocolError(f"a packed block's shapes end or go wrong at {name!r}")
-            ndim = shapes[at]
-            shape = tuple(shapes[at + 1 : at + 1 + ndim])
-            at += 1 + ndim
-            if len(shape) != ndim or any(d < 0 for d in shape):
-                raise RemoteProtocolError(f"a packed block's shape of {name!r} is {shape}")
-            nbytes = math.prod(shape) * size
-            if offset + nbytes > len(whole):
-                raise RemoteProtocolError(
-                    f"a packed block of {len(whole)} bytes ends within {name!r} (at {offset})"
-                )
-            array = whole[offset : offset + nbytes].view(dtype)
+        whole = np.frombuffer(block.data, np.uint8)
+        for (name, shape, start, stop), version, origin in zip(
+            laid, versions, origins, strict=True
+        ):
+            array = whole[start:stop].view(dtype)
             if swapped:  # (as from_parameter reads it)
                 array = array.view(np.uint16).byteswap().view(dtype)
-            array = array.reshape(shape)
-            offset += nbytes
-            out.append((name, array, version, origin))
-        if at != len(shapes) or offset != len(whole):
-            raise RemoteProtocolError(
-                f"a packed block holds {len(whole) - offset} bytes and {len(shapes) - at} "
-                "shape values past its parameters"
-            )
+            out.append((name, array.reshape(shape), version, origin))
     return out
+
+
+def gradients_of(blocks: Iterable[Any]) -> list[Any]:
+    """A ``Parameter`` of each gradient of ``blocks`` (a push's): its data a view of its
+    block's bytes, its dtype and shape the block's.
+
+    Raises:
+        RequestError: (BAD_REQUEST) a block whose counts, shapes or bytes do not add
+            up, or of a dtype that is not numeric (SHAPE_MISMATCH).
+    """
+    made = []
+    new, cls = object.__new__, thrift.Parameter
+    for block in blocks:
+        try:
+            laid = _laid(block)
+        except RequestError:  # (its dtype, SHAPE_MISMATCH; a ValueError too: first)
+            raise
+        except ValueError as exc:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        view, dtype = memoryview(block.data).cast("B"), block.dtype
+        for name, shape, start, stop in laid:
+            # (as the decoder makes a struct: its defaults, then its fields)
+            p = new(cls)
+            p.__dict__ = attributes = _DEFAULTS.copy()
+            attributes["name"] = name
+            attributes["data"] = view[start:stop]
+            attributes["dtype"] = dtype
+            attributes["shape"] = shape  # (a list of its own: _laid's)
+            made.append(p)
+    return made
+
+
+_DEFAULTS = vars(thrift.Parameter(name="", data=b""))
+
+
+def _laid(block: Any) -> list[tuple[str, list[int], int, int]]:
+    """``(name, shape, start, stop)`` of each of ``block``'s parameters, its bytes
+    ``[start, stop)`` of the block's; checked to add up (ValueError, naming what does
+    not; a dtype not numeric: RequestError)."""
+    shapes, nbytes = block.shapes, memoryview(block.data).nbytes
+    size = parse_dtype(block.dtype).itemsize
+    last = len(shapes) - 1
+    out = []
+    at = offset = 0
+    for name in block.names:
+        if at < last and shapes[at] == 1 and (n := shapes[at + 1]) >= 0:
+            shape, count = [n], n  # (a vector, the common case, at once)
+            at += 2
+        else:
+            ndim = shapes[at] if at <= last else -1
+            if not 0 <= ndim <= MAX_DIMENSIONS:
+                raise ValueError(f"a packed block's shapes end or go wrong at {name!r}")
+            shape = shapes[at + 1 : at + 1 + ndim]
+            at += 1 + ndim
+            if len(shape) != ndim or any(d < 0 for d in shape):
+                raise ValueError(f"a packed block's shape of {name!r} is {shape}")
+            count = math.prod(shape)
+        stop = offset + count * size
+        if stop > nbytes:
+            raise ValueError(f"a packed block of {nbytes} bytes ends within {name!r} (at {offset})")
+        out.append((name, shape, offset, stop))
+        offset = stop
+    if at != len(shapes) or offset != nbytes:
+        raise ValueError(
+            f"a packed block holds {nbytes - offset} bytes and {len(shapes) - at} shape values "
+            "past its parameters"
+        )
+    return out
+
+
+# numpy's most dimensions (NPY_MAXDIMS: 32 in numpy 1, 64 in numpy 2)
+MAX_DIMENSIONS = 64
 
 
 def packed_response(entries: list[Any], timestamp: int) -> Any:
