@@ -457,6 +457,40 @@ def test_maps_and_lists_of_every_kind_match() -> None:
 
 
 @needs_codec
+@pytest.mark.parametrize(
+    "versions",
+    [
+        [],
+        [1, -(2**31), 2**31 - 1],
+        [1, 2**31],
+        [-(2**31) - 1],
+        [1, "2"],
+        [1.5],
+        [True, 2],
+        [np.int32(4)],
+        (3, 4),
+        None,
+    ],
+    ids=repr,
+)
+def test_a_list_of_i32_is_written_and_read_alike(versions: Any) -> None:
+    """(Packed.versions: the compiled writer takes ints of 32 bits; any other item, the
+    pure writer's way, whatever it says.)"""
+    block = thrift.Packed(
+        names=["a"], dtype="<f4", shapes=[1, 1], data=b"\0" * 4, versions=versions, origins=["n"]
+    )
+    answer = method("pull_parameters").result(
+        success=thrift.ParameterResponse(params=[], timestamp=1, packed=[block])
+    )
+    pure, compiled = both(encoded, ("pull_parameters", MessageType.REPLY, 9, answer))
+    assert pure == compiled
+    if isinstance(pure, bytes):
+        cls = method("pull_parameters").result
+        a, b = both(outcome, codec.BinaryReader, pure[4:], cls, False)
+        assert a == b and not isinstance(a[0], str)
+
+
+@needs_codec
 def test_a_struct_read_by_the_compiled_path_is_the_struct_init_would_make() -> None:
     param = to_parameter("w", np.arange(3, dtype=np.float32))
     update = thrift.ParameterUpdate(params=[param], timestamp=4)

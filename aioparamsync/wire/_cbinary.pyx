@@ -75,6 +75,7 @@ cdef enum Kind:
     K_STRUCT
     K_LIST_STRUCT
     K_LIST_I64
+    K_LIST_I32
     K_LIST_STRING
     K_LIST_BINARY
     K_MAP_STRING_I32
@@ -238,6 +239,8 @@ cdef _Fields _fields_of(object cls):
                 kind, klass = K_LIST_STRUCT, sub[1]
             elif sub[0] == T_I64:
                 kind = K_LIST_I64
+            elif sub[0] == T_I32:
+                kind = K_LIST_I32
             elif sub[0] == T_STRING:
                 kind = K_LIST_STRING
             elif sub[0] == T_BINARY:
@@ -439,14 +442,18 @@ cdef object _read(object self, _Fields f, object buf, const uint8_t* data, Py_ss
                     items.append(_read(self, sub, buf, data, end))
                 p = self.pos
                 value = items
-            elif kind == K_LIST_I64:
-                if p + 8 * count > end:
+            elif kind == K_LIST_I64 or kind == K_LIST_I32:
+                vsize = 8 if kind == K_LIST_I64 else 4
+                if p + vsize * count > end:
                     general = True
                 else:
                     items = [None] * count
                     for j in range(count):
-                        items[j] = PyLong_FromLongLong(_i64_at(data + p))
-                        p += 8
+                        if vsize == 8:
+                            items[j] = PyLong_FromLongLong(_i64_at(data + p))
+                        else:
+                            items[j] = _i32_at(data + p)
+                        p += vsize
                     value = items
             elif kind == K_LIST_STRING or kind == K_LIST_BINARY:
                 items = [None] * count
@@ -696,6 +703,19 @@ cdef _write(object self, object obj):
                     for j in range(count):
                         _small_i64(items[j], &x)
                         _put_i64(out, <uint64_t>x)
+            elif kind == K_LIST_I32:
+                j = 0
+                while j < count and _small_i32(items[j], &x):
+                    j += 1
+                if j < count:  # (not all ints of 32 bits: the pure writer says why)
+                    self._write_value(f.ttype[i], f.subs[i], items)
+                    out = self.out
+                else:
+                    _put_u8(out, f.ewire[i])
+                    _put_i32(out, count)
+                    for j in range(count):
+                        _small_i32(items[j], &x)
+                        _put_i32(out, x)
             else:
                 out += _list_header(f.ewire[i], count)
                 if kind == K_LIST_STRUCT:
