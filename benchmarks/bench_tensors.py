@@ -13,7 +13,13 @@ script times those parts alone (``timeit``, the best of ``--reps`` repetitions o
   (``ParameterRequest.without_rules``);
 * ``decode``: the client's decode of that answer, both ways;
 * ``to_parameter``: a gradient made a ``Parameter`` (its dtype sent before);
-* ``from_parameter``: a pulled ``Parameter`` made an array.
+* ``from_parameter``: a pulled ``Parameter`` made an array;
+* ``answer, blocks`` and ``decode, blocks``: the same answer in blocks (``Packed``, as
+  ``get_arrays`` asks a node for it), and its decode into arrays;
+* ``push, one each`` and ``push, blocks``: the client's push message made and encoded,
+  one ``Parameter`` a gradient or the gradients in blocks (``GradientPush.packed``);
+* ``push read, one each`` and ``push read, blocks``: the node's decode of it, to the
+  ``Parameter`` of each gradient the fold takes.
 
 ::
 
@@ -46,7 +52,8 @@ from aioparamsync.values.arrays import from_parameter, to_parameter
 from aioparamsync.wire.codec import BinaryReader, encode_message
 
 PARTS = ("fold", "answer, rules", "answer, no rules", "decode, rules", "decode, no rules")
-PARTS += ("to_parameter", "from_parameter")
+PARTS += ("to_parameter", "from_parameter", "answer, blocks", "decode, blocks")
+PARTS += ("push, one each", "push, blocks", "push read, one each", "push read, blocks")
 
 
 def positive(text: str) -> int:
@@ -84,16 +91,20 @@ def measure(count: int, elements: int, number: int, reps: int) -> dict[str, floa
 
         return run
 
-    def decode(rules: bool) -> Callable[[], Any]:
-        parts, _ = answer(rules)()
+    def decoded(message: Callable[[], Any], cls: Any, then: Any = None) -> Callable[[], Any]:
+        parts, _ = message()
         frame = memoryview(b"".join(bytes(p) for p in parts))[4:]  # (less the frame's length)
 
         def run() -> Any:
             reader = BinaryReader(frame)
             reader.read_message_begin()
-            return reader.read_body(thrift.ParameterResponse)
+            body = reader.read_body(cls)
+            return body if then is None else then(body)
 
         return run
+
+    def decode(rules: bool) -> Callable[[], Any]:
+        return decoded(answer(rules), thrift.ParameterResponse)
 
     arrays = [np.full(elements, 0.5, np.float32) for _ in names]
     pulled = decode(True)().params
@@ -105,6 +116,32 @@ def measure(count: int, elements: int, number: int, reps: int) -> dict[str, floa
     def read() -> None:
         for p in pulled:
             from_parameter(p)
+
+    try:
+        from aioparamsync.values import packing
+    except ImportError:  # (a tree before blocks: those parts are n/a)
+        packing = None
+    gradients = dict(zip(names, arrays, strict=True))
+    pushed = thrift.ParameterSyncService.push_gradients_args
+
+    def answer_blocks() -> Any:
+        response = packing.packed_response(held, 1)
+        return encode_message("pull_parameters", 2, 1, response)
+
+    def push(blocks: bool) -> Callable[[], Any]:
+        def run() -> Any:
+            if blocks:
+                packed, _ = packing.pack_arrays(gradients)
+                each = []
+            else:
+                packed, each = None, [to_parameter(n, a) for n, a in gradients.items()]
+            message = thrift.GradientPush(grads=each, packed=packed, request_id="r")
+            return encode_message("push_gradients", 1, 1, pushed(push=message))
+
+        return run
+
+    def made(body: Any) -> Any:
+        return packing.gradients_of(body.push.packed)
 
     try:
         held[0].to_parameter(False)  # type: ignore[call-arg]
@@ -120,6 +157,14 @@ def measure(count: int, elements: int, number: int, reps: int) -> dict[str, floa
         "decode, no rules": decode(False) if without else None,
         "to_parameter": make,
         "from_parameter": read,
+        "answer, blocks": answer_blocks if packing else None,
+        "decode, blocks": decoded(answer_blocks, thrift.ParameterResponse, packing.arrays_of)
+        if packing
+        else None,
+        "push, one each": push(False) if packing else None,
+        "push, blocks": push(True) if packing else None,
+        "push read, one each": decoded(push(False), pushed) if packing else None,
+        "push read, blocks": decoded(push(True), pushed, made) if packing else None,
     }
     return {
         part: math.nan if runs[part] is None else per_tensor(runs[part], count, number, reps)

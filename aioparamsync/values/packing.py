@@ -93,16 +93,17 @@ def unpack(blocks: Iterable[Any]) -> list[tuple[str, np.ndarray, int, str]]:
             raise RemoteProtocolError(f"a packed block: {exc.message}") from None
         except ValueError as exc:
             raise RemoteProtocolError(str(exc)) from None
-        dtype = parse_dtype(block.dtype)
-        swapped = SWAP_BFLOAT16 and block.dtype == BFLOAT16
-        whole = np.frombuffer(block.data, np.uint8)
+        dtype, data = parse_dtype(block.dtype), block.data
+        size, swapped = dtype.itemsize, SWAP_BFLOAT16 and block.dtype == BFLOAT16
         for (name, shape, start, stop), version, origin in zip(
             laid, versions, origins, strict=True
         ):
-            array = whole[start:stop].view(dtype)
+            array = np.frombuffer(data, dtype, (stop - start) // size, start)
             if swapped:  # (as from_parameter reads it)
                 array = array.view(np.uint16).byteswap().view(dtype)
-            out.append((name, array.reshape(shape), version, origin))
+            if len(shape) != 1:
+                array = array.reshape(shape)
+            out.append((name, array, version, origin))
     return out
 
 
