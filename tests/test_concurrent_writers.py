@@ -5,7 +5,8 @@ per node, each given that node's address alone (``route=False``: that node passe
 does not hold; or routed, new, so that its first calls go out before it has the topology),
 and each client makes ``CALLS`` calls of one write kind at once, all of them at the same keys:
 whole updates (``update_arrays``), gradient pushes of ones into ``sum`` and ``sgd``
-parameters (``push_gradients``), row gradients of ones into an ``sgd`` table
+parameters (``push_gradients``; in blocks, ``GradientPush.packed``, where the client is not
+routed), row gradients of ones into an ``sgd`` table
 (``push_row_gradients``). Every call must be answered ok within ``BOUND``; then the primaries
 (a routed read) and every replica (each node alone, once replication has caught up) hold
 exactly what was written: the sums of every push, one fold each, and for whole updates one
@@ -154,6 +155,11 @@ async def test_concurrent_writers_at_every_node_are_each_applied_once(
             calls = [c.push_row_gradients(table, ids, ones) for c in clients for _ in range(CALLS)]
         else:
             ones = {n: np.ones(ELEMENTS, np.float32) for n in names}
+            for c in clients:
+                # (as once a node answered a read in blocks: a client not routed sends its
+                # gradients in blocks, GradientPush.packed, which the node passes on by
+                # Parameter; a routed one sends Parameters, each part to its primary)
+                c._packs = True
             calls = [c.push_gradients(ones) for c in clients for _ in range(CALLS)]
         answers = await _all_answered(calls, f"{cluster.config} {mode} {kind}")
 
