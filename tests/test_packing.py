@@ -5,6 +5,9 @@ that does not add up is refused (a push's: nothing of it folded)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import numpy as np
 import pytest
 from cluster_helpers import LocalCluster, assert_, eventually
@@ -99,18 +102,7 @@ async def test_a_read_is_answered_one_parameter_each_where_blocks_do_not_apply(h
 async def test_a_client_not_routed_reads_through_a_node_of_a_sharded_cluster() -> None:
     """The node asks the others for what it does not hold: that answer is not in blocks,
     and get_arrays reads it whole; a routed client reads each node's part as such."""
-    cluster = LocalCluster(replication_factor=1)
-    try:
-        a = await cluster.start()
-        b = await cluster.start(peers=[a])
-        c = await cluster.start(peers=[a])
-        nodes = [a, b, c]
-
-        def formed() -> None:
-            for node in nodes:
-                assert node.cluster.live == {n.node_id for n in nodes}
-
-        await eventually(formed)
+    async with _three_nodes(replication_factor=1) as a:
         want = {f"p{i}": np.full(32, i, np.float32) for i in range(30)}
         async with ParameterClient(a.address) as writer:
             await writer.update_arrays(want)
@@ -119,6 +111,22 @@ async def test_a_client_not_routed_reads_through_a_node_of_a_sharded_cluster() -
             async with ParameterClient(a.address, route=route) as client:
                 for _ in range(3):
                     _same(await client.get_arrays(list(want)), want)
+
+
+@contextlib.asynccontextmanager
+async def _three_nodes(replication_factor: int) -> AsyncIterator[Node]:
+    """A cluster of three nodes in this process, formed; its first node."""
+    cluster = LocalCluster(replication_factor=replication_factor)
+    try:
+        nodes = [await cluster.start()]
+        nodes += [await cluster.start(peers=nodes[:1]) for _ in range(2)]
+
+        def formed() -> None:
+            for node in nodes:
+                assert node.cluster.live == {n.node_id for n in nodes}
+
+        await eventually(formed)
+        yield nodes[0]
     finally:
         await cluster.close()
 
@@ -316,18 +324,7 @@ async def test_a_push_with_a_bad_block_is_refused_and_folds_nothing(
 async def test_a_push_in_blocks_through_a_node_of_a_sharded_cluster_folds_everywhere() -> None:
     """A client not routed: the node folds its part and passes the rest on, each part as
     Parameters; acks all."""
-    cluster = LocalCluster(replication_factor=2)
-    try:
-        a = await cluster.start()
-        b = await cluster.start(peers=[a])
-        c = await cluster.start(peers=[a])
-        nodes = [a, b, c]
-
-        def formed() -> None:
-            for node in nodes:
-                assert node.cluster.live == {n.node_id for n in nodes}
-
-        await eventually(formed)
+    async with _three_nodes(replication_factor=2) as a:
         model = {f"p{i}": np.zeros(32, np.float32) for i in range(30)}
         async with ParameterClient(a.address, route=False) as client:
             await client.update_arrays(model, rules=sgd(1.0))
@@ -340,8 +337,6 @@ async def test_a_push_in_blocks_through_a_node_of_a_sharded_cluster_folds_everyw
                 assert versions == {n: step + 2 for n in model}
             got = await client.get_arrays(list(model))
             _same(got, {n: np.full(32, 3.0, np.float32) for n in model})
-    finally:
-        await cluster.close()
 
 
 async def test_gradients_a_node_leaves_out_of_blocks_go_again_one_parameter_each(
