@@ -7,7 +7,10 @@ one list of names, one of shapes, and the bytes one after another; the client
 makes a view of each array in those bytes. :func:`pack` makes the blocks (the
 node, for a read that asks: ``ParameterRequest.packed``), :func:`unpack` reads
 them (the client, checking every count and length first: a block that does not
-add up is refused whole).
+add up is refused whole). A push's small gradients go so too
+(``GradientPush.packed``): :func:`pack_arrays` makes their blocks (the client),
+:func:`gradients_of` a ``Parameter`` of each, a view of its block's bytes (the
+node, which folds them as if each had come so).
 """
 
 from __future__ import annotations
