@@ -69,6 +69,17 @@ async def test_a_read_of_many_is_answered_in_blocks_with_the_same_arrays() -> No
         assert not plain.packed and len(plain.params) == len(want) + 1
 
 
+async def test_a_parameter_of_16_kib_or_more_is_answered_as_a_parameter_of_its_own() -> None:
+    """(Sent by reference, as it is: in a block its bytes would be copied once more.)"""
+    want = {"small": np.ones(4095 // 4, np.float32), "large": np.arange(4096, dtype=np.int32)}
+    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+        await client.update_arrays(want)
+        response = await client.get_parameters(list(want), rules=False, packed=True)
+        assert [p.name for p in response.params] == ["large"]
+        assert [b.names for b in response.packed] == [["small"]]
+        _same(await client.get_arrays(list(want)), want)
+
+
 @pytest.mark.parametrize(
     "how",
     ["with rules", "not asked", "encoded", "long poll", "partitioned"],
@@ -174,12 +185,6 @@ def test_a_block_that_does_not_add_up_is_refused(fields: dict, says: str) -> Non
     with pytest.raises(RemoteProtocolError) as info:
         unpack([_block(**fields)])
     assert says in str(info.value)
-
-
-def test_a_parameter_and_a_block_are_not_confused() -> None:
-    """A Parameter is not a block (unpack reads Packed alone)."""
-    with pytest.raises(AttributeError):
-        unpack([to_parameter("a", np.ones(2, np.float32))])
 
 
 # -- gradients in blocks ----------------------------------------------------------------------

@@ -184,11 +184,18 @@ MAX_DIMENSIONS = 64
 
 def packed_response(entries: list[Any], timestamp: int) -> Any:
     """A read's ``ParameterResponse`` of ``entries`` (stored entries), without their
-    rules: those with a dtype and shape in blocks, any other (plain bytes, a key of a
-    partitioned parameter) as a ``Parameter``."""
+    rules: the small ones with a dtype and shape in blocks (fewer bytes than
+    ``ZERO_COPY_MIN_BYTES``: the encoder would copy them anyway, where a larger one is
+    sent by reference), any other (plain bytes, a key of a partitioned parameter) as a
+    ``Parameter``."""
     laid, plain = [], []
     for e in entries:
-        if e.dtype is not None and e.shape is not None and "\x00" not in e.name:
+        if (
+            e.dtype is not None
+            and e.shape is not None
+            and e.data.nbytes < ZERO_COPY_MIN_BYTES
+            and "\x00" not in e.name
+        ):
             laid.append(e)
         else:
             plain.append(e.to_parameter(False))
