@@ -315,9 +315,8 @@ class RowTable:
         """Each id's bucket and slot (-1: no row) into ``owner`` and ``slots``, by one walk
         of every block's index; answers the blocks' :meth:`RowBlock.fold_layout` (None
         for a bucket with no block), or None where the compiled fold does not take them."""
+        assert _crows is not None  # (_fold_held asked)
         layouts: list[Any] = [None] * self.spec.buckets
-        if _crows is None:
-            return None
         for bucket, block in self.blocks.items():
             layouts[bucket] = block.fold_layout()
             if layouts[bucket] is None:
