@@ -21,7 +21,10 @@ Systems:
   loop). Worker 0 creates the tensors once with ``update_arrays({...}, rules=sgd(lr))``
   (``sum_rule()`` for C); a step is ``await client.get_arrays(names)`` then
   ``await client.push_gradients({name: grad})``. The node folds each push (it makes a
-  new array per fold: a read never sees half a fold).
+  new array per fold: a read never sees half a fold). ``--transport unix``: the node's
+  ``--unix-socket``, clients made with ``shared_memory=0``; ``shm``: the same socket with
+  the client's default, tensors through memory shared with the node
+  (``aioparamsync.client.shared``).
 * ``redis``: ``redis-server --save "" --appendonly no`` on a free loopback port, redis-py's
   ``redis.asyncio`` (one client per worker, on the same loop as above). A step is one MGET
   of every key (bytes -> ``numpy.frombuffer``), the SGD step done by the worker itself
@@ -382,11 +385,15 @@ class NodeClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self.client: Any = None
+        self.shared = False  # (--transport shm: memory shared with the node; unix: not)
 
     async def open(self) -> None:
         from aioparamsync import ParameterClient
 
-        self.client = ParameterClient(self.address)
+        if self.shared:
+            self.client = ParameterClient(self.address)
+        else:
+            self.client = ParameterClient(self.address, shared_memory=0)
         await self.client.ping()
 
     async def create(self, task: Task, initial: dict[str, np.ndarray]) -> None:
@@ -1068,6 +1075,11 @@ def transport_of(system: str, transport: str) -> tuple[str, str | None]:
         return "tensorpipe-defaults", (
             f"torch-rpc: {why}TensorPipe's defaults (shared memory between processes of one host)"
         )
+    if system == "aioparamsync" and transport != "tcp":
+        return transport, (
+            "aioparamsync: the node's Unix socket, "
+            + ("with shared memory" if transport == "shm" else "without shared memory")
+        )
     if transport == "shm":
         return "tcp", f"{system}: no shared-memory transport; fell back to tcp"
     return transport, None
@@ -1081,6 +1093,7 @@ def agents_session(ctx: Context, system: str, address: str, server: Child) -> di
         for i in range(args.workers):
             cmd = [sys.executable, str(THIS), "--worker", system, "--address", address]
             cmd += ["--index", str(i), "--client-loop", args.client_loop]
+            cmd += ["--transport", args.transport]
             agents.append(Child(f"{system} worker {i}", cmd, ctx.env, stdin=True))
         loops = {_reply_ok(a.reply(START_TIMEOUT), a.name)["loop"] for a in agents}
         results = session(ProcFleet(agents, server.proc.pid), ctx.specs, ctx.log)
@@ -1121,7 +1134,7 @@ def session_aioparamsync(ctx: Context) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "aioparamsync", "--host", HOST, "--port", "0"]
         cmd += ["--log-level", "warning", *args.node_args]
-        if args.transport == "unix":
+        if args.transport in ("unix", "shm"):
             cmd += ["--unix-socket", str(Path(tmp) / "node.sock")]
         node = Child("aioparamsync node", cmd, ctx.env)
         try:
@@ -1286,6 +1299,8 @@ def worker_main(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         client = ASYNC_CLIENTS[args.worker](args.address)
+        if isinstance(client, NodeClient):
+            client.shared = args.transport == "shm"
         try:
             await client.open()
             core = AsyncCore(args.index, client)
@@ -1818,7 +1833,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="C and D's deadline, a guard (default: 300 s)")  # fmt: skip
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
                    help="tcp (default), unix (Unix sockets where a system has them), shm "
-                   "(TensorPipe's defaults; the others fall back to tcp)")  # fmt: skip
+                   "(aioparamsync's shared memory over its Unix socket, TensorPipe's "
+                   "defaults; the others fall back to tcp)")  # fmt: skip
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the event loop of the async workers: aioparamsync, redis, grpc "
                    "(default: %(default)s)")  # fmt: skip

@@ -112,6 +112,16 @@ struct ParameterUpdate {
     6: optional string call,
 }
 
+// Bytes in shared memory, between a node and a client on its host: `size`
+// bytes at `offset` of the file `segment` of /dev/shm (a client's, of the
+// node's user, read and written by no one else; named aioparamsync-...).
+// Only over a Unix socket whose peer is of the node's user.
+struct SharedRegion {
+    1: required string segment,
+    2: required i64 offset,
+    3: required i64 size,
+}
+
 struct ParameterRequest {
     1: required list<string> param_names,
     2: optional i32 min_version = 0,
@@ -158,6 +168,11 @@ struct ParameterRequest {
     // one Parameter each (a read of many small tensors). A node older than
     // this field answers them in params, as it may do anyway.
     14: optional bool packed,
+    // Set (with packed), by a client on this node's Unix socket: a region of
+    // shared memory where the node may write the answer's blocks' bytes
+    // (Packed.shared) rather than send them; a node that cannot, or older
+    // than this field, sends them.
+    15: optional SharedRegion shared,
 }
 
 // Many parameters (or gradients) of one dtype in one block (see
@@ -176,6 +191,11 @@ struct Packed {
     // names' order.
     5: optional list<i32> versions,
     6: optional list<string> origins,
+    // Set: the block's bytes are these of shared memory, not `data` (which
+    // is empty): in an answer, within the read's ParameterRequest.shared; in
+    // a push, a client's region (sent so only to a node that has answered a
+    // read so), left as it is until the push is answered.
+    7: optional SharedRegion shared,
 }
 
 struct ParameterResponse {

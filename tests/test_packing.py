@@ -223,7 +223,7 @@ async def test_gradients_pushed_in_blocks_fold_as_one_parameter_each() -> None:
             assert not a._packs  # (no read answered in blocks yet: none sent so)
             await a.get_arrays(list(model))
             assert a._packs
-            blocks, rest = a._packed(_grads(model, 0), None)
+            blocks, rest, _ = a._packed(_grads(model, 0), None)
             assert sorted(b.dtype for b in blocks) == ["<f2", "<f4", "<f8"]
             assert list(rest) == ["big"]
             for step in range(4):
@@ -242,7 +242,7 @@ async def test_a_client_sends_blocks_only_where_the_node_reads_them() -> None:
     grads = {"a": np.ones(4, np.float32), "b": np.ones(3, np.float32)}
 
     def sent(client: ParameterClient, request_id: str | None = None) -> list[list[str]]:
-        blocks, rest = client._packed(grads, request_id)
+        blocks, rest, _ = client._packed(grads, request_id)
         assert sorted([*rest, *(n for b in blocks for n in b.names)]) == ["a", "b"]
         return [b.names for b in blocks]
 

@@ -34,6 +34,7 @@ from .gradients import GradientClient
 from .pool import ConnectionPool
 from .routing import ROUTED, Routes
 from .rows import TableClient
+from .shared import DEFAULT_SHARED_MEMORY_BYTES, lane_for, read_lent
 from .updates import make_update, push_in_pieces
 from .watch import WATCH_WAIT, Watcher
 
@@ -86,6 +87,9 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             where the cluster acknowledges a write once every live replica
             holds it, ``--acks all``; else ``"primary"``). See
             :mod:`.routing`.
+        shared_memory: with a node on this host (every address ``unix:PATH``),
+            the most memory (bytes) this client shares with it, so that tensors
+            cross by one copy, not through the socket (see :mod:`.shared`); 0: none.
 
     Every timeout, here and per call, is None or a finite number of seconds
     above 0; anything else (0, a negative number, NaN, infinity, a bool) is a
@@ -108,6 +112,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         ssl: ssl_module.SSLContext | None = None,
         route: bool = True,
         read_from: str = "auto",
+        shared_memory: int = DEFAULT_SHARED_MEMORY_BYTES,
     ) -> None:
         super().__init__(
             address,
@@ -135,6 +140,7 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         self._rules: dict[str, Any] = {}
         self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
         self._packs = False  # a node answered a read in blocks (see .gradients._packed)
+        self._lane = lane_for(self.addresses, shared_memory)  # (None: no shared memory)
         self._tables = {}
 
     @classmethod
@@ -157,6 +163,8 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         if self.routes is not None:
             await self.routes.close()
         await super().close()
+        if self._lane is not None:
+            self._lane.close()
 
     async def invoke(
         self, m: Any, /, *, timeout: float | EllipsisType | None = ..., **args: Any
@@ -266,7 +274,11 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         request.max_inline_bytes = self.max_inline_bytes
         # (time.monotonic: no getpid() system call, as asyncio.get_running_loop() makes on 3.11)
         started = time.monotonic()
-        response = await self.invoke(METHODS.pull_parameters, timeout=timeout, request=request)
+        response = await read_lent(
+            self._lane,
+            request,
+            lambda: self.invoke(METHODS.pull_parameters, timeout=timeout, request=request),
+        )
         if any(p.total_bytes is not None for p in response.params):
             # Larger than one message: answered without data; read in pieces,
             # within what is left of this call's deadline.
@@ -558,19 +570,6 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
     async def ping(self, *, timeout: float | EllipsisType | None = ...) -> str:
         """Answer the node's id."""
         return await self.invoke(METHODS.ping, timeout=timeout)
-
-    def stats(self) -> dict[str, Any]:
-        """What this client chose when it compressed, per parameter (no call is made).
-
-        ``"gradients"``: name -> what the last push with error feedback sent
-        of it (``share`` of the values, ``encoding``: None when top-k went
-        raw, ``bound``: top-k's residual bound then, ``pushes``).
-        """
-        feedback = self._feedback
-        out: dict[str, Any] = {"gradients": {} if feedback is None else feedback.sent_all()}
-        if self._auto is not None:
-            out.update(self._auto.stats())
-        return out
 
     async def info(self, *, timeout: float | EllipsisType | None = ...) -> Any:
         """The node's ``NodeInfo`` (what ``aioparamsync-ctl stats`` shows).

@@ -21,6 +21,9 @@ from ..values.arrays import to_parameter
 from ..values.packing import pack_arrays
 from ..wire import METHODS, Method, thrift
 
+if TYPE_CHECKING:
+    from .shared import Lane, Region
+
 __all__ = ["GradientClient"]
 
 log = logging.getLogger(__name__)
@@ -35,11 +38,33 @@ class GradientClient:
         _last_push: tuple[str, list[Any]] | None
         _rules: dict[str, Any]
         _packs: bool
+        _lane: Lane | None
         routes: Any
 
         async def invoke(
             self, m: Method, /, *, timeout: float | EllipsisType | None = ..., **args: Any
         ) -> Any: ...
+
+    def stats(self) -> dict[str, Any]:
+        """What this client chose when it compressed, per parameter, and what it shared
+        with its node (no call is made).
+
+        ``"gradients"``: name -> what the last push with error feedback sent
+        of it (``share`` of the values, ``encoding``: None when top-k went
+        raw, ``bound``: top-k's residual bound then, ``pushes``).
+        ``"shared_memory"`` (a client of a node on its host, see :mod:`.shared`):
+        its ``segments`` and their ``bytes``, the bytes ``lent`` to calls (and to
+        arrays alive) now, those ``kept`` from use (their calls failed), the
+        ``reads`` and ``pushes`` that went so, and why it is ``broken`` (None: it
+        is not).
+        """
+        feedback = self._feedback
+        out: dict[str, Any] = {"gradients": {} if feedback is None else feedback.sent_all()}
+        if self._auto is not None:
+            out.update(self._auto.stats())
+        if self._lane is not None:
+            out["shared_memory"] = self._lane.stats()
+        return out
 
     async def _auto_of(self) -> Any:
         if self._auto is None:
@@ -127,6 +152,7 @@ class GradientClient:
             raise ValueError(f'acks is "1" or "all", not {acks!r}')
         feedback, kept = None, {}
         packed: list[Any] = []
+        region = None  # (of shared memory, the gradients written there: see .shared)
         last = self._last_push
         auto = None
         if encoding == "auto":
@@ -139,7 +165,7 @@ class GradientClient:
                 # counted it once; encoding it anew would count it twice.
                 params = last[1]
             elif encoding is None:
-                packed, rest = self._packed(grads, request_id)
+                packed, rest, region = self._packed(grads, request_id)
                 params = [to_parameter(name, g) for name, g in rest.items()]
             else:
                 from ..values import compression
@@ -183,7 +209,14 @@ class GradientClient:
                 acks=acks,
             )
             began = time.monotonic()
-            result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
+            try:
+                result = await self.invoke(METHODS.push_gradients, timeout=timeout, push=push)
+            except BaseException:
+                if region is not None and self._lane is not None:
+                    self._lane.keep(region)  # (the node may read it yet)
+                raise
+            if region is not None and self._lane is not None:
+                self._lane.give(region)
             if self._auto is not None and self._auto.push is not None:
                 self._auto.observe_push(params, time.monotonic() - began)
             folded = dict(result.versions)
@@ -213,14 +246,23 @@ class GradientClient:
             raise
         return folded
 
-    def _packed(self, grads: Mapping[str, Any], request_id: str | None) -> tuple[list, Mapping]:
-        """The small raw gradients of ``grads`` in blocks (``GradientPush.packed``), and the
-        others; none in blocks unless the node has answered a read so (it knows them),
+    def _packed(
+        self, grads: Mapping[str, Any], request_id: str | None
+    ) -> tuple[list, Mapping, Region | None]:
+        """The small raw gradients of ``grads`` in blocks (``GradientPush.packed``), the
+        others, and the region of shared memory the blocks' bytes are in (None: in the
+        blocks). None in blocks unless the node has answered a read so (it knows them),
         the push is not routed (a routed push is cut by Parameter) and its id is new (a
-        push sent again under an id is sent as it was)."""
+        push sent again under an id is sent as it was). Once the node has answered a
+        read in shared memory, the raw gradients of any size go there."""
         routes = self.routes
         if not self._packs or request_id is not None or self._auto is not None:
-            return [], grads
+            return [], grads, None
         if routes is not None and routes.wanted():
-            return [], grads
-        return pack_arrays(grads)
+            return [], grads, None
+        lane = self._lane
+        if lane is not None and lane.shared_reads:  # (the node maps this client's segments)
+            packed, rest, region = lane.for_push(grads)
+            if region is not None:
+                return packed, rest, region
+        return (*pack_arrays(grads), None)

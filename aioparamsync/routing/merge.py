@@ -16,7 +16,7 @@ def read_part(request: Any, names: list[str]) -> Any:
     answered one ``Parameter`` each (not in blocks: the parts' answers are merged so)."""
     sub = copy.copy(request)
     sub.param_names = names
-    sub.packed = None
+    sub.packed = sub.shared = None
     if request.known_versions:
         sub.known_versions = {n: v for n, v in request.known_versions.items() if n in names}
     if request.known_origins:

@@ -241,18 +241,21 @@ class ParameterService:
         if known:
             origins = request.known_origins or {}
             entries = [e for e in entries if _newer(e, known.get(e.name, 0), origins.get(e.name))]
+        lent = getattr(request, "lent", None) if packed and not manifests else None  # (.shared)
         limit = inline_limit(request)
         if request.piece_offset is not None:
             params = piece_of(request, entries, self.max_decoded_bytes)
-        elif sum(e.data.nbytes for e in entries) > limit and (
-            request.max_inline_bytes is not None or any(e.nbytes > limit for e in entries)
+        elif (
+            lent is None
+            and sum(e.data.nbytes for e in entries) > limit
+            and (request.max_inline_bytes is not None or any(e.nbytes > limit for e in entries))
         ):  # (one over the limit makes the sum so: a read of small ones sums them once)
             budget = [limit]  # (what the answer may still carry: the rest as headers)
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding, not request.without_rules) for e in entries]
         elif packed and not manifests:
-            return packed_response(entries, self.store.timestamp)
+            return packed_response(entries, self.store.timestamp, lent)
         else:
             params = [e.to_parameter(not request.without_rules) for e in entries]
         if manifests:

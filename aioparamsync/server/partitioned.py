@@ -43,6 +43,7 @@ from ..store.checks import check_rule_fits
 from ..store.cuts import new_call
 from ..store.table import Entry
 from ..values.arrays import describe_layout
+from ..values.packing import shared_answer
 from ..values.partitions import Layout, elements_of, per_partition
 from ..wire import METHODS, thrift
 from ..wire.writer import Chunks
@@ -245,6 +246,9 @@ class Partitioned:
                     p = self.service.encoded(entry, request.encoding)
             params.append(p)
         gathered.params = params
+        lent = getattr(request, "lent", None)  # (a region of the client's: see .shared)
+        if lent is not None and request.without_rules and not request.encoding:
+            return shared_answer(gathered, lent)
         return gathered
 
     async def read_keys(self, request: Any) -> Any:

@@ -198,7 +198,7 @@ class Router:
         assert cluster is not None
         sub = copy.copy(request)
         sub.epoch = cluster.epoch
-        sub.packed = None  # (merged by Parameter)
+        sub.packed = sub.shared = None  # (merged by Parameter)
         calls = []
         for member in cluster.live:
             link = cluster.by_id.get(member)

@@ -53,6 +53,7 @@ from ..wire import (
 )
 from .dispatch import CallDispatch, Handler, app_error
 from .ordering import MAX_PIPELINE
+from .shared import SharingHandler, peer_pid
 
 __all__ = ["Handler", "ListenError", "Server", "ServerConfig", "ServerConnection"]
 
@@ -146,6 +147,8 @@ class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif sock is not None and sock.family == socket.AF_UNIX and (pid := peer_pid(sock)):
+            self._handler = SharingHandler(self._handler, pid)  # (see .shared)
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         if not self.server._register(self):
             transport.close()
@@ -222,6 +225,8 @@ class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
             held.cancel()
         if self._idle_handle is not None:
             self._idle_handle.cancel()
+        if isinstance(self._handler, SharingHandler):
+            self._handler.close()  # (its segments: unmapped once no call holds a view)
         self.server._unregister(self)
 
     def pause_writing(self) -> None:

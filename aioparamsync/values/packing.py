@@ -25,8 +25,17 @@ from ..errors import ErrorCode, RemoteProtocolError, RequestError
 from ..wire import thrift
 from ..wire.writer import ZERO_COPY_MIN_BYTES
 from .arrays import BFLOAT16, SWAP_BFLOAT16, array_of, parse_dtype
+from .sharedmem import SharedView, pack_into
 
-__all__ = ["arrays_of", "gradients_of", "pack", "pack_arrays", "packed_response", "unpack"]
+__all__ = [
+    "arrays_of",
+    "gradients_of",
+    "pack",
+    "pack_arrays",
+    "packed_response",
+    "shared_answer",
+    "unpack",
+]
 
 
 def pack(entries: Iterable[Any]) -> list[Any]:
@@ -121,6 +130,12 @@ def gradients_of(blocks: Iterable[Any]) -> list[Any]:
     made = []
     new, cls = object.__new__, thrift.Parameter
     for block in blocks:
+        if block.shared is not None:  # (not mapped: see server.shared)
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                "gradients in shared memory are taken only from a client on the node's "
+                "Unix socket, of the node's user",
+            )
         try:
             laid = _laid(block)
         except RequestError:  # (its dtype, SHAPE_MISMATCH; a ValueError too: first)
@@ -182,24 +197,67 @@ def _laid(block: Any) -> list[tuple[str, list[int], int, int]]:
 MAX_DIMENSIONS = 64
 
 
-def packed_response(entries: list[Any], timestamp: int) -> Any:
+def packed_response(entries: list[Any], timestamp: int, lent: SharedView | None = None) -> Any:
     """A read's ``ParameterResponse`` of ``entries`` (stored entries), without their
     rules: the small ones with a dtype and shape in blocks (fewer bytes than
     ``ZERO_COPY_MIN_BYTES``: the encoder would copy them anyway, where a larger one is
     sent by reference), any other (plain bytes, a key of a partitioned parameter) as a
-    ``Parameter``."""
+    ``Parameter``. With ``lent`` (the client's region of shared memory), those with a
+    dtype and shape, of any size, in blocks written there, if they fit."""
     laid, plain = [], []
     for e in entries:
         if (
             e.dtype is not None
             and e.shape is not None
-            and e.data.nbytes < ZERO_COPY_MIN_BYTES
+            and (lent is not None or e.data.nbytes < ZERO_COPY_MIN_BYTES)
             and "\x00" not in e.name
         ):
             laid.append(e)
         else:
             plain.append(e.to_parameter(False))
+    if lent is not None:
+        rows = [(e.dtype, e.name, e.shape, e.data, e.version, e.origin) for e in laid]
+        if (blocks := _shared_blocks(lent, rows)) is None:  # (too large for the region)
+            return packed_response(entries, timestamp)
+        return thrift.ParameterResponse(params=plain, timestamp=timestamp, packed=blocks or None)
     return thrift.ParameterResponse(params=plain, timestamp=timestamp, packed=pack(laid) or None)
+
+
+def shared_answer(response: Any, lent: SharedView) -> Any:
+    """``response`` (a read's answer, with no blocks yet) with its raw parameters (a dtype
+    and a shape; not encoded, not in pieces, not a key of a partition) in blocks
+    written into ``lent``, the client's region of shared memory; as it was if they do
+    not fit."""
+    rows, rest = [], []
+    for p in response.params:
+        if (
+            p.dtype is not None
+            and p.shape is not None
+            and p.encoding is None
+            and p.total_bytes is None
+            and "\x00" not in p.name
+        ):
+            rows.append((p.dtype, p.name, p.shape, p.data, p.version, p.origin))
+        else:
+            rest.append(p)
+    if response.packed or not rows or (blocks := _shared_blocks(lent, rows)) is None:
+        return response
+    response.params, response.packed = rest, blocks
+    return response
+
+
+def _shared_blocks(lent: SharedView, rows: list[tuple]) -> list[Any] | None:
+    """Blocks of ``rows`` (each ``(dtype, name, shape, data, version, origin)``), one per
+    dtype, their bytes written into ``lent``; None if they do not fit."""
+    groups: dict[str, list[tuple]] = {}
+    for row in rows:
+        groups.setdefault(row[0], []).append(row)
+    blocks = pack_into(lent, [(d, [r[1:4] for r in g]) for d, g in groups.items()])
+    if blocks is not None:
+        for block, group in zip(blocks, groups.values(), strict=True):
+            block.versions = [r[4] for r in group]
+            block.origins = [r[5] for r in group]
+    return blocks
 
 
 def arrays_of(response: Any) -> dict[str, np.ndarray]:

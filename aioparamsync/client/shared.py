@@ -1,0 +1,276 @@
+"""A client's shared memory with a node on its host (see :mod:`aioparamsync.values.sharedmem`).
+
+A client whose addresses are all Unix sockets (``unix:PATH``: its node is on
+this host) keeps a :class:`Lane`: segments of memory it makes as it needs
+them (``memfd_create``, every page reserved when made), up to
+``shared_memory`` bytes in all, and regions of them it lends to its calls.
+
+* A read in blocks (``get_arrays``, ``get_parameters(packed=True)``) lends the
+  node a region as large as that read's last answer; the node writes the
+  raw parameters there. The arrays are read-only views of the region, which
+  goes back to the lane once the last of them is gone (the lane makes another
+  segment meanwhile, so arrays a caller keeps are never written over).
+* A push, once a read has been answered so (the node maps this client's
+  segments), writes its raw gradients into a region: the one copy of them
+  this client makes. The region goes back when the push is answered.
+
+A call that fails (a timeout, a broken connection) keeps its region from use
+for the lane's life: the node may yet read or write it. Where memory cannot
+be had (``/dev/shm`` or a cgroup full), or the node does not share, the calls
+go over the socket as they would without a lane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import weakref
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import RemoteProtocolError
+from ..values.sharedmem import ALIGN, SharedView, aligned, pack_into, segment_of
+from ..wire import thrift
+from .addresses import unix_path
+
+__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "Lane", "Region", "lane_for", "read_lent"]
+
+log = logging.getLogger(__name__)
+
+# The most shared memory a client makes by default (bytes, all its segments).
+DEFAULT_SHARED_MEMORY_BYTES = 1 << 30
+# A new segment holds at least this many bytes, and twice the region it is made for.
+MIN_SEGMENT_BYTES = 64 << 20
+# Reads whose answers' sizes a lane remembers (by the names read).
+_MAX_READS = 64
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+IUF = "iuf"  # (numpy's dtype kinds a push writes into shared memory)
+
+
+def lane_for(addresses: list[tuple[str, int]], limit: int) -> Lane | None:
+    """A lane for a client of ``addresses``, if it may share memory with them: each a
+    Unix socket, ``limit`` above 0, and this system able to (Linux's memfd)."""
+    if limit <= 0 or not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+        return None
+    if not addresses or any(unix_path(host) is None for host, _ in addresses):
+        return None
+    return Lane(limit)
+
+
+class Segment:
+    """A memfd of ``size`` bytes, mapped, and its free extents (first fit)."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"aioparamsync-{secrets.token_hex(8)}"
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            os.posix_fallocate(self.fd, 0, size)  # (out of memory: here, not a SIGBUS later)
+            self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.wire = segment_of(self.fd, self.name)
+        self.size = size
+        self.free = [(0, size)]  # (offset, size), by offset, none adjacent
+
+    def take(self, size: int) -> int | None:
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + size, length - size)
+                return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        free = self.free
+        i = 0
+        while i < len(free) and free[i][0] < offset:
+            i += 1
+        free.insert(i, (offset, size))
+        if i + 1 < len(free) and offset + size == free[i + 1][0]:  # (joined to the next)
+            free[i] = (offset, size + free.pop(i + 1)[1])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # (and to the one before)
+            start, length = free[i - 1]
+            free[i - 1] = (start, length + free.pop(i)[1])
+
+    def close(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(BufferError):  # (arrays of it alive: unmapped when gone)
+            self.map.close()
+
+
+class Region:
+    """``size`` bytes at ``offset`` of ``segment``, lent to a call."""
+
+    __slots__ = ("offset", "segment", "shared", "size")
+
+    def __init__(self, segment: Segment, offset: int, size: int) -> None:
+        self.segment, self.offset, self.size = segment, offset, size
+        self.shared = thrift.SharedRegion(segment=segment.wire, offset=offset, size=size)
+
+    def view(self) -> SharedView:
+        return SharedView(
+            self.shared, memoryview(self.segment.map)[self.offset : self.offset + self.size]
+        )
+
+
+class Lane:
+    """A client's segments and the regions lent of them (see the module's docstring)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.segments: list[Segment] = []
+        self.made = 0  # bytes of all segments
+        self.kept = 0  # bytes of regions kept from use (their calls failed)
+        self.lent = 0  # bytes lent now
+        self.shared_reads = self.shared_pushes = 0
+        self.broken: str | None = None  # why no segment can be made (then none is)
+        self._reads: dict[Hashable, int] = {}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "segments": len(self.segments),
+            "bytes": self.made,
+            "lent": self.lent,
+            "kept": self.kept,
+            "reads": self.shared_reads,
+            "pushes": self.shared_pushes,
+            "broken": self.broken,
+        }
+
+    def take(self, size: int) -> Region | None:
+        """A region of at least ``size`` bytes, or None (over the limit, or no memory)."""
+        size = max(aligned(size), ALIGN)
+        for segment in self.segments:
+            if (offset := segment.take(size)) is not None:
+                self.lent += size
+                return Region(segment, offset, size)
+        if self.broken is not None:
+            return None
+        room = self.limit - self.made
+        made = min(room, max(MIN_SEGMENT_BYTES, 2 * size))
+        if made < size:
+            return None
+        made -= made % mmap.PAGESIZE
+        try:
+            segment = Segment(made)
+        except OSError as exc:
+            self.broken = f"cannot make {made} bytes of shared memory: {exc}"
+            log.warning("%s; calls go over the socket", self.broken)
+            return None
+        self.segments.append(segment)
+        self.made += made
+        return self.take(size)
+
+    def give(self, region: Region) -> None:
+        """``region`` back: its call is done with it."""
+        self.lent -= region.size
+        region.segment.give(region.offset, region.size)
+
+    def keep(self, region: Region) -> None:
+        """``region`` never lent again: its call failed, and the node may yet use it."""
+        self.lent -= region.size
+        self.kept += region.size
+
+    # -- reads --------------------------------------------------------------------
+
+    def for_read(self, names: list[str] | None) -> tuple[Hashable, Region | None]:
+        """The key of a read of ``names``, and a region for its answer (if its size is
+        known: that of the last answer to such a read)."""
+        key = tuple(names) if names is not None else None
+        size = self._reads.get(key)
+        return key, (self.take(size) if size else None)
+
+    def answered(self, key: Hashable, region: Region | None, response: Any) -> None:
+        """Make ``response``'s blocks in ``region`` views of it (read-only; the region
+        back to the lane when the last is gone); remember the answer's size.
+
+        Raises:
+            RemoteProtocolError: a block said to be in shared memory outside ``region``.
+        """
+        blocks = response.packed or ()
+        shared = [b for b in blocks if b.shared is not None]
+        if region is None or not shared:
+            if region is not None:
+                self.give(region)
+            size = sum(memoryview(b.data).nbytes for b in blocks) + sum(
+                len(p.data) for p in response.params if p.dtype is not None and p.data
+            )
+            if len(self._reads) >= _MAX_READS and key not in self._reads:
+                self._reads.pop(next(iter(self._reads)))
+            self._reads[key] = size + ALIGN * (len(blocks) + len(response.params) + 1)
+            if shared:
+                raise RemoteProtocolError("an answer in shared memory to a read that lent none")
+            return
+        start, end = region.offset, region.offset + region.size
+        for b in shared:
+            r = b.shared
+            within = start <= r.offset <= r.offset + r.size <= end
+            if r.segment != region.shared.segment or not within:
+                self.give(region)
+                raise RemoteProtocolError(
+                    f"a block in shared memory at {r.offset} ({r.size} bytes) of {r.segment!r}, "
+                    f"outside the region lent ({region.size} bytes at {start})"
+                )
+        holder = np.frombuffer(region.view().view, np.uint8)
+        holder.flags.writeable = False
+        weakref.finalize(holder, self.give, region)
+        for b in shared:
+            b.data = holder[b.shared.offset - start : b.shared.offset - start + b.shared.size]
+            b.shared = None
+        self.shared_reads += 1
+
+    # -- pushes -------------------------------------------------------------------
+
+    def for_push(
+        self, grads: Mapping[str, Any]
+    ) -> tuple[list[Any], Mapping[str, Any], Region | None]:
+        """Blocks of the raw gradients of ``grads`` (numpy's, C-contiguous, of an integer
+        or float dtype of numpy's own; any size) written into a region, the other
+        gradients, and the region (None: none was to be had, and no blocks)."""
+        groups: dict[str, list[tuple[str, Any, Any]]] = {}
+        rest: dict[str, Any] = {}
+        size = 0
+        for name, g in grads.items():
+            if type(g) is np.ndarray and g.nbytes and g.flags.c_contiguous and g.dtype.kind in IUF:
+                groups.setdefault(g.dtype.str, []).append((name, g.shape, g))
+                size += g.nbytes
+            else:
+                rest[name] = g
+        if not groups or (region := self.take(size + ALIGN * len(groups))) is None:
+            return [], grads, None
+        blocks = pack_into(region.view(), list(groups.items()))
+        assert blocks is not None  # (the region was taken for them)
+        self.shared_pushes += 1
+        return blocks, rest, region
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()
+        self.segments.clear()
+        self.broken = "closed"
+
+
+async def read_lent(lane: Lane | None, request: Any, call: Callable[[], Awaitable[Any]]) -> Any:
+    """``call()``'s answer to ``request`` (a read), lent a region of ``lane`` for its
+    answer where it may be: in blocks (``packed``), not a long poll."""
+    if lane is None or not request.packed or request.wait_ms is not None:
+        return await call()
+    key, region = lane.for_read(None if request.all_names else request.param_names)
+    request.shared = None if region is None else region.shared
+    try:
+        response = await call()
+    except BaseException:
+        if region is not None:
+            lane.keep(region)
+        raise
+    lane.answered(key, region, response)
+    return response
