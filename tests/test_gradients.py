@@ -67,6 +67,25 @@ async def test_gradients_are_folded_by_each_parameters_rule(client: ParameterCli
     assert info.params[0].rule == sgd(0.1, momentum=0.5)
 
 
+async def test_a_parameter_of_no_dimensions_folds_its_gradient_by_every_rule(
+    client: ParameterClient,
+) -> None:
+    # (numpy's arithmetic on 0-d arrays answers scalars: the fold still makes an array)
+    rules = {"s": sum_rule(), "m": sgd(0.1, momentum=0.5), "a": adam(0.01), "h": sgd(0.5)}
+    scalars = {n: np.array(1.0, np.float16 if n == "h" else np.float32) for n in rules}
+    await client.update_arrays(scalars, rules=rules)
+    grads = {n: np.array(2.0, a.dtype) for n, a in scalars.items()}
+    for version in (2, 4):
+        assert await client.push_gradients(grads) == dict.fromkeys(rules, version)
+        sent = [to_parameter(n, g) for n, g in grads.items()]  # (one Parameter each)
+        assert await push(client, sent) == dict.fromkeys(rules, version + 1)
+        grads = {n: g * 0.5 for n, g in grads.items()}
+    got = await client.get_arrays(list(rules))
+    assert all(got[n].shape == () and got[n].dtype == a.dtype for n, a in scalars.items())
+    assert got["s"] == 1 + 2 + 2 + 1 + 1
+    assert got["h"] == 1 - 0.5 * (2 + 2 + 1 + 1)
+
+
 async def test_a_retried_push_is_applied_once(client: ParameterClient) -> None:
     await client.update_arrays({"w": np.zeros(2)}, rules=sum_rule())
     first = await client.push_gradients({"w": np.ones(2)}, request_id="step-1")

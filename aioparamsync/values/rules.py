@@ -286,6 +286,9 @@ def fold_into(
 
 def _fold_numpy(rule: Any, w: np.ndarray, g: np.ndarray, state: State) -> tuple[np.ndarray, State]:
     """:func:`fold_into` with numpy: every dtype, any layout."""
+    if w.ndim == 0:  # (numpy's arithmetic answers 0-d arrays with scalars: one element)
+        x, new = _fold_numpy(rule, w.reshape(1), g.reshape(1), _reshaped(state, (1,)))
+        return x.reshape(()), _reshaped(new, ())
     work = _working_dtype(w.dtype)
     grad = g.astype(work, copy=False)
     kind = rule.kind
@@ -325,6 +328,13 @@ def _fold_numpy(rule: Any, w: np.ndarray, g: np.ndarray, state: State) -> tuple[
     else:  # check_rule keeps other kinds out
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown rule {kind!r}")
     return x.astype(w.dtype, copy=False), new
+
+
+def _reshaped(state: State, shape: tuple[int, ...]) -> State:
+    m, v = state.momentum, state.variance
+    return State(
+        state.step, None if m is None else m.reshape(shape), None if v is None else v.reshape(shape)
+    )
 
 
 def _fold_compiled(
