@@ -54,8 +54,14 @@ IUF = "iuf"  # (numpy's dtype kinds a push writes into shared memory)
 
 def lane_for(addresses: list[tuple[str, int]], limit: int) -> Lane | None:
     """A lane for a client of ``addresses``, if it may share memory with them: each a
-    Unix socket, ``limit`` above 0, and this system able to (Linux's memfd)."""
-    if limit <= 0 or not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+    Unix socket, ``limit`` above 0, and this system able to (Linux's memfd).
+
+    Raises:
+        ValueError: ``limit`` is not a number of bytes (an int, 0 or more).
+    """
+    if type(limit) is not int or limit < 0:
+        raise ValueError(f"shared_memory is a number of bytes, 0 or more, not {limit!r}")
+    if limit == 0 or not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
         return None
     if not addresses or any(unix_path(host) is None for host, _ in addresses):
         return None
