@@ -73,6 +73,18 @@ def test_tls_is_on_when_a_file_or_the_switch_says_so(pki) -> None:
     assert with_ca["ssl"] is not None and with_ca["address"] == [("127.0.0.1", 9090)]
 
 
+def test_shared_memory_is_a_size_as_the_nodes_flags_take_them(tmp_path) -> None:
+    base = {"AIOPARAMSYNC_ADDRESSES": f"unix:{tmp_path / 'n.sock'}"}
+    assert "shared_memory" not in client_options(base)  # (the client's default)
+    for size, expected in (("0", 0), ("256m", 256 << 20), ("1GiB", 1 << 30), ("4096", 4096)):
+        assert client_options({**base, "AIOPARAMSYNC_SHARED_MEMORY": size})["shared_memory"] == (
+            expected
+        )
+    assert ParameterClient.from_env({**base, "AIOPARAMSYNC_SHARED_MEMORY": "0"})._lane is None
+    lane = ParameterClient.from_env({**base, "AIOPARAMSYNC_SHARED_MEMORY": "64m"})._lane
+    assert lane is not None and lane.limit == 64 << 20
+
+
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
@@ -92,6 +104,13 @@ def test_tls_is_on_when_a_file_or_the_switch_says_so(pki) -> None:
         (
             {"AIOPARAMSYNC_ADDRESSES": "h:1", "AIOPARAMSYNC_TLS_KEY": "/k.pem"},
             "AIOPARAMSYNC_TLS_KEY needs AIOPARAMSYNC_TLS_CERT",
+        ),
+        *(
+            (
+                {"AIOPARAMSYNC_ADDRESSES": "unix:/n.sock", "AIOPARAMSYNC_SHARED_MEMORY": size},
+                f"AIOPARAMSYNC_SHARED_MEMORY={size!r} is not a size",
+            )
+            for size in ("", "-1", "1.5G", "lots", "1T")
         ),
     ],
 )

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 
 from ..client.addresses import check_seconds, parse_address, parse_addresses
+from ..client.environment import SIZE_UNITS, parse_size
 
 __all__ = [
     "byte_size",
@@ -30,10 +30,6 @@ __all__ = [
     "TLS_ERRORS",
 ]
 
-# A size: a number and an optional unit; k, m and g count in powers of 1024,
-# written alone or with "iB" or "B" (64k = 64KiB = 64KB = 65536).
-_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 # What making a TLS context from the TLS flags may raise, to report as "TLS: ...": an
 # OSError for a PEM file missing, unreadable or not what it should be (ssl.SSLError is an
 # OSError), a ValueError for values that do not go together.
@@ -41,11 +37,12 @@ TLS_ERRORS = (OSError, ValueError)
 
 
 def byte_size(text: str) -> int:
-    """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
+    """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes (k, m and g count in powers of 1024,
+    written alone or with "iB" or "B": as ``AIOPARAMSYNC_SHARED_MEMORY`` is read)."""
+    size = parse_size(text)
+    if size is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256MiB)")
-    return int(match[1]) * _UNITS[match[2].lower()]
+    return size
 
 
 def human_size(value: int) -> str:
@@ -54,7 +51,7 @@ def human_size(value: int) -> str:
     The largest unit that divides ``value`` exactly, or bytes.
     """
     for unit in ("g", "m", "k"):
-        factor = _UNITS[unit]
+        factor = SIZE_UNITS[unit]
         if value and value % factor == 0:
             return f"{value // factor}{unit.upper()}iB"
     return str(value)

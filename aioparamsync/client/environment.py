@@ -14,6 +14,9 @@ variables. They are the node's own (``aioparamsync-node`` reads every flag as
   the CA to verify nodes with, and a certificate (and its key) to present
   to nodes that verify their clients. Any of them, or ``AIOPARAMSYNC_TLS=1``
   (with the system's CAs), turns TLS on.
+* ``AIOPARAMSYNC_SHARED_MEMORY``: the most memory a client of a node on its
+  host (``unix:PATH``) shares with it, a size as the nodes' flags take them
+  (``1GiB``, ``256m``, ``0``: none); see :mod:`.shared`.
 
 What is wrong is refused with a ValueError naming the variable, before
 anything connects.
@@ -22,6 +25,7 @@ anything connects.
 from __future__ import annotations
 
 import os
+import re
 import ssl as ssl_module
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +33,15 @@ from typing import Any
 from ..tls import client_context
 from .addresses import parse_addresses
 
-__all__ = ["ENV_PREFIX", "SWITCH_FALSE", "SWITCH_TRUE", "client_options", "switch"]
+__all__ = [
+    "ENV_PREFIX",
+    "SIZE_UNITS",
+    "SWITCH_FALSE",
+    "SWITCH_TRUE",
+    "client_options",
+    "parse_size",
+    "switch",
+]
 
 ENV_PREFIX = "AIOPARAMSYNC_"
 #: how a switch's variable says yes, and no (case aside)
@@ -42,6 +54,18 @@ TLS = ENV_PREFIX + "TLS"
 TLS_CA = ENV_PREFIX + "TLS_CA"
 TLS_CERT = ENV_PREFIX + "TLS_CERT"
 TLS_KEY = ENV_PREFIX + "TLS_KEY"
+SHARED_MEMORY = ENV_PREFIX + "SHARED_MEMORY"
+
+# A size: a number and an optional unit; k, m and g count in powers of 1024,
+# written alone or with "iB" or "B" (64k = 64KiB = 64KB = 65536).
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(text: str) -> int | None:
+    """``"64MiB"``, ``"512k"``, ``"1048576"`` -> bytes; None: not a size."""
+    match = _SIZE.fullmatch(text.strip())
+    return None if match is None else int(match[1]) * SIZE_UNITS[match[2].lower()]
 
 
 def switch(name: str, value: str) -> bool:
@@ -57,7 +81,8 @@ def switch(name: str, value: str) -> bool:
 
 
 def client_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``address`` and ``ssl`` of a :class:`ParameterClient`, from ``environ``
+    """The ``address``, ``ssl`` and ``shared_memory`` of a :class:`ParameterClient`, from
+    ``environ``
     (default: ``os.environ``); see the module.
 
     Raises:
@@ -89,4 +114,10 @@ def client_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         except (ssl_module.SSLError, OSError) as exc:
             shown = ", ".join(f"{var}={path!r}" for var, path in files.items() if path)
             raise ValueError(f"TLS from the environment ({shown}): {exc}") from None
-    return {"address": addresses, "ssl": context}
+    options: dict[str, Any] = {"address": addresses, "ssl": context}
+    if SHARED_MEMORY in environ:
+        size = parse_size(text := environ[SHARED_MEMORY])
+        if size is None:
+            raise ValueError(f"{SHARED_MEMORY}={text!r} is not a size (e.g. 1GiB, 256m, 0)")
+        options["shared_memory"] = size
+    return options
