@@ -14,7 +14,10 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import mmap
 import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -364,6 +367,74 @@ def test_blocks_are_written_aligned_and_not_at_all_where_they_do_not_fit() -> No
     before = bytes(buffer)
     assert pack_into(lent, [("<i2", [("big", big.shape, big)])]) is None
     assert bytes(buffer) == before
+
+
+def test_a_lane_makes_no_segment_it_cannot_use() -> None:
+    page = mmap.PAGESIZE
+    lane = Lane(3 * page + 100)  # (a limit that is no whole number of pages)
+    try:
+        assert lane.take(3 * page + 64) is None
+        assert lane.stats()["segments"] == 0
+        region = lane.take(3 * page)
+        assert region is not None and lane.stats()["bytes"] == 3 * page
+        assert lane.take(64) is None  # (the 100 bytes left are no page)
+        lane.give(region)
+        assert lane.take(3 * page) is not None and lane.stats()["segments"] == 1
+    finally:
+        lane.close()
+
+
+async def test_a_read_that_outgrows_its_region_goes_in_pieces_as_it_would(
+    tmp_path: Path,
+) -> None:
+    small = {"w": np.arange(1000, dtype=np.float32)}
+    large = {"w": np.arange(1 << 19, dtype=np.float32)}  # (2 MiB: more than a frame here)
+    async with (
+        _node(tmp_path) as (_, local),
+        ParameterClient(
+            local, max_frame_bytes=1 << 20, max_inline_bytes=1 << 16, piece_bytes=1 << 18
+        ) as client,
+    ):
+        await client.update_arrays(small)
+        _same(await client.get_arrays(["w"]), small)  # (its size learnt)
+        await client.update_arrays(large, replace=True)
+        _same(await client.get_arrays(["w"]), large)  # (its region too small: in pieces)
+        _same(await client.get_arrays(["w"]), large)  # (its region large enough)
+        assert client.stats()["shared_memory"]["reads"] == 1
+
+
+def test_a_sync_client_gives_regions_back_from_the_callers_thread(tmp_path: Path) -> None:
+    from aioparamsync import SyncParameterClient
+
+    path = str(tmp_path / "node.sock")
+
+    async def serve(stop: asyncio.Event) -> None:
+        async with Node(port=0, unix_socket=path):
+            await stop.wait()
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    server = threading.Thread(target=loop.run_until_complete, args=(serve(stop),))
+    server.start()
+    try:
+        for _ in range(200):
+            if os.path.exists(path):
+                break
+            time.sleep(0.05)
+        model = {f"p{i}": np.full(1000 * (i + 1), float(i), np.float32) for i in range(8)}
+        with SyncParameterClient(f"unix:{path}") as client:
+            client.update_arrays(model)
+            for _ in range(100):
+                got = client.get_arrays(list(model))  # (the last read's arrays let go here)
+            _same(got, model)
+            del got
+            gc.collect()
+            stats = client.stats()["shared_memory"]
+            assert stats["reads"] == 99 and stats["lent"] == 0 and stats["segments"] == 1
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        server.join(30)
+        loop.close()
 
 
 def test_lane_for_shares_only_with_unix_sockets() -> None:

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any
@@ -140,6 +141,8 @@ class Lane:
         self.shared_reads = self.shared_pushes = 0
         self.broken: str | None = None  # why no segment can be made (then none is)
         self._reads: dict[Hashable, int] = {}
+        # (an array's region comes back in the thread that lets go of its last view)
+        self._lock = threading.Lock()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -155,36 +158,51 @@ class Lane:
     def take(self, size: int) -> Region | None:
         """A region of at least ``size`` bytes, or None (over the limit, or no memory)."""
         size = max(aligned(size), ALIGN)
+        with self._lock:
+            found = self._found(size)
+            if found is None and self._grown(size):
+                found = self._found(size)
+            if found is None:
+                return None
+            self.lent += size
+        return Region(found[0], found[1], size)
+
+    def _found(self, size: int) -> tuple[Segment, int] | None:
         for segment in self.segments:
             if (offset := segment.take(size)) is not None:
-                self.lent += size
-                return Region(segment, offset, size)
+                return segment, offset
+        return None
+
+    def _grown(self, size: int) -> bool:
+        """Whether a segment that holds ``size`` bytes was made (within the limit)."""
         if self.broken is not None:
-            return None
-        room = self.limit - self.made
-        made = min(room, max(MIN_SEGMENT_BYTES, 2 * size))
+            return False
+        page = mmap.PAGESIZE
+        room = (self.limit - self.made) // page * page
+        made = min(room, -(-max(MIN_SEGMENT_BYTES, 2 * size) // page) * page)
         if made < size:
-            return None
-        made -= made % mmap.PAGESIZE
+            return False
         try:
             segment = Segment(made)
         except OSError as exc:
             self.broken = f"cannot make {made} bytes of shared memory: {exc}"
             log.warning("%s; calls go over the socket", self.broken)
-            return None
+            return False
         self.segments.append(segment)
         self.made += made
-        return self.take(size)
+        return True
 
     def give(self, region: Region) -> None:
         """``region`` back: its call is done with it."""
-        self.lent -= region.size
-        region.segment.give(region.offset, region.size)
+        with self._lock:
+            self.lent -= region.size
+            region.segment.give(region.offset, region.size)
 
     def keep(self, region: Region) -> None:
         """``region`` never lent again: its call failed, and the node may yet use it."""
-        self.lent -= region.size
-        self.kept += region.size
+        with self._lock:
+            self.lent -= region.size
+            self.kept += region.size
 
     # -- reads --------------------------------------------------------------------
 
@@ -208,7 +226,9 @@ class Lane:
             if region is not None:
                 self.give(region)
             size = sum(memoryview(b.data).nbytes for b in blocks) + sum(
-                len(p.data) for p in response.params if p.dtype is not None and p.data
+                len(p.data) if p.total_bytes is None else p.total_bytes  # (a header: in pieces)
+                for p in response.params
+                if p.dtype is not None
             )
             if len(self._reads) >= _MAX_READS and key not in self._reads:
                 self._reads.pop(next(iter(self._reads)))
@@ -259,10 +279,11 @@ class Lane:
         return blocks, rest, region
 
     def close(self) -> None:
-        for segment in self.segments:
-            segment.close()
-        self.segments.clear()
-        self.broken = "closed"
+        with self._lock:
+            for segment in self.segments:
+                segment.close()
+            self.segments.clear()
+            self.broken = "closed"
 
 
 async def read_lent(lane: Lane | None, request: Any, call: Callable[[], Awaitable[Any]]) -> Any:

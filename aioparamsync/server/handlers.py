@@ -20,7 +20,7 @@ from ..errors import ErrorCode, RequestError
 from ..placement import barrier_key, manifest_key
 from ..store.table import Entry, lww_key
 from ..store.writer import ParameterStore
-from ..values.packing import packed_response
+from ..values.packing import packed_response, shared_response
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
@@ -215,11 +215,8 @@ class ParameterService:
     # -- the founding methods ----------------------------------------------------
 
     def _read(self, request: Any, packed: bool = False) -> Any:
-        """The response to a read, now (``packed``: in blocks, see :mod:`..values.packing`).
-
-        A name stored as partitions is answered by its manifest (whatever its
-        version: the partitions' versions are the parameter's).
-        """
+        """The response to a read, now (``packed``: in blocks, see :mod:`..values.packing`);
+        a name stored as partitions by its manifest (the partitions' versions are its)."""
         table = self.store.table
         min_version = request.min_version or 0
         manifests: list[Entry] = []
@@ -241,26 +238,26 @@ class ParameterService:
         if known:
             origins = request.known_origins or {}
             entries = [e for e in entries if _newer(e, known.get(e.name, 0), origins.get(e.name))]
-        lent = getattr(request, "lent", None) if packed and not manifests else None  # (.shared)
+        ts = self.store.timestamp
+        if packed and not manifests and (shared := shared_response(request, entries, ts)):
+            return shared  # (into the client's memory: see .shared)
         limit = inline_limit(request)
         if request.piece_offset is not None:
             params = piece_of(request, entries, self.max_decoded_bytes)
-        elif (
-            lent is None
-            and sum(e.data.nbytes for e in entries) > limit
-            and (request.max_inline_bytes is not None or any(e.nbytes > limit for e in entries))
+        elif sum(e.data.nbytes for e in entries) > limit and (
+            request.max_inline_bytes is not None or any(e.nbytes > limit for e in entries)
         ):  # (one over the limit makes the sum so: a read of small ones sums them once)
             budget = [limit]  # (what the answer may still carry: the rest as headers)
             params = [self._inline_or_header(request, e, budget) for e in entries]
         elif request.encoding:
             params = [self.encoded(e, request.encoding, not request.without_rules) for e in entries]
         elif packed and not manifests:
-            return packed_response(entries, self.store.timestamp, lent)
+            return packed_response(entries, ts)
         else:
             params = [e.to_parameter(not request.without_rules) for e in entries]
         if manifests:
             params += [e.to_parameter() for e in manifests]
-        return thrift.ParameterResponse(params=params, timestamp=self.store.timestamp)
+        return thrift.ParameterResponse(params=params, timestamp=ts)
 
     def _inline_or_header(self, request: Any, entry: Entry, budget: list[int]) -> Any:
         """A parameter in the answer, or its header (no data, total_bytes) where it is over

@@ -34,6 +34,7 @@ __all__ = [
     "pack_arrays",
     "packed_response",
     "shared_answer",
+    "shared_response",
     "unpack",
 ]
 
@@ -197,30 +198,44 @@ def _laid(block: Any) -> list[tuple[str, list[int], int, int]]:
 MAX_DIMENSIONS = 64
 
 
-def packed_response(entries: list[Any], timestamp: int, lent: SharedView | None = None) -> Any:
+def packed_response(entries: list[Any], timestamp: int) -> Any:
     """A read's ``ParameterResponse`` of ``entries`` (stored entries), without their
     rules: the small ones with a dtype and shape in blocks (fewer bytes than
     ``ZERO_COPY_MIN_BYTES``: the encoder would copy them anyway, where a larger one is
     sent by reference), any other (plain bytes, a key of a partitioned parameter) as a
-    ``Parameter``. With ``lent`` (the client's region of shared memory), those with a
-    dtype and shape, of any size, in blocks written there, if they fit."""
+    ``Parameter``."""
     laid, plain = [], []
     for e in entries:
         if (
             e.dtype is not None
             and e.shape is not None
-            and (lent is not None or e.data.nbytes < ZERO_COPY_MIN_BYTES)
+            and e.data.nbytes < ZERO_COPY_MIN_BYTES
             and "\x00" not in e.name
         ):
             laid.append(e)
         else:
             plain.append(e.to_parameter(False))
-    if lent is not None:
-        rows = [(e.dtype, e.name, e.shape, e.data, e.version, e.origin) for e in laid]
-        if (blocks := _shared_blocks(lent, rows)) is None:  # (too large for the region)
-            return packed_response(entries, timestamp)
-        return thrift.ParameterResponse(params=plain, timestamp=timestamp, packed=blocks or None)
     return thrift.ParameterResponse(params=plain, timestamp=timestamp, packed=pack(laid) or None)
+
+
+def shared_response(request: Any, entries: list[Any], timestamp: int) -> Any:
+    """A read's ``ParameterResponse`` of ``entries`` (stored entries, no manifest) as
+    :func:`packed_response` makes it, but with the raw ones of any size in blocks written
+    into the region the client lent (``request.lent``: see ``server.shared``); None where
+    there is none, the read is encoded or a piece, or they do not fit."""
+    lent = getattr(request, "lent", None)
+    if lent is None or request.encoding or request.piece_offset is not None:
+        return None
+    rows, plain = [], []
+    for e in entries:
+        if e.dtype is not None and e.shape is not None and "\x00" not in e.name:
+            rows.append((e.dtype, e.name, e.shape, e.data, e.version, e.origin))
+        else:
+            plain.append(e)
+    if (blocks := _shared_blocks(lent, rows)) is None:
+        return None
+    params = [e.to_parameter(False) for e in plain]
+    return thrift.ParameterResponse(params=params, timestamp=timestamp, packed=blocks or None)
 
 
 def shared_answer(response: Any, lent: SharedView) -> Any:
