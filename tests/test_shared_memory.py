@@ -27,7 +27,7 @@ from cluster_helpers import assert_, eventually, launch
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RemoteProtocolError, RequestError, sgd
 from aioparamsync.client.shared import Lane, Segment, lane_for
-from aioparamsync.values.sharedmem import ALIGN, SharedView, pack_into, parse_segment
+from aioparamsync.values.sharedmem import ALIGN, SharedView, aligned, pack_into, parse_segment
 from aioparamsync.wire import METHODS, thrift
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux's memfd")
@@ -100,7 +100,12 @@ async def test_reads_and_pushes_through_shared_memory_give_what_tcp_gives(tmp_pa
         # every name at once (all_names), and a read of a few, go so too
         everything = await shared.get_parameters(None, rules=False, packed=True)
         everything = await shared.get_parameters(None, rules=False, packed=True)
-        assert sorted(n for b in everything.packed for n in b.names) == sorted(model)
+        names = [n for b in everything.packed for n in b.names]
+        assert sorted(names + [p.name for p in everything.params]) == sorted(model)
+        in_shared = {
+            n for b in everything.packed if isinstance(b.data, np.ndarray) for n in b.names
+        }
+        assert in_shared == {"big", "mid"}  # (views of shared memory; the small ones sent)
         assert shared.stats()["shared_memory"]["reads"] == 4
         del everything, got
         gc.collect()
@@ -268,9 +273,10 @@ async def test_a_push_in_shared_memory_over_tcp_is_refused(tmp_path: Path) -> No
 async def test_a_read_lending_a_region_the_node_cannot_map_is_answered_in_the_message(
     tmp_path: Path,
 ) -> None:
+    w = np.arange(8192, dtype=np.float32)  # (32 KiB: it would go in shared memory)
     async with _node(tmp_path) as (_, local), ParameterClient(local) as client:
-        await client.update_arrays({"w": np.arange(4, dtype=np.float32)})
-        for segment, size in (("0:aioparamsync-0000000000000000", 64), ("nonsense", 64)):
+        await client.update_arrays({"w": w})
+        for segment, size in (("0:aioparamsync-0000000000000000", 1 << 16), ("nonsense", 1 << 16)):
             request = thrift.ParameterRequest(
                 param_names=["w"],
                 without_rules=True,
@@ -278,23 +284,22 @@ async def test_a_read_lending_a_region_the_node_cannot_map_is_answered_in_the_me
                 shared=thrift.SharedRegion(segment=segment, offset=0, size=size),
             )
             response = await client.invoke(METHODS.get_parameters, request=request)
-            assert [b.shared for b in response.packed] == [None]
-            assert bytes(response.packed[0].data) == np.arange(4, dtype=np.float32).tobytes()
+            assert response.packed is None and bytes(response.params[0].data) == w.tobytes()
 
 
 async def test_a_failed_push_keeps_its_region_from_use(tmp_path: Path) -> None:
     async with _node(tmp_path) as (_, local), ParameterClient(local) as client:
-        await client.update_arrays({"w": np.zeros(1000, np.float32)}, rules=sgd(1.0))
+        await client.update_arrays({"w": np.zeros(8192, np.float32)}, rules=sgd(1.0))
         await client.get_arrays(["w"])
         await client.get_arrays(["w"])
         with pytest.raises(RequestError) as info:  # (refused: a gradient of another shape)
-            await client.push_gradients({"w": np.ones(999, np.float32)})
+            await client.push_gradients({"w": np.ones(8191, np.float32)})
         assert info.value.code == ErrorCode.SHAPE_MISMATCH
         stats = client.stats()["shared_memory"]
-        assert stats["kept"] == 4096 and stats["pushes"] == 1  # (999 * 4 + ALIGN, aligned)
-        await client.push_gradients({"w": np.ones(1000, np.float32)})
-        _same(await client.get_arrays(["w"]), {"w": np.full(1000, -1.0, np.float32)})
-        assert client.stats()["shared_memory"]["kept"] == 4096
+        assert stats["kept"] == aligned(8191 * 4 + ALIGN) and stats["pushes"] == 1
+        await client.push_gradients({"w": np.ones(8192, np.float32)})
+        _same(await client.get_arrays(["w"]), {"w": np.full(8192, -1.0, np.float32)})
+        assert client.stats()["shared_memory"]["kept"] == aligned(8191 * 4 + ALIGN)
 
 
 def test_an_answer_outside_the_region_lent_is_refused() -> None:
@@ -302,10 +307,10 @@ def test_an_answer_outside_the_region_lent_is_refused() -> None:
     try:
         key, region = lane.for_read(["w"])
         assert region is None  # (its size not yet known)
-        answer = thrift.ParameterResponse(params=[], timestamp=0, packed=[])
-        lane.answered(key, None, answer)
+        w = thrift.Parameter(name="w", data=bytes(1 << 14), dtype="<f4", shape=[1 << 12])
+        lane.answered(key, None, thrift.ParameterResponse(params=[w], timestamp=0, packed=[]))
         key, region = lane.for_read(["w"])
-        assert region is not None and region.size == ALIGN  # (an empty answer, and room)
+        assert region is not None and region.size == (1 << 14) + 2 * ALIGN  # (and room)
         for offset, size, segment in (
             (region.offset + region.size - 8, 16, region.shared.segment),
             (region.offset - 64, 16, region.shared.segment),

@@ -250,11 +250,11 @@ class GradientClient:
         self, grads: Mapping[str, Any], request_id: str | None
     ) -> tuple[list, Mapping, Region | None]:
         """The small raw gradients of ``grads`` in blocks (``GradientPush.packed``), the
-        others, and the region of shared memory the blocks' bytes are in (None: in the
-        blocks). None in blocks unless the node has answered a read so (it knows them),
-        the push is not routed (a routed push is cut by Parameter) and its id is new (a
-        push sent again under an id is sent as it was). Once the node has answered a
-        read in shared memory, the raw gradients of any size go there."""
+        others, and the region of shared memory some blocks' bytes are in (None: all in
+        their blocks). None in blocks unless the node has answered a read so (it knows
+        them), the push is not routed (a routed push is cut by Parameter) and its id is
+        new (a push sent again under an id is sent as it was). Once the node has
+        answered a read in shared memory, the raw gradients of 16 KiB or more go there."""
         routes = self.routes
         if not self._packs or request_id is not None or self._auto is not None:
             return [], grads, None
@@ -262,7 +262,8 @@ class GradientClient:
             return [], grads, None
         lane = self._lane
         if lane is not None and lane.shared_reads:  # (the node maps this client's segments)
-            packed, rest, region = lane.for_push(grads)
+            shared, rest, region = lane.for_push(grads)
             if region is not None:
-                return packed, rest, region
+                packed, rest = pack_arrays(rest)
+                return [*shared, *packed], rest, region
         return (*pack_arrays(grads), None)

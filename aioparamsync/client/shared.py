@@ -35,7 +35,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import RemoteProtocolError
-from ..values.sharedmem import ALIGN, SharedView, aligned, pack_into, segment_of
+from ..values.sharedmem import (
+    ALIGN,
+    SHARED_MIN_BYTES,
+    SharedView,
+    aligned,
+    pack_into,
+    segment_of,
+)
 from ..wire import thrift
 from .addresses import unix_path
 
@@ -225,14 +232,18 @@ class Lane:
         if region is None or not shared:
             if region is not None:
                 self.give(region)
-            size = sum(memoryview(b.data).nbytes for b in blocks) + sum(
-                len(p.data) if p.total_bytes is None else p.total_bytes  # (a header: in pieces)
+            # (what would go through shared memory: the arrays of SHARED_MIN_BYTES or more;
+            # a header's, in pieces, too)
+            sizes = [
+                n
                 for p in response.params
                 if p.dtype is not None
-            )
+                and (n := len(p.data) if p.total_bytes is None else p.total_bytes)
+                >= SHARED_MIN_BYTES
+            ]
             if len(self._reads) >= _MAX_READS and key not in self._reads:
                 self._reads.pop(next(iter(self._reads)))
-            self._reads[key] = size + ALIGN * (len(blocks) + len(response.params) + 1)
+            self._reads[key] = sum(sizes) + ALIGN * (len(sizes) + 1) if sizes else 0
             if shared:
                 raise RemoteProtocolError("an answer in shared memory to a read that lent none")
             return
@@ -260,13 +271,19 @@ class Lane:
         self, grads: Mapping[str, Any]
     ) -> tuple[list[Any], Mapping[str, Any], Region | None]:
         """Blocks of the raw gradients of ``grads`` (numpy's, C-contiguous, of an integer
-        or float dtype of numpy's own; any size) written into a region, the other
-        gradients, and the region (None: none was to be had, and no blocks)."""
+        or float dtype of numpy's own; of ``SHARED_MIN_BYTES`` or more) written into a
+        region, the other gradients, and the region (None: none was to be had, and no
+        blocks)."""
         groups: dict[str, list[tuple[str, Any, Any]]] = {}
         rest: dict[str, Any] = {}
         size = 0
         for name, g in grads.items():
-            if type(g) is np.ndarray and g.nbytes and g.flags.c_contiguous and g.dtype.kind in IUF:
+            if (
+                type(g) is np.ndarray
+                and g.nbytes >= SHARED_MIN_BYTES
+                and g.flags.c_contiguous
+                and g.dtype.kind in IUF
+            ):
                 groups.setdefault(g.dtype.str, []).append((name, g.shape, g))
                 size += g.nbytes
             else:

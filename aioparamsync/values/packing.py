@@ -25,7 +25,7 @@ from ..errors import ErrorCode, RemoteProtocolError, RequestError
 from ..wire import thrift
 from ..wire.writer import ZERO_COPY_MIN_BYTES
 from .arrays import BFLOAT16, SWAP_BFLOAT16, array_of, parse_dtype
-from .sharedmem import SharedView, pack_into
+from .sharedmem import SHARED_MIN_BYTES, SharedView, nbytes_of, pack_into
 
 __all__ = [
     "arrays_of",
@@ -220,22 +220,29 @@ def packed_response(entries: list[Any], timestamp: int) -> Any:
 
 def shared_response(request: Any, entries: list[Any], timestamp: int) -> Any:
     """A read's ``ParameterResponse`` of ``entries`` (stored entries, no manifest) as
-    :func:`packed_response` makes it, but with the raw ones of any size in blocks written
-    into the region the client lent (``request.lent``: see ``server.shared``); None where
-    there is none, the read is encoded or a piece, or they do not fit."""
+    :func:`packed_response` makes it, but with the raw ones of ``SHARED_MIN_BYTES`` or
+    more in blocks written into the region the client lent (``request.lent``: see
+    ``server.shared``); None where there is none, the read is encoded or a piece, no
+    entry is that large, or they do not fit."""
     lent = getattr(request, "lent", None)
     if lent is None or request.encoding or request.piece_offset is not None:
         return None
-    rows, plain = [], []
+    rows, rest = [], []
     for e in entries:
-        if e.dtype is not None and e.shape is not None and "\x00" not in e.name:
+        if (
+            e.dtype is not None
+            and e.shape is not None
+            and e.data.nbytes >= SHARED_MIN_BYTES
+            and "\x00" not in e.name
+        ):
             rows.append((e.dtype, e.name, e.shape, e.data, e.version, e.origin))
         else:
-            plain.append(e)
-    if (blocks := _shared_blocks(lent, rows)) is None:
+            rest.append(e)
+    if not rows or (blocks := _shared_blocks(lent, rows)) is None:
         return None
-    params = [e.to_parameter(False) for e in plain]
-    return thrift.ParameterResponse(params=params, timestamp=timestamp, packed=blocks or None)
+    response = packed_response(rest, timestamp)
+    response.packed = [*blocks, *(response.packed or ())]
+    return response
 
 
 def shared_answer(response: Any, lent: SharedView) -> Any:
@@ -251,6 +258,7 @@ def shared_answer(response: Any, lent: SharedView) -> Any:
             and p.encoding is None
             and p.total_bytes is None
             and "\x00" not in p.name
+            and nbytes_of(p.data) >= SHARED_MIN_BYTES
         ):
             rows.append((p.dtype, p.name, p.shape, p.data, p.version, p.origin))
         else:

@@ -38,13 +38,19 @@ from ..wire.writer import Chunks
 __all__ = [
     "ALIGN",
     "SEGMENT_NAME",
+    "SHARED_MIN_BYTES",
     "SharedView",
     "aligned",
+    "nbytes_of",
     "pack_into",
     "parse_segment",
     "segment_of",
 ]
 
+# The least bytes of an array that goes through shared memory; a smaller one goes in
+# the message (in a block of its own dtype's: see .packing), where one copy is all it
+# costs too, and its place in a region would cost more than the bytes.
+SHARED_MIN_BYTES = 16 * 1024
 # A segment's file name (memfd_create's name): the prefix and 16 hex digits.
 SEGMENT_NAME = re.compile(r"aioparamsync-[0-9a-f]{16}\Z")
 # Each block's bytes begin at a multiple of this many bytes of its segment (a
@@ -81,7 +87,8 @@ def parse_segment(segment: object) -> tuple[int, str]:
     return int(fd), name
 
 
-def _nbytes(data: Any) -> int:
+def nbytes_of(data: Any) -> int:
+    """The bytes of a value (a buffer, or ``Chunks``: several)."""
     return data.nbytes if type(data) is Chunks else memoryview(data).nbytes
 
 
@@ -101,7 +108,7 @@ def pack_into(
     ``data`` C-contiguous) with their bytes written into ``region`` (``Packed.shared``
     set, ``data`` empty), each block's at an ``ALIGN``-ed offset; None, and nothing
     written, if they do not fit."""
-    sizes = [sum(_nbytes(data) for _, _, data in items) for _, items in groups]
+    sizes = [sum(nbytes_of(data) for _, _, data in items) for _, items in groups]
     start, end = region.shared.offset, 0
     for size in sizes:
         end = aligned(start + end) - start + size
