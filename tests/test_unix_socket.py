@@ -185,3 +185,26 @@ async def test_a_socket_nobody_listens_on_is_a_connect_error_naming_it(sock_path
     async with ParameterClient(f"unix:{sock_path}", connect_timeout=2.0) as client:
         with pytest.raises(ConnectError, match=re.escape(f"cannot connect to unix:{sock_path}")):
             await client.ping()
+
+
+def _wmem_max() -> int:
+    return int(Path("/proc/sys/net/core/wmem_max").read_text())
+
+
+async def test_both_ends_of_a_unix_socket_send_from_a_large_buffer(sock_path: str) -> None:
+    # (the kernel's default, 208 KiB, made the step of many small tensors slower than TCP's)
+    from aioparamsync.wire import UNIX_SEND_BUFFER_BYTES
+
+    most = _wmem_max()
+    want = min(UNIX_SEND_BUFFER_BYTES, most)  # (the kernel answers twice what it keeps)
+    async with (
+        Node(port=0, unix_socket=sock_path) as node,
+        ParameterClient(f"unix:{sock_path}", timeout=CALL_TIMEOUT) as client,
+    ):
+        await client.ping()
+        (conn,) = client._connections
+        ends = [conn.transport.get_extra_info("socket")]
+        ends += [c.transport.get_extra_info("socket") for c in node.server.connections]
+        assert len(ends) == 2
+        for sock in ends:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * want

@@ -36,7 +36,7 @@ from typing import Any, cast
 from thriftpy2.thrift import TApplicationException
 
 from ..errors import ConnectionLostError, ParamSyncError, RemoteProtocolError, ServerError
-from ..wire import Method, Receiver, decode_header, encode_message, method
+from ..wire import UNIX_SEND_BUFFER_BYTES, Method, Receiver, decode_header, encode_message, method
 from ..wire.protocol import CALL, EXCEPTION, MAX_I32, ONEWAY, REPLY
 
 __all__ = ["_Connection"]
@@ -181,6 +181,8 @@ class _Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif sock is not None and sock.family == socket.AF_UNIX:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
         # A send waits while more than this is unsent (flow control).
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
 

@@ -44,6 +44,7 @@ from ..errors import ErrorCode, RemoteProtocolError, RequestError
 from ..wire import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_RECEIVING_BYTES,
+    UNIX_SEND_BUFFER_BYTES,
     Frame,
     MessageType,
     Protocol,
@@ -147,8 +148,10 @@ class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elif sock is not None and sock.family == socket.AF_UNIX and (pid := peer_pid(sock)):
-            self._handler = SharingHandler(self._handler, pid)  # (see .shared)
+        elif sock is not None and sock.family == socket.AF_UNIX:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+            if pid := peer_pid(sock):
+                self._handler = SharingHandler(self._handler, pid)  # (see .shared)
         transport.set_write_buffer_limits(high=WRITE_HIGH_BYTES)
         if not self.server._register(self):
             transport.close()

@@ -11,6 +11,7 @@ from .codec import decode_header, encode_message
 from .framing import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_RECEIVING_BYTES,
+    UNIX_SEND_BUFFER_BYTES,
     Frame,
     ReceiveBudget,
     Receiver,
@@ -38,6 +39,7 @@ __all__ = [
     "decode_header",
     "encode_message",
     "StreamMeasure",
+    "UNIX_SEND_BUFFER_BYTES",
     "method",
     "thrift",
 ]

@@ -82,6 +82,11 @@ SCRATCH_BYTES = 256 * 1024
 KEPT_BUFFER_BYTES = 65 * 1024 * 1024
 # Frames larger than this are received into a buffer of their own.
 LARGE_FRAME_BYTES = 64 * 1024
+# The send buffer of each end of a Unix socket connection (the kernel caps it at
+# net.core.wmem_max). Its default, 208 KiB, is far below what loopback TCP grows to:
+# a push of 200 x 4 KiB woke its reader four times, and Unix sockets ran B's step at
+# 0.83x TCP; with 4 MiB, at TCP's pace or above (see docs/performance.md).
+UNIX_SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
 _S_LEN = struct.Struct("!i")
 # The first byte of each protocol's messages (an enum's .value is slow to get).
