@@ -302,6 +302,20 @@ async def test_a_failed_push_keeps_its_region_from_use(tmp_path: Path) -> None:
         assert client.stats()["shared_memory"]["kept"] == aligned(8191 * 4 + ALIGN)
 
 
+async def test_a_push_refused_before_it_is_sent_gives_its_region_back(tmp_path: Path) -> None:
+    async with _node(tmp_path) as (_, local), ParameterClient(local) as client:
+        await client.update_arrays({"w": np.zeros(8192, np.float32)}, rules=sgd(1.0))
+        await client.get_arrays(["w"])
+        await client.get_arrays(["w"])
+        lent = client.stats()["shared_memory"]["lent"]  # (of reads: none, or the last's)
+        with pytest.raises(TypeError):  # (written into a region, then a gradient of no array)
+            await client.push_gradients({"w": np.ones(8192, np.float32), "v": object()})
+        stats = client.stats()["shared_memory"]
+        assert stats["pushes"] == 1 and stats["lent"] == lent and stats["kept"] == 0
+        await client.push_gradients({"w": np.ones(8192, np.float32)})
+        _same(await client.get_arrays(["w"]), {"w": np.full(8192, -1.0, np.float32)})
+
+
 def test_an_answer_outside_the_region_lent_is_refused() -> None:
     lane = Lane(1 << 30)
     try:

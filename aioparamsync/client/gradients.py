@@ -166,7 +166,12 @@ class GradientClient:
                 params = last[1]
             elif encoding is None:
                 packed, rest, region = self._packed(grads, request_id)
-                params = [to_parameter(name, g) for name, g in rest.items()]
+                try:
+                    params = [to_parameter(name, g) for name, g in rest.items()]
+                except BaseException:  # (never sent: its region back)
+                    if region is not None and self._lane is not None:
+                        self._lane.give(region)
+                    raise
             else:
                 from ..values import compression
 
