@@ -113,9 +113,10 @@ struct ParameterUpdate {
 }
 
 // Bytes in shared memory, between a node and a client on its host: `size`
-// bytes at `offset` of the file `segment` of /dev/shm (a client's, of the
-// node's user, read and written by no one else; named aioparamsync-...).
-// Only over a Unix socket whose peer is of the node's user.
+// bytes at `offset` of the client's `segment`, a memfd named "FD:NAME" (the
+// client's descriptor of it, and the name it gave it: aioparamsync- and 16
+// hex digits), which the node opens as /proc/PID/fd/FD, PID the socket's
+// peer. Only over a Unix socket whose peer is of the node's user.
 struct SharedRegion {
     1: required string segment,
     2: required i64 offset,
