@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..wire import thrift
-from ..wire.writer import Chunks
+from ..wire.writer import ZERO_COPY_MIN_BYTES, Chunks
 
 __all__ = [
     "ALIGN",
@@ -47,10 +47,10 @@ __all__ = [
     "segment_of",
 ]
 
-# The least bytes of an array that goes through shared memory; a smaller one goes in
-# the message (in a block of its own dtype's: see .packing), where one copy is all it
-# costs too, and its place in a region would cost more than the bytes.
-SHARED_MIN_BYTES = 16 * 1024
+# The least bytes of an array that goes through shared memory: the size under which
+# the encoder copies a value into the message anyway (a smaller one goes there, in a
+# block of its dtype's: see .packing), where its place in a region would cost more.
+SHARED_MIN_BYTES = ZERO_COPY_MIN_BYTES
 # A segment's file name (memfd_create's name): the prefix and 16 hex digits.
 SEGMENT_NAME = re.compile(r"aioparamsync-[0-9a-f]{16}\Z")
 # Each block's bytes begin at a multiple of this many bytes of its segment (a
