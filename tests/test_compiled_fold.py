@@ -326,72 +326,172 @@ def test_a_large_push_with_one_bad_value_in_any_part_is_refused_whole(fold_threa
     assert np.all(np.frombuffer(entry.data, np.float32) == np.float32(-0.1))
 
 
-# -- many small folds in one call (rules.fold_many, as a push's fold uses it) ---------------
+# -- a push's fold compiled whole (rules.fold_entries, ParameterTable.fold's common case) --
+
+
+def lane(table: ParameterTable, grads: list) -> tuple[dict, dict, list]:
+    """What the compiled lane makes of ``grads`` against ``table`` (nothing is stored)."""
+    made = rules.fold_entries(
+        grads,
+        table._entries,
+        table._states,
+        table.origin,
+        entry=type(table.entry(next(iter(table.names())))),
+        max_version=2**31 - 1,
+        max_name_bytes=table.limits.max_name_bytes,
+    )
+    assert made is not None
+    return made
+
+
+def stored(table: ParameterTable, rules_by_name: dict, arrays: dict) -> None:
+    params = []
+    for name, array in arrays.items():
+        p = to_parameter(name, array)
+        p.rule = rules_by_name[name]
+        params.append(p)
+    table.apply(params, 1)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_many_folds_in_one_call_are_numpys_bit_for_bit_from_every_state(dtype: type) -> None:
-    # Every rule in one call, each tensor by its own, over three steps (each from the state
+@pytest.mark.parametrize("shape", [(1025,), (5, 7), ()])
+def test_a_push_compiled_whole_is_numpys_bit_for_bit_from_every_state(
+    dtype: type, shape: tuple
+) -> None:
+    # Every rule in one push, each tensor by its own, over three steps (each from the state
     # the one before left), gradients as raw bytes at every offset a frame may hold them.
     # (wild values hold NaN and inf: rules that fold them, as the numpy path is asked to)
     allowing = {k: thrift.Rule(**{**r.__dict__, "allow_nonfinite": True}) for k, r in RULES.items()}
-    rng = np.random.default_rng(7 + dtype().itemsize)
+    rng = np.random.default_rng(7 + dtype().itemsize + len(shape))
     names = sorted(RULES)
-    n = 1025
-    ws = [wild(rng, n, dtype) for _ in names]
-    mine: list = [None] * len(names)
-    theirs: list = [rules.State()] * len(names)
+    n = int(np.prod(shape))
+    ws = {name: wild(rng, n, dtype).reshape(shape) for name in names}
+    table = ParameterTable("n")
+    stored(table, allowing, ws)
+    theirs = dict.fromkeys(names, rules.State())
     for step in range(3):
-        gs = [wild(rng, n, dtype) for _ in names]
-        items = [
-            (allowing[name], w, at_offset(g, (i + step) % dtype().itemsize).view(np.uint8), mine[i])
-            for i, (name, w, g) in enumerate(zip(names, ws, gs, strict=True))
-        ]
-        got = rules.fold_many(items, names)
-        assert len(got) == len(names)
+        gs = {name: wild(rng, n, dtype).reshape(shape) for name in names}
+        grads = []
         for i, name in enumerate(names):
+            g = to_parameter(name, gs[name])
+            g.data = at_offset(gs[name].reshape(-1), (i + step) % dtype().itemsize).view(np.uint8)
+            grads.append(g)
+        made, _, rest = lane(table, grads)
+        assert rest == [] and list(made) == names
+        applied = table.fold(grads, 2 + step)
+        assert [e.name for e in applied.entries] == names
+        for name in names:
             with np.errstate(all="ignore"):
-                expected, theirs[i] = rules._fold_numpy(RULES[name], ws[i], gs[i], theirs[i])
-            value, mine[i] = got[i]
-            where = f"{name} {dtype.__name__} step {step}"
-            assert same(value, expected), where
-            assert not value.flags.writeable, where
-            assert mine[i].step == theirs[i].step == step + 1, where
-            assert same(mine[i].momentum, theirs[i].momentum), where
-            assert same(mine[i].variance, theirs[i].variance), where
-            ws[i] = expected
+                expected, theirs[name] = rules._fold_numpy(
+                    RULES[name], ws[name], gs[name], theirs[name]
+                )
+            entry, mine = table.entry(name), table.state(name)
+            where = f"{name} {dtype.__name__} {shape} step {step}"
+            assert entry.version == 2 + step and entry.array is None, where
+            assert entry.data.readonly and entry.data.nbytes == expected.nbytes, where
+            assert same(np.frombuffer(entry.data, dtype).reshape(shape), expected), where
+            assert same(np.frombuffer(made[name].data, dtype).reshape(shape), expected), where
+            assert mine.step == theirs[name].step == step + 1, where
+            assert same(mine.momentum, theirs[name].momentum), where
+            assert same(mine.variance, theirs[name].variance), where
+            ws[name] = expected
 
 
-def test_many_folds_refuse_a_gradient_with_nan_or_inf_by_its_name_unless_its_rule_allows():
-    w = np.zeros(16, np.float32)
-    clean = np.ones(16, np.float32).tobytes()
+def test_a_push_compiled_whole_refuses_nan_or_inf_by_name_and_changes_nothing():
     for bad in (np.nan, np.inf, -np.inf):
+        table = ParameterTable("n")
+        stored(table, {"a": sgd(0.1), "b": sgd(0.1), "c": sgd(0.1, allow_nonfinite=True)},
+               {n: np.zeros(16, np.float32) for n in "abc"})  # fmt: skip
         g = np.ones(16, np.float32)
         g[15] = bad
-        items = [(sgd(0.1), w, clean, None), (sgd(0.1), w, g.tobytes(), None)]
+        grads = [to_parameter("a", np.ones(16, np.float32)), to_parameter("b", g)]
+        assert lane(table, grads)[2] == [1]  # (left to the caller's check)
         with pytest.raises(RequestError, match="gradient 'b' holds 1 of 16") as caught:
-            rules.fold_many(items, ["a", "b"])
+            table.fold(grads, 2)
         assert caught.value.code == ErrorCode.BAD_REQUEST
-        (value, _), (allowed, _) = rules.fold_many(
-            [items[0], (sgd(0.1, allow_nonfinite=True), w, g.tobytes(), None)], ["a", "b"]
+        assert [table.entry(n).version for n in "abc"] == [1, 1, 1]
+        table.fold([grads[0], to_parameter("c", g)], 3)
+        assert (np.frombuffer(table.entry("a").data, np.float32) == np.float32(-0.1)).all()
+        assert same(np.frombuffer(table.entry("c").data, np.float32), g * np.float32(-0.1))
+
+
+def test_a_push_compiled_whole_leaves_every_other_case_to_the_checks_that_name_it():
+    # Each odd gradient beside a plain one: the lane takes the plain one and leaves the
+    # other (rest), and the push is refused as the pure path refuses it, or folded by
+    # numpy's path where it may be, the plain one by the lane.
+    from aioparamsync.store.table import Limits
+
+    def table_of() -> ParameterTable:
+        table = ParameterTable("n", Limits(max_name_bytes=40))
+        stored(
+            table,
+            {"w": sgd(0.1), "x": sgd(0.1), "big": sgd(0.1), "ints": sum_rule(), "m": sgd(0.1)},
+            {
+                "w": np.zeros(8, np.float32),
+                "x": np.zeros((2, 4), np.float32),
+                "big": np.zeros(rules._SPLIT_BYTES // 4, np.float32),
+                "ints": np.zeros(8, np.int32),
+                "m": np.zeros(8, np.float32),
+            },
         )
-        assert (value == np.float32(-0.1)).all()
-        assert same(allowed, g * np.float32(-0.1))
+        table.apply([to_parameter("norule", np.zeros(8, np.float32))], 1)
+        return table
 
+    plain = to_parameter("w", np.ones(8, np.float32))
 
-def test_many_folds_take_only_gradients_of_their_parameters_bytes() -> None:
-    w = np.zeros(8, np.float32)
-    for data in (b"\0" * 31, b"\0" * 33, b""):
-        with pytest.raises(TypeError, match=f"raw input has {len(data)} bytes"):
-            rules.fold_many([(sgd(0.1), w, data, None)], ["w"])
-    with pytest.raises(TypeError, match="float32 or float64, not 'i'"):
-        rules.fold_many([(sgd(0.1), np.zeros(8, np.int32), b"\0" * 32, None)], ["w"])
-    assert rules.fold_many([], []) == []
+    def odd(name: str, array: np.ndarray, **fields: object) -> object:
+        g = to_parameter(name, array)
+        for k, v in fields.items():
+            setattr(g, k, v)
+        return g
+
+    ones = np.ones(8, np.float32)
+    refused = {
+        "unknown": (odd("nothere", ones), "no parameter 'nothere'"),
+        "twice": (odd("w", ones), "appears twice"),
+        "no rule": (odd("norule", ones), "has no rule"),
+        "encoded": (odd("x", ones.reshape(2, 4), encoding="zlib"), "has no raw data"),
+        "no data": (odd("x", ones.reshape(2, 4), data=None), "has no raw data"),
+        "no dtype": (odd("x", ones.reshape(2, 4), dtype=None), "has no dtype"),
+        "shape": (odd("x", ones), "has shape"),
+        "bytes": (odd("x", ones.reshape(2, 4), data=b"\0" * 31), "SHAPE_MISMATCH|bytes|elements"),
+        "wider": (odd("x", ones.reshape(2, 4).astype(np.float64)), "float64"),
+    }
+    for case, (g, message) in refused.items():
+        table = table_of()
+        assert lane(table, [plain, g])[2] == [1], case
+        with pytest.raises(RequestError, match=message):
+            table.fold([plain, g], 2)
+        assert table.entry("w").version == 1 and table.entry("x").version == 1, case
+    folded = {
+        "narrower": odd("x", ones.reshape(2, 4).astype(np.float16)),
+        "big-endian": odd("x", ones.reshape(2, 4).astype(">f4")),
+        "large": odd("big", np.ones(rules._SPLIT_BYTES // 4, np.float32)),
+        "ints": odd("ints", np.ones(8, np.int32)),
+    }
+    for case, g in folded.items():
+        table = table_of()
+        assert lane(table, [plain, g])[2] == [1], case
+        applied = table.fold([plain, g], 2)
+        assert [e.name for e in applied.entries] == ["w", g.name], case
+        assert table.entry("w").array is None  # (the plain one: the lane's)
+        got = np.frombuffer(table.entry(g.name).data, table.entry(g.name).dtype)
+        assert (got == (-0.1 * np.ones_like(got) if g.name != "ints" else 1)).all(), case
+    # A name longer than the limit (a stored one, of a larger limit before): refused.
+    table = table_of()
+    long = "n" * 41
+    m = table.entry("m")
+    fields = (m.data, m.version, m.dtype, m.shape, m.origin, m.rule)
+    table._entries[long] = type(m)(long, *fields)
+    assert lane(table, [plain, odd(long, ones)])[2] == [1]
+    with pytest.raises(RequestError, match="longer than 40"):
+        table.fold([plain, odd(long, ones)], 2)
 
 
 def test_a_push_folds_small_large_and_converted_gradients_as_one_pass_of_each_would():
-    # One push: small float32 and float64 tensors (fold_many), a large one (in parts), a
-    # float16 gradient of a float32 parameter and a float16 parameter (numpy's path).
+    # One push: small float32 and float64 tensors (the lane), a large one (in parts), a
+    # float16 gradient of a float32 parameter and a float16 parameter (numpy's path); then
+    # the small ones by numpy's path, from the lane's state, and back.
     rng = np.random.default_rng(3)
     large = rules._SPLIT_BYTES // 4 + 5
     shapes = {
@@ -402,22 +502,22 @@ def test_a_push_folds_small_large_and_converted_gradients_as_one_pass_of_each_wo
         "half": (np.float16, np.float16, (9,)),
     }
     table = ParameterTable()
-    stored = []
-    for i, (name, (dtype, _, shape)) in enumerate(shapes.items()):
-        p = to_parameter(name, rng.standard_normal(shape).astype(dtype))
-        p.rule = [adam(0.01), sgd(0.1, momentum=0.9), sgd(0.2)][i % 3]
-        stored.append(p)
-    table.apply(stored, 1)
-    raw = {"small32", "small64"}
-    for step in range(2):
-        grads = {n: rng.standard_normal(s).astype(g) for n, (_, g, s) in shapes.items()}
+    stored(
+        table,
+        {n: [adam(0.01), sgd(0.1, momentum=0.9), sgd(0.2)][i % 3] for i, n in enumerate(shapes)},
+        {n: rng.standard_normal(s).astype(d) for n, (d, _, s) in shapes.items()},
+    )
+    for step in range(4):
+        kinds = {n: g if step != 2 or d is g is np.float64 else np.float16
+                 for n, (d, g, _) in shapes.items()}  # fmt: skip
+        grads = {n: rng.standard_normal(s).astype(kinds[n]) for n, (_, _, s) in shapes.items()}
         before = {n: np.frombuffer(table.entry(n).data, d).reshape(s).copy()
                   for n, (d, _, s) in shapes.items()}  # fmt: skip
         states = {n: table.state(n) for n in shapes}
-        work = table.check_gradients([to_parameter(n, g) for n, g in grads.items()],
-                                     finite=False, raw=True)  # fmt: skip
-        assert {c.name for c, *_, quick in work if quick} == raw
-        table.fold([to_parameter(n, g) for n, g in grads.items()], 2 + step)
+        push = [to_parameter(n, g) for n, g in grads.items()]
+        quick = {g.name for g in push} - {push[i].name for i in lane(table, push)[2]}
+        assert quick == ({"small32", "small64"} if step != 2 else {"small64"})
+        table.fold(push, 2 + step)
         for name, (dtype, _, shape) in shapes.items():
             entry = table.entry(name)
             expected, state = rules.fold(entry.rule, before[name], grads[name], states[name])
@@ -425,14 +525,4 @@ def test_a_push_folds_small_large_and_converted_gradients_as_one_pass_of_each_wo
             assert same(np.frombuffer(entry.data, dtype).reshape(shape), expected), name
             assert table.state(name).step == state.step == step + 1, name
             assert same(table.state(name).momentum, state.momentum), name
-
-
-def test_many_folds_make_numpys_own_arrays_where_the_store_would() -> None:
-    # fold_many makes its arrays with np.empty_like: right only while every array it folds
-    # (under _SPLIT_BYTES) is one blocks.empty_like would make as numpy's own too.
-    from aioparamsync import _cblocks, blocks
-
-    assert _cblocks is not None  # (built with the folds)
-    assert rules._SPLIT_BYTES <= _cblocks.MIN_BYTES
-    w = np.zeros(rules._SPLIT_BYTES // 4 - 1, np.float32)
-    assert rules.folds_raw(w) and blocks.empty_like(w).base is None
+            assert same(table.state(name).variance, state.variance), name

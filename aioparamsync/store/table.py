@@ -396,55 +396,68 @@ class ParameterTable:
         Raises:
             RequestError: a gradient may not be folded (nothing is changed).
         """
-        work = self.check_gradients(grads, finite=False, raw=True)
-        # Every check passed (but that of finite values: each fold's, below): compute
-        # all, then store all. The small ones a compiled fold takes as they came go in
-        # one call (rules.fold_many); any other, one at a time.
+        limits = self.limits
+        quick = None
+        if len(grads) <= limits.max_params_per_update:  # (check_names says so, below)
+            quick = rules.fold_entries(
+                grads,
+                self._entries,
+                self._states,
+                self.origin,
+                entry=Entry,
+                max_version=MAX_VERSION,
+                max_name_bytes=limits.max_name_bytes,
+            )
+        done, states, rest = quick if quick is not None else ({}, {}, range(len(grads)))
+        if not rest:  # (all compiled: each replaces an entry of its name, rule, dtype,
+            # shape and bytes, so _store's accounting is unchanged)
+            self._entries.update(done)
+            self._states.update(states)
+            if timestamp > self.timestamp:
+                self.timestamp = timestamp
+            return Applied(tuple(done.values()), self.timestamp)
+        # The rest, checked (and all the names), each folded by fold_into; all computed
+        # before any is stored.
+        check_names(limits, grads, what="gradients")
+        work = self._gradients([grads[i] for i in rest], finite=False)
         kept = self._states
-        raw = [(c.rule, w, g, kept.get(c.name)) for c, w, g, quick in work if quick]
-        many = iter(rules.fold_many(raw, [c.name for c, *_, q in work if q]) if raw else ())
-        made = []
-        states = {}
         with np.errstate(all="ignore"):  # (once for all: see rules.fold_into)
-            for current, weights, grad, quick in work:
-                if quick:
-                    value, states[current.name] = next(many)
-                else:
-                    value, states[current.name] = rules.fold_into(
-                        current.rule, weights, grad, kept.get(current.name), check=current.name
-                    )
-                    value.flags.writeable = False
+            for current, weights, grad in work:
+                name = current.name
+                value, states[name] = rules.fold_into(
+                    current.rule, weights, grad, kept.get(name), check=name
+                )
+                value.flags.writeable = False
                 # ours alone (new, C-contiguous): the entry keeps its bytes, uncopied
                 flat = value if value.ndim == 1 else value.reshape(-1)
-                made.append(
-                    Entry(
-                        current.name,
-                        flat.data.cast("B"),
-                        current.version + 1,
-                        current.dtype,
-                        current.shape,
-                        self.origin,
-                        current.rule,
-                        value,
-                    )
+                done[name] = Entry(
+                    name,
+                    flat.data.cast("B"),
+                    current.version + 1,
+                    current.dtype,
+                    current.shape,
+                    self.origin,
+                    current.rule,
+                    value,
                 )
         kept.update(states)
-        return self._store(made, timestamp)
+        return self._store([done[g.name] for g in grads], timestamp)
 
-    def check_gradients(
-        self, grads: Sequence[Any], *, finite: bool = True, raw: bool = False
-    ) -> list[tuple[Entry, np.ndarray, Any, bool]]:
+    def check_gradients(self, grads: Sequence[Any], *, finite: bool = True) -> None:
         """Raise :class:`RequestError` if ``grads`` may not be folded now (see :meth:`fold`).
 
         A gradient holding NaN or inf is refused unless its parameter's rule
         allows them (see :func:`~aioparamsync.values.rules.check_finite`);
-        ``finite=False`` leaves that to the caller (the fold's own pass checks it).
-
-        Answers, for each, its parameter's entry, the parameter's array, the gradient's,
-        and False; with ``raw``, a gradient that :func:`~aioparamsync.values.rules.fold_many`
-        takes as it came (its parameter's dtype and shape, small) is its bytes, and True.
+        ``finite=False`` leaves that to the caller.
         """
         check_names(self.limits, grads, what="gradients")
+        self._gradients(grads, finite=finite)
+
+    def _gradients(
+        self, grads: Sequence[Any], *, finite: bool
+    ) -> list[tuple[Entry, np.ndarray, np.ndarray]]:
+        """Each of ``grads`` (names checked) checked: its parameter's entry, the
+        parameter's array, the gradient's (see :meth:`check_gradients`)."""
         entries = self._entries
         work = []
         for g in grads:
@@ -468,13 +481,7 @@ class ParameterTable:
             if weights is None:
                 weights = from_parameter(current)
                 _set_entry_array(current, weights)  # (a cache, not a change: see Entry)
-            if not _fits(g, current.dtype, weights):
-                grad = from_parameter(g)
-            elif raw and rules.folds_raw(weights):
-                work.append((current, weights, g.data, True))  # (fold_many checks finite)
-                continue
-            else:
-                grad = _like(g, weights)
+            grad = _like(g, weights) if _fits(g, current.dtype, weights) else from_parameter(g)
             if grad.dtype.kind not in "iuf" and not is_bfloat16(grad.dtype):
                 raise RequestError(
                     ErrorCode.SHAPE_MISMATCH,
@@ -490,7 +497,7 @@ class ParameterTable:
                 check_cast(g.name, grad.dtype, weights.dtype, lossy=getattr(g, "lossy", False))
             if finite:
                 rules.check_finite(f"gradient {g.name!r}", grad, current.rule)
-            work.append((current, weights, grad, False))
+            work.append((current, weights, grad))
         return work
 
     def state(self, name: str) -> rules.State | None:

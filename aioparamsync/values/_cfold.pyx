@@ -18,12 +18,12 @@ their own way). Nothing is fused: ``hatch_build.py`` compiles this with
 twice. The tests compare every rule's bits with numpy's.
 
 A gradient is read where it arrived, in the frame, and so is an updated value:
-at any byte offset. Those two are read by ``memcpy`` of an element (C's
-well-defined unaligned load, which the compiler makes one load instruction, and
-vectorizes); every array this module writes is new, and aligned.
+at any byte offset, by ``memcpy`` of an element (C's well-defined unaligned load,
+one load instruction, vectorized); every array this module writes is new, and
+aligned. :func:`fold_entries` is a push's fold of small tensors whole, checks,
+arithmetic and new entries, with no Python call a tensor but the entry's.
 
-:mod:`.rules` uses it unless the pure path is asked for (see
-:mod:`aioparamsync._ext`).
+:mod:`.rules` uses it unless the pure path is asked for (see :mod:`aioparamsync._ext`).
 """
 
 from cpython.buffer cimport (
@@ -33,10 +33,16 @@ from cpython.buffer cimport (
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
-from libc.math cimport isfinite, sqrt, sqrtf
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.math cimport sqrt, sqrtf
 from libc.string cimport memcpy
 
 import math
+
+import numpy as np
+
+_F32, _F64 = np.dtype("<f4"), np.dtype("<f8")
+_empty = np.empty
 
 ctypedef fused real:
     float
@@ -72,9 +78,11 @@ cdef class _Arrays:
     cdef int held
     cdef Py_ssize_t count
     cdef char kind  # b'f' (float32) or b'd' (float64)
+    cdef bint preset  # (kind and count set by the caller: every raw input is checked)
 
     def __cinit__(self):
         self.held = 0
+        self.preset = False
 
     def __dealloc__(self):
         cdef int i
@@ -95,7 +103,7 @@ cdef class _Arrays:
             flags |= PyBUF_WRITABLE
         PyObject_GetBuffer(array, view, flags)
         self.held += 1
-        if raw and self.held > 1:
+        if raw and (self.held > 1 or self.preset):
             if view.len != self.count * (4 if self.kind == b'f' else 8):
                 raise TypeError(
                     f"a fold's raw input has {view.len} bytes, not those of {self.count} "
@@ -156,15 +164,45 @@ def all_finite(object g):
     return ok
 
 
-cdef bint _all_finite(const char* g, real* kind, Py_ssize_t n) noexcept nogil:
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #if defined(__GNUC__)
+    #define APS_NOINLINE __attribute__((noinline))
+    #else
+    #define APS_NOINLINE
+    #endif
+    /* Whether every element is finite. NaN and inf have every exponent bit set, and
+       then those bits plus one carry into the sign bit. Integer arithmetic, no early
+       exit: a loop the compiler vectorizes. Never inlined: inlined into a large caller
+       (fold_entries), GCC left it scalar, at four times the time. */
+    static APS_NOINLINE int aps_finite32(const char *g, Py_ssize_t n) {
+        uint32_t x, bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(&x, g + i * 4, 4);
+            bad |= (x & 0x7F800000u) + 0x00800000u;
+        }
+        return (bad & 0x80000000u) == 0;
+    }
+    static APS_NOINLINE int aps_finite64(const char *g, Py_ssize_t n) {
+        uint64_t x, bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(&x, g + i * 8, 8);
+            bad |= (x & 0x7FF0000000000000u) + 0x0010000000000000u;
+        }
+        return (bad & 0x8000000000000000u) == 0;
+    }
+    """
+    bint aps_finite32(const char* g, Py_ssize_t n) noexcept nogil
+    bint aps_finite64(const char* g, Py_ssize_t n) noexcept nogil
+
+
+cdef inline bint _all_finite(const char* g, real* kind, Py_ssize_t n) noexcept nogil:
     # (kind: NULL, of the elements' type)
-    cdef Py_ssize_t i
-    cdef bint ok = True
-    cdef real x
-    for i in range(n):  # (no early exit: a loop the compiler vectorizes)
-        _get(&x, g, i)
-        ok &= isfinite(x) != 0
-    return ok
+    if real is float:
+        return aps_finite32(g, n)
+    else:
+        return aps_finite64(g, n)
 
 
 cdef inline void _get(real* x, const char* p, Py_ssize_t i) noexcept nogil:
@@ -230,75 +268,157 @@ def adam(
     return _run(ADAM, w, g, out, m, v, m_old, v_old, s, check)
 
 
-def fold_many(list items, object empty_like, object stepped, object State, bint check=True):
-    """Fold many small gradients in one call, each by its own rule (the per-tensor work
-    of a push of many small tensors, without a Python call for each).
+cdef Kind _rule_of(object rule, object step, Scalars* s, int* moments) except *:
+    """The kind of ``rule`` (the IDL's ``Rule``) and its numbers at ``step`` (``*s``), as
+    :func:`~.rules._fold_compiled` computes them (in Python's floats); ``*moments``: how
+    many arrays its state keeps (0, 1 or 2). ValueError: a rule of no kind known here."""
+    name = rule.kind
+    decay = rule.weight_decay or 0.0
+    if name == "sum":
+        s[0] = _scalars(0, 0, 0, 0, 0, 0, 0)
+        moments[0] = 0
+        return ADD
+    if name == "sgd":
+        momentum = rule.momentum or 0.0
+        s[0] = _scalars(-rule.lr, decay, momentum, 0, 0, 0, 0)
+        moments[0] = 1 if momentum else 0
+        return SGD
+    if name == "adam":
+        b1, b2, lr = rule.beta1, rule.beta2, rule.lr
+        s[0] = _scalars(
+            -(lr / (1 - b1**step)), decay, 0, b1, b2, math.sqrt(1 - b2**step), rule.eps
+        )
+        moments[0] = 2
+        return ADAM
+    raise ValueError(f"unknown rule {name!r}")
 
-    ``items``: ``(rule, w, g, state)`` tuples: ``w`` a parameter's C-contiguous float32
-    or float64 array, ``g`` its gradient as raw bytes (``w``'s dtype in this machine's
-    order, as many bytes), ``state`` the rule's :class:`~.rules.State` or None.
-    ``empty_like(w)`` makes each new array; ``stepped(step)`` is the state of a rule
-    that keeps no arrays, ``State(step, m, v)`` that of one that does.
 
-    The rules' numbers are computed as :func:`~.rules._fold_compiled` computes them (in
-    Python's floats), and the folds are :func:`sgd`'s, :func:`add`'s and :func:`adam`'s.
+def fold_entries(
+    list grads, dict entries, dict states, object origin, object max_version,
+    Py_ssize_t max_name_bytes, Py_ssize_t most_bytes, object Entry, object stepped,
+    object State,
+):
+    """A push's fold, compiled whole for each gradient of the common case: as
+    :meth:`~aioparamsync.store.table.ParameterTable.fold` folds one (its checks, and
+    :func:`sgd`'s, :func:`add`'s or :func:`adam`'s arithmetic, with the rule's numbers
+    computed as :func:`~.rules._fold_compiled` computes them), with no Python call but
+    the new ``Entry`` (and a ``State`` that keeps arrays).
 
-    Answers a list of ``(value, state)``, each value read-only; or, with ``check``, the
-    index of the first gradient that holds NaN or inf where its rule does not allow them
-    (the new arrays are left unused: nothing is changed)."""
-    cdef list answers = []
+    The common case: a gradient (a decoded ``Parameter``) that names a parameter of
+    ``entries`` (a name of at most ``max_name_bytes``, not named before) that has a rule
+    of a kind known here and a version under ``max_version``; raw (not encoded), of its
+    parameter's dtype, ``"<f4"`` or ``"<f8"`` (this machine's order: the caller asks
+    only on a little-endian one), and shape, fewer than ``most_bytes``; finite where
+    its rule asks. ``states``: the rules' states by name (not changed here).
+
+    Answers ``(entries by name, their states by name, rest)``: each value new bytes of
+    its own, read-only, its entry's ``array`` None, its version one more, of
+    ``origin``; ``rest`` the indices of the gradients not of the common case, left for
+    the caller (which says what does not fit, if anything).
+    """
+    cdef dict made = {}
+    cdef dict kept = {}
+    cdef list rest = []
     cdef Scalars s
     cdef Kind kind
-    cdef Py_ssize_t i
-    cdef object rule, w, g, state, step, out, new1, new2, old1, old2, b1, b2, lr
+    cdef int moments
+    cdef Py_ssize_t i, at, ndim, count, nbytes, itemsize
+    cdef char code
+    cdef _Arrays a
+    cdef bint finite
+    cdef const char *pw, *pg, *n1, *n2, *o1, *o2
+    cdef char* po
+    cdef object g, name, entry, rule, dtype, shape, held, state, step, out, new1, new2
+    cdef object old1, old2, np_dtype
     cdef object last_step = None, last_state = None  # (a push's tensors share their step)
-    for i in range(len(items)):
-        rule, w, g, state = <tuple>items[i]
-        old1 = old2 = new1 = new2 = None
-        if state is None:
-            step = 1
+    for at in range(len(grads)):
+        g = grads[at]
+        name = g.name
+        entry = entries.get(name)
+        if entry is None or name in made:
+            rest.append(at)
+            continue
+        rule, dtype, shape, held = entry.rule, g.dtype, g.shape, entry.shape
+        if (
+            rule is None
+            or entry.version >= max_version
+            or g.encoding
+            or g.data is None
+            or entry.dtype != dtype
+            or type(shape) is not list
+            or type(held) is not tuple
+            or len(<list>shape) != len(<tuple>held)
+            or len(<str>name) * 4 > max_name_bytes
+            and len((<str>name).encode()) > max_name_bytes
+        ):
+            rest.append(at)
+            continue
+        if dtype == "<f4":
+            code, itemsize, np_dtype = b'f', 4, _F32
+        elif dtype == "<f8":
+            code, itemsize, np_dtype = b'd', 8, _F64
         else:
-            step = state.step + 1
-        decay = rule.weight_decay or 0.0
-        out = empty_like(w)
-        name = rule.kind
-        if name == "sum":
-            kind = ADD
-            s = _scalars(0, 0, 0, 0, 0, 0, 0)
-        elif name == "sgd":
-            kind = SGD
-            momentum = rule.momentum
-            if momentum:
-                new1 = empty_like(w)
-                if state is not None:
-                    old1 = state.momentum
-            else:
-                momentum = 0.0
-            s = _scalars(-rule.lr, decay, momentum, 0, 0, 0, 0)
-        elif name == "adam":
-            kind = ADAM
-            b1, b2, lr = rule.beta1, rule.beta2, rule.lr
-            s = _scalars(
-                -(lr / (1 - b1**step)), decay, 0, b1, b2, math.sqrt(1 - b2**step), rule.eps
-            )
-            new1, new2 = empty_like(w), empty_like(w)
-            if state is not None:
-                old1, old2 = state.momentum, state.variance
-            if (old1 is None) != (old2 is None):
+            rest.append(at)
+            continue
+        count = 1
+        for i in range(len(<list>shape)):
+            d = (<list>shape)[i]
+            if type(d) is not int or d != (<tuple>held)[i]:
+                count = -1
+                break
+            count *= <Py_ssize_t>d  # (the entry's: checked when it was stored)
+        nbytes = count * itemsize
+        if count < 0 or nbytes >= most_bytes:
+            rest.append(at)
+            continue
+        state = states.get(name)
+        step = 1 if state is None else state.step + 1
+        try:
+            kind = _rule_of(rule, step, &s, &moments)
+            old1 = state.momentum if state is not None and moments else None
+            old2 = state.variance if state is not None and moments == 2 else None
+            if moments == 2 and (old1 is None) != (old2 is None):
                 raise ValueError("adam reads both moments or neither")
+            a = _Arrays()
+            a.kind, a.count, a.preset = code, count, True
+            pw = a.take(entry.data, False, True, True)
+            pg = a.take(g.data, False, True, True)
+        except (TypeError, ValueError, BufferError):
+            rest.append(at)
+            continue
+        out = PyBytes_FromStringAndSize(NULL, nbytes)
+        po = PyBytes_AS_STRING(out)
+        if (<size_t>po) % itemsize:
+            rest.append(at)  # (never on CPython: a bytes object's data is 16-byte aligned)
+            continue
+        new1 = _empty(held, np_dtype) if moments > 0 else None
+        new2 = _empty(held, np_dtype) if moments > 1 else None
+        n1 = a.take(new1, True) if new1 is not None else NULL
+        n2 = a.take(new2, True) if new2 is not None else NULL
+        o1 = a.take(old1, False) if old1 is not None else NULL
+        o2 = a.take(old2, False) if old2 is not None else NULL
+        finite = rule.allow_nonfinite or (
+            aps_finite32(pg, count) if code == b'f' else aps_finite64(pg, count)
+        )
+        if not finite:
+            rest.append(at)  # (the caller's check says so)
+            continue
+        if code == b'f':
+            _fold(kind, pw, pg, <float*>po, <float*>n1, <float*>n2, <const float*>o1,
+                  <const float*>o2, &s, count)
         else:
-            raise ValueError(f"unknown rule {name!r}")
-        if not _run(kind, w, g, out, new1, new2, old1, old2, s,
-                    check and not rule.allow_nonfinite, True):
-            return i
-        out.flags.writeable = False
+            _fold(kind, pw, pg, <double*>po, <double*>n1, <double*>n2, <const double*>o1,
+                  <const double*>o2, &s, count)
+        made[name] = Entry(
+            name, memoryview(out), entry.version + 1, dtype, held, origin, rule, None
+        )
         if new1 is not None:
-            answers.append((out, State(step, new1, new2)))
+            kept[name] = State(step, new1, new2)
         else:
             if step != last_step:
                 last_step, last_state = step, stepped(step)
-            answers.append((out, last_state))
-    return answers
+            kept[name] = last_state
+    return made, kept, rest
 
 
 cdef Scalars _scalars(

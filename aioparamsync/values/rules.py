@@ -30,6 +30,8 @@ built; everything else, and the pure path, with numpy.
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,33 +391,33 @@ def _in_parts(fold: Any) -> Any:
     return run
 
 
-def folds_raw(w: np.ndarray) -> bool:
-    """True if :func:`fold_many` folds into ``w``: the compiled folds are here, ``w`` is
-    a C-contiguous float32 or float64 array of this machine's order, and small (one
-    call, no parts)."""
-    return _cfold is not None and _compiled_dtype(w) and w.nbytes < _SPLIT_BYTES
-
-
-def fold_many(items: list[tuple[Any, np.ndarray, Any, State | None]], names: list[str]) -> list:
-    """:func:`fold_into` (with ``check``) of many small gradients in one compiled call:
-    ``items`` are ``(rule, w, data, state)``, each ``w`` one that :func:`folds_raw`
-    takes and ``data`` its gradient's raw bytes (``w``'s dtype and byte count), named
-    ``names`` (for the message). Answers ``(value, state)`` for each, each value
-    read-only, as :func:`fold_into` answers them; the same bits.
-
-    Raises:
-        RequestError: a gradient holds NaN or inf, and its rule refuses them (nothing
-            is changed).
-    """
-    assert _cfold is not None  # (the caller asks folds_raw)
-    # (numpy's own arrays: these are smaller than _SPLIT_BYTES, and blocks.empty_like
-    # makes numpy's below its MIN_BYTES, far above; a test checks it)
-    made = _cfold.fold_many(items, np.empty_like, _stepped_state, State)
-    if isinstance(made, int):  # the index of a gradient that is not finite
-        rule, w, data, _ = items[made]
-        check_finite(f"gradient {names[made]!r}", np.frombuffer(data, w.dtype), rule)
-        raise AssertionError("the fold and check_finite disagree")  # pragma: no cover
+def fold_entries(
+    grads: Sequence[Any],
+    entries: dict[str, Any],
+    states: dict[str, State],
+    origin: str,
+    *,
+    entry: Any,
+    max_version: int,
+    max_name_bytes: int,
+) -> tuple[dict[str, Any], dict[str, State], list[int]] | None:
+    """A push's fold of every gradient of the common case (a stored parameter's, named
+    once, small, raw, float32 or float64, its parameter's dtype and shape, finite where
+    its rule asks), compiled whole: the new entries by name (made by ``entry``, the
+    store's class), their states by name, and the indices of the gradients not taken
+    (for the caller to check and fold its own way). None: no compiled folds here. The
+    same bits as :func:`fold_into` (see ``_cfold.fold_entries``)."""
+    if _cfold is None or _BIG_ENDIAN:
+        return None
+    listed = grads if type(grads) is list else list(grads)
+    made: tuple[dict[str, Any], dict[str, State], list[int]] = _cfold.fold_entries(
+        listed, entries, states, origin, max_version, max_name_bytes, _SPLIT_BYTES, entry,
+        _stepped_state, State,
+    )  # fmt: skip
     return made
+
+
+_BIG_ENDIAN = sys.byteorder != "little"  # (the compiled lane takes "<f4" and "<f8")
 
 
 def _stepped_state(step: int) -> State:
