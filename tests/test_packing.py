@@ -13,6 +13,7 @@ import pytest
 from cluster_helpers import LocalCluster, assert_, eventually
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RemoteProtocolError, RequestError, sgd
+from aioparamsync.store.table import Limits
 from aioparamsync.values.arrays import to_parameter
 from aioparamsync.values.packing import pack_arrays, unpack
 from aioparamsync.values.rules import adam
@@ -290,13 +291,20 @@ def test_only_small_contiguous_numeric_arrays_are_packed() -> None:
         ("unknown", ErrorCode.UNKNOWN_PARAMETER, "no parameter 'nope'"),
         ("twice", ErrorCode.BAD_REQUEST, "w/1"),
         ("nan", ErrorCode.BAD_REQUEST, "not finite"),
+        # (more names than the node's limit, counted before any is read: the block's
+        # shapes, cut short, would say otherwise)
+        ("many", ErrorCode.LIMIT_EXCEEDED, "26 gradients in one request; the limit is 25"),
     ],
 )
 async def test_a_push_with_a_bad_block_is_refused_and_folds_nothing(
     how: str, code: ErrorCode, says: str
 ) -> None:
     model = _model()
-    async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
+    limits = Limits(max_params_per_update=25) if how == "many" else None
+    async with (
+        Node("127.0.0.1", 0, limits=limits) as node,
+        ParameterClient(node.address) as client,
+    ):
         await _made(node.address, model)
         before = await client.get_arrays(list(model))
         grads = {n: a for n, a in _grads(model, 0).items() if n.startswith("w/")}
@@ -313,6 +321,9 @@ async def test_a_push_with_a_bad_block_is_refused_and_folds_nothing(
             block.names[5] = "nope"
         elif how == "twice":
             extra = [to_parameter("w/1", grads["w/1"])]
+        elif how == "many":  # (20 in the block, 6 beside it)
+            block.shapes = block.shapes[:4]
+            extra = [to_parameter(f"x/{i}", np.ones(3, np.float32)) for i in range(6)]
         elif how == "nan":
             data = bytearray(block.data)
             data[8:12] = np.float32("nan").tobytes()

@@ -185,6 +185,14 @@ class GradientPushes:
         if push is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
         if push.packed:  # (gradients in blocks: from here on, as if each came in grads)
+            # (counted before a Parameter is made of each: the limit the fold checks)
+            most = self.store.table.limits.max_params_per_update
+            count = len(push.grads or ()) + sum(len(b.names or ()) for b in push.packed)
+            if count > most:
+                raise RequestError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"{count} gradients in one request; the limit is {most}",
+                )
             push.grads = [*(push.grads or ()), *gradients_of(push.packed)]
             push.packed = None
         if push.acks is not None and push.acks not in ("1", "all"):
