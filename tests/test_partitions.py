@@ -435,6 +435,66 @@ async def test_partitions_spread_over_the_cluster_and_every_client_reads_the_who
         assert np.array_equal(got, w * 3) and got.shape == w.shape  # (shape: as stored)
 
 
+async def test_a_routed_client_reads_the_partitions_it_knows_with_their_manifest_at_once(
+    sharded: list[Node],
+) -> None:
+    # Once it has seen a parameter's layout, a routed read asks for its partitions beside
+    # its manifest: one round to the nodes, not a second for the partitions. The caller
+    # sees the same whole, whatever the parameter has become since.
+    w, small = weights(160), np.arange(5, dtype=np.float32)
+    client = await routed_client(sharded[0])
+    async with client:
+        await client.update_arrays({"w": w, "s": small}, acks="all")
+        sent: list[list[str]] = []
+        send = client.routes._send
+
+        async def counted(m: Any, arg: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            if arg == "request":
+                sent.append(list(value.param_names))
+            return await send(m, arg, value, *args, **kwargs)
+
+        client.routes._send = counted  # type: ignore[method-assign]
+
+        async def read() -> dict[str, np.ndarray]:
+            sent.clear()
+            return await client.get_arrays(["w", "s"])
+
+        got = await read()
+        assert np.array_equal(got["w"], w) and np.array_equal(got["s"], small)
+        assert len(sent) in (1, 2)  # (the layout learnt by the update, or by this read)
+        got = await read()
+        assert np.array_equal(got["w"], w) and sorted(got) == ["s", "w"]
+        keys = [partition_key("w", i) for i in range(10)]
+        assert sent == [["w", "s", *keys]]
+        # replaced by a larger one (more partitions): the new whole, read in two rounds
+        bigger = weights(240, seed=5)
+        await client.update_arrays({"w": bigger}, replace=True, acks="all")
+        client.routes.layouts["w"] = layout_for(to_parameter("w", w), PB)  # (as learnt before)
+        got = await read()
+        assert np.array_equal(got["w"], bigger) and got["w"].shape == bigger.shape
+        assert sent[0] == ["w", "s", *keys] and len(sent) == 2, sent
+        assert np.array_equal((await read())["w"], bigger) and len(sent) == 1
+        # replaced by a small one, stored whole: no partition is answered to the caller
+        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
+        await client.update_arrays({"w": small}, replace=True, acks="all")
+        got = await read()
+        assert sorted(got) == ["s", "w"] and np.array_equal(got["w"], small), list(got)
+        # ... and a partition left over (as a read may meet one amid a replace) is not either
+        stray = to_parameter(partition_key("w", 0), np.ones(PER, np.float32))
+        for node in sharded:
+            node.table.apply([stray], 1)
+        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
+        got = await read()
+        assert sorted(got) == ["s", "w"] and np.array_equal(got["w"], small), list(got)
+        assert partition_key("w", 0) in sent[0]
+        # reads that wait, or ask what is newer than versions held, are sent as they are
+        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
+        sent.clear()
+        await client.get_parameters(["w"], 1, wait=0.05)
+        await client.get_parameters(["w"], known_versions={"w": 1})
+        assert sent == [["w"], ["w"]]
+
+
 async def test_concurrent_gradient_pushes_at_every_node_fold_each_once_per_partition(
     sharded: list[Node],
 ) -> None:

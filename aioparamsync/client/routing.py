@@ -65,7 +65,14 @@ from ..errors import (
 )
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
 from ..routing.merge import merge_responses, merge_results, read_part
-from ..routing.partitions import collapse, cut, gather, manifests_of, readable_error
+from ..routing.partitions import (
+    collapse,
+    cut,
+    gather,
+    manifests_of,
+    read_ahead,
+    readable_error,
+)
 from ..store.cuts import new_call
 from ..values.partitions import Layout, layout_for
 from ..wire import METHODS, Method, thrift
@@ -90,6 +97,8 @@ MAX_FLOORS = 1 << 20
 MAX_MOVES = 2
 # How often a client asks for the topology again, at its next call (seconds).
 REFRESH_SECONDS = 30.0
+# Partitions a read asks for beside their manifests, at most, a live node (read_ahead).
+AHEAD_BYTES = 64 * 1024 * 1024
 # ... and while a member of the topology known is in a state that changes soon.
 CHANGING_REFRESH_SECONDS = 1.0
 CHANGING = frozenset({JOINING, LEAVING, DOWN})
@@ -287,11 +296,18 @@ class Routes:
             return await ConnectionPool.invoke(self.client, m, timeout=timeout, **args)
         reads = self.reads()
         if arg == "request" and m.name != "barrier":
+            topology = self.topology
+            sent, ahead = value, set[str]()
+            if self.layouts and topology is not None and not topology.single:
+                most = AHEAD_BYTES * len(topology.live)  # (about that much a node)
+                sent, ahead = read_ahead(value, self.layouts, most)
 
             def send() -> Any:
-                return self._send(m, arg, value, timeout, args, moves=0, reads=reads)
+                return self._send(m, arg, sent, timeout, {**args, arg: sent}, 0, reads)
 
             response = await self._gather(value, await send(), timeout, send, reads)
+            if ahead:  # (one asked ahead, its parameter now whole: not the caller's)
+                response.params = [p for p in response.params if p.name not in ahead]
             if reads == "any":
                 response = await self._fresh(m, value, response, timeout)
                 self._saw({p.name: p.version for p in response.params})

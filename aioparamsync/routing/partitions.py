@@ -30,8 +30,9 @@ from ..values import partitions as layouts
 from ..values.compression import decode_parameter
 from ..values.partitions import Layout, readable
 from ..wire import thrift
+from .merge import read_part
 
-__all__ = ["Replaced", "collapse", "cut", "gather", "manifests_of", "readable"]
+__all__ = ["Replaced", "collapse", "cut", "gather", "manifests_of", "read_ahead", "readable"]
 
 # How many times a read is made again when a parameter was replaced amid it.
 READ_AGAIN = 3
@@ -71,6 +72,39 @@ def manifests_of(params: Sequence[Any]) -> dict[str, Layout]:
                 ErrorCode.UNAVAILABLE, f"{parsed[0]!r}: its stored manifest: {exc}"
             ) from None
     return found
+
+
+def read_ahead(request: Any, known: Mapping[str, Layout], most_bytes: int) -> tuple[Any, set[str]]:
+    """``request`` (a routed read) asking also for the partitions of its names whose
+    layouts the client has seen (``known``), up to ``most_bytes`` of them in all, so
+    that they come with their manifests, in one round (each key from its own node), and
+    :func:`gather` reads none after; and those keys (the caller drops any that come
+    without their manifest: the parameter is whole now). A read that waits, asks for
+    versions or pieces, or of every name, is as it is: a partition does not answer those
+    as its manifest would."""
+    names = request.param_names
+    if (
+        not names
+        or request.all_names
+        or request.known_versions
+        or request.wait_ms
+        or request.piece_offset is not None
+        or request.as_stored
+    ):
+        return request, set()
+    asked = set(names)
+    ahead: list[str] = []
+    for name in names:
+        layout = known.get(name)
+        if layout is None:
+            continue
+        most_bytes -= layout.nbytes
+        if most_bytes < 0:
+            break  # (the rest after the manifests, as before: one answer stays small)
+        ahead += (key for key in layout.keys(name) if key not in asked)
+    if not ahead:
+        return request, set()
+    return read_part(request, [*names, *ahead]), set(ahead)
 
 
 async def gather(
