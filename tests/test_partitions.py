@@ -447,10 +447,13 @@ async def test_a_routed_client_reads_the_partitions_it_knows_with_their_manifest
         await client.update_arrays({"w": w, "s": small}, acks="all")
         sent: list[list[str]] = []
         send = client.routes._send
+        failing: list[Exception] = []
 
         async def counted(m: Any, arg: str, value: Any, *args: Any, **kwargs: Any) -> Any:
             if arg == "request":
                 sent.append(list(value.param_names))
+                if failing:
+                    raise failing.pop()
             return await send(m, arg, value, *args, **kwargs)
 
         client.routes._send = counted  # type: ignore[method-assign]
@@ -475,10 +478,14 @@ async def test_a_routed_client_reads_the_partitions_it_knows_with_their_manifest
         assert sent[0] == ["w", "s", *keys] and len(sent) == 2, sent
         assert np.array_equal((await read())["w"], bigger) and len(sent) == 1
         # replaced by a small one, stored whole: no partition is answered to the caller
-        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
         await client.update_arrays({"w": small}, replace=True, acks="all")
+        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)  # (stale)
         got = await read()
+        assert partition_key("w", 0) in sent[0]
         assert sorted(got) == ["s", "w"] and np.array_equal(got["w"], small), list(got)
+        assert "w" not in client.routes.layouts  # (answered whole: read plainly next)
+        await read()
+        assert sent == [["w", "s"]]
         # ... and a partition left over (as a read may meet one amid a replace) is not either
         stray = to_parameter(partition_key("w", 0), np.ones(PER, np.float32))
         for node in sharded:
@@ -487,6 +494,13 @@ async def test_a_routed_client_reads_the_partitions_it_knows_with_their_manifest
         got = await read()
         assert sorted(got) == ["s", "w"] and np.array_equal(got["w"], small), list(got)
         assert partition_key("w", 0) in sent[0]
+        # a read asking ahead that fails forgets the layouts it used: the next is plain
+        client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
+        failing.append(RequestError(ErrorCode.UNAVAILABLE, "a node is down"))
+        with pytest.raises(RequestError, match="a node is down"):
+            await read()
+        assert partition_key("w", 0) in sent[0] and "w" not in client.routes.layouts
+        assert np.array_equal((await read())["w"], small) and sent == [["w", "s"]]
         # reads that wait, or ask what is newer than versions held, are sent as they are
         client.routes.layouts["w"] = layout_for(to_parameter("w", bigger), PB)
         sent.clear()

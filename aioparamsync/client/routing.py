@@ -64,7 +64,7 @@ from ..errors import (
     ServerError,
 )
 from ..placement import DOWN, JOINING, LEAVING, LIVE, PLACED, Placement, barrier_key
-from ..routing.merge import merge_responses, merge_results, read_part
+from ..routing.merge import merge_answers, merge_responses, read_part
 from ..routing.partitions import (
     collapse,
     cut,
@@ -305,7 +305,16 @@ class Routes:
             def send() -> Any:
                 return self._send(m, arg, sent, timeout, {**args, arg: sent}, 0, reads)
 
-            response = await self._gather(value, await send(), timeout, send, reads)
+            try:
+                answer = await send()
+            except Exception:
+                for name in value.param_names if ahead else ():
+                    self.layouts.pop(name, None)  # (next, read plainly: it may be whole now)
+                raise
+            for p in answer.params if self.layouts else ():
+                if "\x00" not in p.name:
+                    self.layouts.pop(p.name, None)  # (answered whole: not partitioned now)
+            response = await self._gather(value, answer, timeout, send, reads)
             if ahead:  # (one asked ahead, its parameter now whole: not the caller's)
                 response.params = [p for p in response.params if p.name not in ahead]
             if reads == "any":
@@ -523,7 +532,7 @@ class Routes:
             ((target, sub),) = parts.items()
             return await part(target, sub)
         answers = await gather_all(part(t, sub) for t, sub in parts.items())
-        return _merge(m, answers)
+        return merge_answers(m.oneway, answers)
 
     def pool_of(self, key: str) -> ConnectionPool | None:
         """The connections to ``key``'s primary by the topology known (None: not routed,
@@ -586,15 +595,3 @@ def _stamped(value: Any, items: Sequence[Any]) -> Any:
     stamped = copy.copy(value)
     stamped.call = new_call(len({item.name for item in items}))
     return stamped
-
-
-def _merge(m: Method, answers: Sequence[Any]) -> Any:
-    """One answer of the parts' answers."""
-    if m.oneway or all(a is None for a in answers):
-        return None
-    first = answers[0]
-    if isinstance(first, thrift.ParameterResponse):
-        return merge_responses(answers)
-    if isinstance(first, thrift.UpdateResult):
-        return merge_results(answers)
-    return first

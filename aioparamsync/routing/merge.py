@@ -8,7 +8,7 @@ from typing import Any
 
 from ..wire import thrift
 
-__all__ = ["merge_responses", "merge_results", "read_part"]
+__all__ = ["merge_answers", "merge_responses", "merge_results", "read_part"]
 
 
 def read_part(request: Any, names: list[str]) -> Any:
@@ -36,3 +36,15 @@ def merge_results(answers: Sequence[Any]) -> Any:
     for a in answers:
         versions.update(a.versions)
     return thrift.UpdateResult(versions=versions, timestamp=max(a.timestamp for a in answers))
+
+
+def merge_answers(oneway: bool, answers: Sequence[Any]) -> Any:
+    """One answer of the answers of a call's parts (None for a oneway call)."""
+    if oneway or all(a is None for a in answers):
+        return None
+    first = answers[0]
+    if isinstance(first, thrift.ParameterResponse):
+        return merge_responses(answers)
+    if isinstance(first, thrift.UpdateResult):
+        return merge_results(answers)
+    return first
