@@ -47,6 +47,7 @@ from ..errors import ConnectError, ErrorCode, Moved, RequestError
 from ..placement import parse_key
 from ..routing.merge import merge_results
 from ..routing.partitions import collapse, cut, readable_error
+from ..store.checks import check_count
 from ..store.cuts import new_call
 from ..values.packing import gradients_of
 from ..values.partitions import elements_of, per_partition
@@ -186,13 +187,8 @@ class GradientPushes:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
         if push.packed:  # (gradients in blocks: from here on, as if each came in grads)
             # (counted before a Parameter is made of each: the limit the fold checks)
-            most = self.store.table.limits.max_params_per_update
             count = len(push.grads or ()) + sum(len(b.names or ()) for b in push.packed)
-            if count > most:
-                raise RequestError(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"{count} gradients in one request; the limit is {most}",
-                )
+            check_count(self.store.table.limits, count, what="gradients")
             push.grads = [*(push.grads or ()), *gradients_of(push.packed)]
             push.packed = None
         if push.acks is not None and push.acks not in ("1", "all"):

@@ -32,6 +32,7 @@ __all__ = [
     "RESERVED_NAME",
     "cast_to",
     "check_cast",
+    "check_count",
     "check_keeps_layout",
     "check_names",
     "check_rule_fits",
@@ -148,14 +149,19 @@ def check_rule_fits(name: str, rule: Any, dtype: str | None) -> None:
         )
 
 
+def check_count(limits: Limits, count: int, *, what: str) -> None:
+    """Refuse more than ``max_params_per_update`` parameters (or gradients) in one request."""
+    if count > limits.max_params_per_update:
+        raise RequestError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"{count} {what} in one request; the limit is {limits.max_params_per_update}",
+        )
+
+
 def check_names(limits: Limits, params: Sequence[Any], *, what: str) -> None:
     """Check the names of an update's (or a push's) ``params``: how many, each a name a
     parameter may have, none twice."""
-    if len(params) > limits.max_params_per_update:
-        raise RequestError(
-            ErrorCode.LIMIT_EXCEEDED,
-            f"{len(params)} {what} in one request; the limit is {limits.max_params_per_update}",
-        )
+    check_count(limits, len(params), what=what)
     seen: set[str] = set()
     for p in params:
         name = p.name

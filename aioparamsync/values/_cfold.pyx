@@ -157,10 +157,7 @@ def all_finite(object g):
     cdef const char* p = a.take(g, False, True)
     cdef bint ok
     with nogil:
-        if a.kind == b'f':
-            ok = _all_finite(p, <float*>NULL, a.count)
-        else:
-            ok = _all_finite(p, <double*>NULL, a.count)
+        ok = aps_finite32(p, a.count) if a.kind == b'f' else aps_finite64(p, a.count)
     return ok
 
 
@@ -195,14 +192,6 @@ cdef extern from *:
     """
     bint aps_finite32(const char* g, Py_ssize_t n) noexcept nogil
     bint aps_finite64(const char* g, Py_ssize_t n) noexcept nogil
-
-
-cdef inline bint _all_finite(const char* g, real* kind, Py_ssize_t n) noexcept nogil:
-    # (kind: NULL, of the elements' type)
-    if real is float:
-        return aps_finite32(g, n)
-    else:
-        return aps_finite64(g, n)
 
 
 cdef inline void _get(real* x, const char* p, Py_ssize_t i) noexcept nogil:
@@ -325,7 +314,6 @@ def fold_entries(
     cdef Py_ssize_t i, at, ndim, count, nbytes, itemsize
     cdef char code
     cdef _Arrays a
-    cdef bint finite
     cdef const char *pw, *pg, *n1, *n2, *o1, *o2
     cdef char* po
     cdef object g, name, entry, rule, dtype, shape, held, state, step, out, new1, new2
@@ -397,18 +385,10 @@ def fold_entries(
         n2 = a.take(new2, True) if new2 is not None else NULL
         o1 = a.take(old1, False) if old1 is not None else NULL
         o2 = a.take(old2, False) if old2 is not None else NULL
-        finite = rule.allow_nonfinite or (
-            aps_finite32(pg, count) if code == b'f' else aps_finite64(pg, count)
-        )
-        if not finite:
-            rest.append(at)  # (the caller's check says so)
+        if not _checked_fold(code, kind, pw, pg, po, n1, n2, o1, o2, &s, count,
+                             not rule.allow_nonfinite):
+            rest.append(at)  # (not finite: the caller's check says so)
             continue
-        if code == b'f':
-            _fold(kind, pw, pg, <float*>po, <float*>n1, <float*>n2, <const float*>o1,
-                  <const float*>o2, &s, count)
-        else:
-            _fold(kind, pw, pg, <double*>po, <double*>n1, <double*>n2, <const double*>o1,
-                  <const double*>o2, &s, count)
         made[name] = Entry(
             name, memoryview(out), entry.version + 1, dtype, held, origin, rule, None
         )
@@ -455,17 +435,28 @@ cdef bint _run(
     cdef const char* o1 = a.take(old1, False) if old1 is not None else NULL
     cdef const char* o2 = a.take(old2, False) if old2 is not None else NULL
     with nogil:
-        if a.kind == b'f':
-            if check:
-                ok = _all_finite(pg, <float*>NULL, a.count)
-            _fold(kind, pw, pg, <float*>po, <float*>n1, <float*>n2, <const float*>o1,
-                  <const float*>o2, &s, a.count)
-        else:
-            if check:
-                ok = _all_finite(pg, <double*>NULL, a.count)
-            _fold(kind, pw, pg, <double*>po, <double*>n1, <double*>n2, <const double*>o1,
-                  <const double*>o2, &s, a.count)
+        ok = _checked_fold(a.kind, kind, pw, pg, po, n1, n2, o1, o2, &s, a.count, check)
     return ok
+
+
+cdef bint _checked_fold(
+    char code, Kind kind, const char* w, const char* g, const char* out, const char* new1,
+    const char* new2, const char* old1, const char* old2, Scalars* s, Py_ssize_t n,
+    bint check,
+) noexcept nogil:
+    """Fold ``n`` elements of ``code`` (b'f' or b'd'); with ``check``, only if every
+    element of ``g`` is finite: whether it was."""
+    if code == b'f':
+        if check and not aps_finite32(g, n):
+            return False
+        _fold(kind, w, g, <float*>out, <float*>new1, <float*>new2, <const float*>old1,
+              <const float*>old2, s, n)
+    else:
+        if check and not aps_finite64(g, n):
+            return False
+        _fold(kind, w, g, <double*>out, <double*>new1, <double*>new2, <const double*>old1,
+              <const double*>old2, s, n)
+    return True
 
 
 cdef void _fold(
