@@ -12,6 +12,8 @@ What is compiled (with Cython, into C extensions):
   a fold (``aioparamsync.values.rules`` uses it when present);
 * ``aioparamsync/_cblocks.pyx``: large blocks of memory kept for reuse once let go
   (the new arrays of a fold of a large tensor: ``aioparamsync.blocks``);
+* ``aioparamsync/store/_centry.pyx``: a store's entries made by writing their slots
+  (the new entries of a push's compiled fold: ``aioparamsync.store.table``);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -76,6 +78,7 @@ CYTHON_MODULES = [
     "aioparamsync/values/_crowfold.pyx",
     "aioparamsync/values/_cfold.pyx",
     "aioparamsync/_cblocks.pyx",
+    "aioparamsync/store/_centry.pyx",
 ]
 
 # Where extensions are kept between builds, under the project's root.

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .._ext import compiled
 from ..errors import ErrorCode, RequestError
 from ..placement import manifest_key, parse_key
 from ..values import rules
@@ -169,6 +170,12 @@ _set_entry_shape = vars(Entry)["shape"].__set__
 _set_entry_origin = vars(Entry)["origin"].__set__
 _set_entry_rule = vars(Entry)["rule"].__set__
 _set_entry_array = vars(Entry)["array"].__set__
+
+# The new entries of a push's compiled fold (see store/_centry.pyx): Entry's objects, made
+# without a frame of its __init__ (as long again as a small tensor's fold); on the pure path,
+# Entry.
+_centry = compiled("store._centry")
+_MAKE_ENTRY: Any = _centry.EntryMaker(Entry) if _centry is not None else Entry
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -404,7 +411,7 @@ class ParameterTable:
                 self._entries,
                 self._states,
                 self.origin,
-                entry=Entry,
+                entry=_MAKE_ENTRY,
                 max_version=MAX_VERSION,
                 max_name_bytes=limits.max_name_bytes,
             )
