@@ -14,6 +14,8 @@ What is compiled (with Cython, into C extensions):
   (the new arrays of a fold of a large tensor: ``aioparamsync.blocks``);
 * ``aioparamsync/store/_centry.pyx``: a store's entries made by writing their slots
   (the new entries of a push's compiled fold: ``aioparamsync.store.table``);
+* ``aioparamsync/values/_cpacking.pyx``: a push's blocks made gradients (the loop of
+  ``aioparamsync.values.packing.gradients_of``);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -79,6 +81,7 @@ CYTHON_MODULES = [
     "aioparamsync/values/_cfold.pyx",
     "aioparamsync/_cblocks.pyx",
     "aioparamsync/store/_centry.pyx",
+    "aioparamsync/values/_cpacking.pyx",
 ]
 
 # Where extensions are kept between builds, under the project's root.

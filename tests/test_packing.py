@@ -6,16 +6,22 @@ that does not add up is refused (a push's: nothing of it folded)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 from cluster_helpers import LocalCluster, assert_, eventually
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RemoteProtocolError, RequestError, sgd
 from aioparamsync.store.table import Limits
-from aioparamsync.values.arrays import to_parameter
-from aioparamsync.values.packing import pack_arrays, unpack
+from aioparamsync.values import packing
+from aioparamsync.values.arrays import parse_dtype, to_parameter
+from aioparamsync.values.packing import gradients_of, pack_arrays, unpack
 from aioparamsync.values.rules import adam
 from aioparamsync.wire import METHODS, thrift
 
@@ -383,3 +389,73 @@ async def test_gradients_a_node_leaves_out_of_blocks_go_again_one_parameter_each
             assert not a._packs
             await b.push_gradients(_grads(model, 0), request_id="r")
             _same(await a.get_arrays(list(model)), await b.get_arrays(list(model)))
+
+
+_SHAPES = st.lists(st.integers(-2, 9), min_size=5, max_size=12)
+
+
+@pytest.mark.skipif(packing._cpacking is None, reason="the compiled path is not built")
+@settings(max_examples=400, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(["a", "b", "w/1", "ü"]), max_size=5),
+    shapes=_SHAPES,
+    extra=st.sampled_from([0, 0, 0, -4, -1, 1, 4]),
+    dtype=st.sampled_from(["<f4", "<f8", "|i1", "<q9", "bfloat16", "V4"]),
+    vectors=st.booleans(),
+)
+def test_gradients_made_compiled_are_those_python_makes_or_left_to_it(
+    names: list[str], shapes: list[int], extra: int, dtype: str, vectors: bool
+) -> None:
+    """The compiled loop (values/_cpacking.pyx) makes what gradients_of's Python makes, or
+    nothing (None: the Python function then makes them, or says what is wrong)."""
+    if vectors:  # (blocks that add up, mostly: each a vector, the common case)
+        shapes = [d for n in shapes[: len(names)] for d in (1, abs(n))]
+    try:
+        size = parse_dtype(dtype).itemsize
+    except RequestError:
+        size = 4
+    counts, at = [], 0
+    for _ in names:  # (the bytes the shapes ask for, give or take `extra`)
+        ndim = shapes[at] if at < len(shapes) and 0 <= shapes[at] <= 3 else 0
+        counts.append(math.prod(max(d, 0) for d in shapes[at + 1 : at + 1 + ndim]))
+        at += 1 + ndim
+    data = bytes(range(256)) * (max(sum(counts) * size + extra, 0) // 256 + 1)
+    block = thrift.Packed(
+        names=names, dtype=dtype, shapes=shapes, data=data[: max(sum(counts) * size + extra, 0)]
+    )
+    made = packing._cpacking.gradients_of(
+        [block], thrift.Parameter, packing._DEFAULTS, packing._itemsize, packing.MAX_DIMENSIONS
+    )
+    compiled = packing._cpacking
+    try:
+        packing._cpacking = None
+        expected: Any = gradients_of([block])
+    except (RequestError, ValueError) as exc:
+        expected = exc
+    finally:
+        packing._cpacking = compiled
+    if made is None:  # (left: only what is not of the common case)
+        assert isinstance(expected, Exception) or not vectors, "a block of vectors was left"
+        return
+    assert not isinstance(expected, Exception), expected
+    assert [vars(p) | {"data": bytes(p.data)} for p in made] == [
+        vars(p) | {"data": bytes(p.data)} for p in expected
+    ]
+    assert all(p.data.obj is made[0].data.obj for p in made)
+
+
+def test_gradients_of_a_block_in_shared_memory_or_of_odd_fields_are_left_to_python() -> None:
+    blocks, _ = pack_arrays({"a": np.ones(3, np.float32)})
+    c = packing._cpacking
+    if c is None:
+        pytest.skip("the compiled path is not built")
+    args = (thrift.Parameter, packing._DEFAULTS, packing._itemsize, packing.MAX_DIMENSIONS)
+    assert c.gradients_of(blocks, *args) is not None
+    for field, value in [("shared", thrift.SharedRegion()), ("names", ("a",)), ("data", None)]:
+        odd = copy.copy(blocks[0])
+        setattr(odd, field, value)
+        assert c.gradients_of([odd], *args) is None, field
+    odd = copy.copy(blocks[0])
+    odd.shared = thrift.SharedRegion()
+    with pytest.raises(RequestError, match="shared memory"):
+        gradients_of([odd])
