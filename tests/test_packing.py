@@ -240,6 +240,9 @@ async def test_gradients_pushed_in_blocks_fold_as_one_parameter_each() -> None:
             _same(await a.get_arrays(list(model)), await b.get_arrays(list(model)))
             got = await a.get_arrays(list(model))
             assert not np.array_equal(got["w/3"], model["w/3"])
+            # each gradient counted once as it came, in a block or beside (raw: "none")
+            for node in (packs, plain):
+                assert node.service.gradients.encodings == {"none": 4 * len(model)}
 
 
 async def test_a_client_sends_blocks_only_where_the_node_reads_them() -> None:

@@ -185,11 +185,13 @@ class GradientPushes:
         push = args.push
         if push is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
+        packed = 0  # (gradients that came in blocks: raw)
         if push.packed:  # (gradients in blocks: from here on, as if each came in grads)
             # (counted before a Parameter is made of each: the limit the fold checks)
-            count = len(push.grads or ()) + sum(len(b.names or ()) for b in push.packed)
-            check_count(self.store.table.limits, count, what="gradients")
-            push.grads = [*(push.grads or ()), *gradients_of(push.packed)]
+            packed = sum(len(b.names or ()) for b in push.packed)
+            check_count(self.store.table.limits, len(push.grads or ()) + packed, what="gradients")
+            unpacked = gradients_of(push.packed)
+            push.grads = [*push.grads, *unpacked] if push.grads else unpacked
             push.packed = None
         if push.acks is not None and push.acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
@@ -206,7 +208,11 @@ class GradientPushes:
             names = [g.name for g in push.grads or ()]
             self.cluster.check_writable(names, push.acks or self.cluster.acks)
         if not push.forwarded and push.grads:
-            self.encodings.update(g.encoding or "none" for g in push.grads)
+            encodings = self.encodings
+            if packed:
+                encodings["none"] += packed
+            if len(push.grads) > packed:
+                encodings.update(g.encoding or "none" for g in push.grads[: -packed or None])
         chosen: dict[str, Any] = {}
         if self.partition_bytes and not push.forwarded and push.grads:
             push, chosen = self._cut(push)

@@ -84,11 +84,12 @@ class PushLedger:
         request_id = push.request_id
         folded = self.folded.get(request_id) if request_id is not None else None
         grads = push.grads
-        if folded:  # parts of it were folded before: not again
-            grads = [g for g in grads if g.name not in folded]
-            self.repeated += 1
-        before = {g.name: folded[g.name] for g in push.grads if folded and g.name in folded}
-        return grads, before
+        if not folded:
+            return grads, {}
+        # parts of it were folded before: not again
+        self.repeated += 1
+        before = {g.name: folded[g.name] for g in grads if g.name in folded}
+        return [g for g in grads if g.name not in folded], before
 
     def remember_reply(self, key: str, future: asyncio.Future) -> None:
         """Answer ``future`` to a push sent again under ``key``, unless it fails."""
