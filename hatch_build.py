@@ -14,8 +14,8 @@ What is compiled (with Cython, into C extensions):
   (the new arrays of a fold of a large tensor: ``aioparamsync.blocks``);
 * ``aioparamsync/store/_centry.pyx``: a store's entries made by writing their slots
   (the new entries of a push's compiled fold: ``aioparamsync.store.table``);
-* ``aioparamsync/values/_cpacking.pyx``: a push's blocks made gradients (the loop of
-  ``aioparamsync.values.packing.gradients_of``);
+* ``aioparamsync/values/_cpacking.pyx``: a push's blocks made gradients and a read's
+  small tensors packed (the loops of ``aioparamsync.values.packing``);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,

@@ -18,12 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioparamsync import ErrorCode, Node, ParameterClient, RemoteProtocolError, RequestError, sgd
-from aioparamsync.store.table import Limits
+from aioparamsync.store.table import Entry, Limits
 from aioparamsync.values import packing
 from aioparamsync.values.arrays import parse_dtype, to_parameter
-from aioparamsync.values.packing import gradients_of, pack_arrays, unpack
+from aioparamsync.values.packing import gradients_of, pack_arrays, packed_response, unpack
 from aioparamsync.values.rules import adam
 from aioparamsync.wire import METHODS, thrift
+from aioparamsync.wire.writer import ZERO_COPY_MIN_BYTES
 
 
 def _mixed() -> dict[str, np.ndarray]:
@@ -462,3 +463,41 @@ def test_gradients_of_a_block_in_shared_memory_or_of_odd_fields_are_left_to_pyth
     odd.shared = thrift.SharedRegion()
     with pytest.raises(RequestError, match="shared memory"):
         gradients_of([odd])
+
+
+def _as_compared(response: Any) -> tuple[list[dict], list[dict]]:
+    def plain(s: Any) -> dict:
+        return {k: bytes(v) if isinstance(v, memoryview | bytes) else v for k, v in vars(s).items()}
+
+    return [plain(p) for p in response.params], [plain(b) for b in response.packed or ()]
+
+
+@pytest.mark.skipif(packing._cpacking is None, reason="the compiled path is not built")
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["<f4", "<f8", "|u1", None]),
+            st.sampled_from([(), (3,), (2, 2), None]),
+            st.sampled_from([0, 4, 4096, ZERO_COPY_MIN_BYTES - 1, ZERO_COPY_MIN_BYTES]),
+            st.sampled_from(["a", "b/ü", "w\x00#2"]),
+        ),
+        max_size=8,
+    )
+)
+def test_a_read_answered_in_blocks_compiled_is_the_one_python_makes(
+    specs: list[tuple[Any, Any, int, str]],
+) -> None:
+    entries = [
+        Entry(f"{name}{i}", memoryview(bytes([i]) * n), i + 1, dtype, shape, f"o{i}")
+        for i, (dtype, shape, n, name) in enumerate(specs)
+    ]
+    made = packed_response(entries, 7)
+    compiled = packing._cpacking
+    try:
+        packing._cpacking = None
+        expected = packed_response(entries, 7)
+    finally:
+        packing._cpacking = compiled
+    assert _as_compared(made) == _as_compared(expected)
+    assert made.timestamp == expected.timestamp == 7

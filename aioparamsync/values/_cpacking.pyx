@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""A push's blocks made gradients, compiled: the loop of
-:func:`aioparamsync.values.packing.gradients_of`.
+"""Many small tensors in blocks, compiled: a push's blocks made gradients (the loop of
+:func:`aioparamsync.values.packing.gradients_of`), a read's answer packed (that of
+:func:`~aioparamsync.values.packing.packed_response`, :func:`packed_blocks`).
 
 A push of 200 tensors of 4 KiB comes as one block (``GradientPush.packed``); the node
 makes a ``Parameter`` of each of its gradients, a view of the block's bytes, and folds
@@ -10,7 +11,9 @@ Python function makes it (the struct's defaults copied, then its name, data, dty
 and shape), in the same order, from the same walk of the block's shapes. A block
 that does not add up, of a dtype that is not numeric, or in shared memory, is not
 made here: :func:`gradients_of` answers None, and the Python function, walking the
-blocks again, says what is wrong (its messages are the only ones).
+blocks again, says what is wrong (its messages are the only ones). A read of the
+same 200 is answered in a block made in one pass (~0.28 us a tensor against ~0.38,
+a third of it the copy of its bytes into the block).
 """
 
 from cpython.dict cimport PyDict_Copy
@@ -85,3 +88,45 @@ def gradients_of(
         if at != len(shapes) or offset != nbytes:
             return None
     return made
+
+
+
+def packed_blocks(list entries, object cls, Py_ssize_t most_bytes):
+    """:func:`aioparamsync.values.packing.packed_response`'s blocks, compiled: of the
+    entries (stored ones) of ``entries`` with a dtype and a shape, of fewer than
+    ``most_bytes``, not a key of a partition, a ``cls`` (the IDL's ``Packed``) for each
+    of their dtypes in the order first seen, each with its entries' names, shapes,
+    bytes (one after another), versions and origins; and the other entries, in order.
+    """
+    cdef dict groups = {}
+    cdef list names, shapes, versions, origins, datas, blocks = [], rest = []
+    cdef tuple group
+    cdef object e, dtype, shape, data, block, name
+    for e in entries:
+        dtype, shape, data, name = e.dtype, e.shape, e.data, e.name
+        if (
+            dtype is None
+            or shape is None
+            or type(data) is not memoryview
+            or (<memoryview>data).nbytes >= most_bytes
+            or "\x00" in name
+        ):
+            rest.append(e)
+            continue
+        group = groups.get(dtype)
+        if group is None:
+            group = groups[dtype] = ([], [], [], [], [])
+        names, shapes, versions, origins, datas = group
+        names.append(name)
+        shapes.append(len(shape))
+        shapes.extend(shape)
+        versions.append(e.version)
+        origins.append(e.origin)
+        datas.append(data)
+    for dtype, group in groups.items():
+        names, shapes, versions, origins, datas = group
+        block = cls(names=names, dtype=dtype, shapes=shapes, data=b"".join(datas))
+        block.versions = versions
+        block.origins = origins
+        blocks.append(block)
+    return blocks, rest

@@ -217,6 +217,10 @@ def packed_response(entries: list[Any], timestamp: int) -> Any:
     ``ZERO_COPY_MIN_BYTES``: the encoder would copy them anyway, where a larger one is
     sent by reference), any other (plain bytes, a key of a partitioned parameter) as a
     ``Parameter``."""
+    if _cpacking is not None:  # (the same, compiled)
+        blocks, rest = _cpacking.packed_blocks(entries, thrift.Packed, ZERO_COPY_MIN_BYTES)
+        plain = [e.to_parameter(False) for e in rest]
+        return thrift.ParameterResponse(params=plain, timestamp=timestamp, packed=blocks or None)
     laid, plain = [], []
     for e in entries:
         if (
