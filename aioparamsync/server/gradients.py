@@ -185,13 +185,13 @@ class GradientPushes:
         push = args.push
         if push is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the push is missing")
-        packed = 0  # (gradients that came in blocks: raw)
+        given, packed = push.grads or [], 0  # (packed: gradients that came in blocks, raw)
         if push.packed:  # (gradients in blocks: from here on, as if each came in grads)
             # (counted before a Parameter is made of each: the limit the fold checks)
             packed = sum(len(b.names or ()) for b in push.packed)
-            check_count(self.store.table.limits, len(push.grads or ()) + packed, what="gradients")
+            check_count(self.store.table.limits, len(given) + packed, what="gradients")
             unpacked = gradients_of(push.packed)
-            push.grads = [*push.grads, *unpacked] if push.grads else unpacked
+            push.grads = [*given, *unpacked] if given else unpacked
             push.packed = None
         if push.acks is not None and push.acks not in ("1", "all"):
             raise RequestError(ErrorCode.BAD_REQUEST, f'acks is "1" or "all", not {push.acks!r}')
@@ -208,11 +208,9 @@ class GradientPushes:
             names = [g.name for g in push.grads or ()]
             self.cluster.check_writable(names, push.acks or self.cluster.acks)
         if not push.forwarded and push.grads:
-            encodings = self.encodings
+            self.encodings.update(g.encoding or "none" for g in given)
             if packed:
-                encodings["none"] += packed
-            if len(push.grads) > packed:
-                encodings.update(g.encoding or "none" for g in push.grads[: -packed or None])
+                self.encodings["none"] += packed
         chosen: dict[str, Any] = {}
         if self.partition_bytes and not push.forwarded and push.grads:
             push, chosen = self._cut(push)

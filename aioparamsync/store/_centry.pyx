@@ -48,7 +48,7 @@ cdef class EntryMaker:
         TypeError: ``cls`` is not a class whose instances are just those slots.
     """
 
-    cdef readonly object cls
+    cdef readonly object cls  # (held: the class lives as long as the maker, and tp with it)
     cdef PyTypeObject *tp
     cdef Py_ssize_t offsets[COUNT]
 

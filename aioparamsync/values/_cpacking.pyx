@@ -73,8 +73,8 @@ def gradients_of(
                         return None  # (beyond the block's bytes)
                     count *= d
                 at += 1 + ndim
-            stop = offset + count * size
-            if count > nbytes or stop > nbytes:
+            stop = offset + count * size  # (count <= nbytes: checked above, no overflow)
+            if stop > nbytes:
                 return None
             p = new(cls)
             attributes = PyDict_Copy(defaults)
