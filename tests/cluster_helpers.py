@@ -24,6 +24,7 @@ from typing import Any
 from aioparamsync import CallTimeout, NetworkError, Node, ParameterClient
 from aioparamsync.cli.taskdump import BEGIN as TASKS_BEGIN
 from aioparamsync.cli.taskdump import END as TASKS_END
+from aioparamsync.placement import PLACED, Placement
 
 LOOPBACK = "127.0.0.1"
 # Default bound of a wait for the cluster to converge (seconds): generous, as
@@ -219,6 +220,14 @@ def node_client(address: Any, **kwargs: Any) -> ParameterClient:
     """A client of that node alone, not routed by the topology: what it writes is
     applied there (its origin), where that node holds it, as by a founding client."""
     return ParameterClient(address, route=False, **kwargs)
+
+
+def placement_of(topology: Any) -> Placement:
+    """The placement a topology (as a node answers it) gives: its members placed, its
+    replication factor and the keys its members claim (balance by bytes moves keys
+    off their rendezvous ranking, every ``--balance-interval`` seconds)."""
+    placed = [m.node_id for m in topology.members if m.state in PLACED]
+    return Placement(placed, topology.replication_factor or None, topology.claims)
 
 
 def primary_of(nodes: Iterable[Node], name: str) -> Node:

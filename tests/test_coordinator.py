@@ -36,6 +36,7 @@ from cluster_helpers import (
     eventually,
     free_port,
     open_clients,
+    placement_of,
 )
 from test_sharding import FaultProxy
 
@@ -50,7 +51,6 @@ from aioparamsync import (
     sum_rule,
 )
 from aioparamsync.cluster.coordinator import Record, parse_coordinator
-from aioparamsync.placement import PLACED, Placement
 from aioparamsync.wire import thrift
 
 pytestmark = [
@@ -232,8 +232,7 @@ async def replica_states(
     """(node id, name) -> (version, bytes) at every replica of every name (by the topology)."""
     some = next(iter(clients.values()))
     topology = await some.topology()
-    placed = [m.node_id for m in topology.members if m.state in PLACED]
-    placement = Placement(placed, topology.replication_factor or None)
+    placement = placement_of(topology)
     held = {}
     for name in names:
         for node_id in placement.replicas(name):

@@ -37,6 +37,7 @@ from cluster_helpers import (
     eventually,
     launch,
     open_clients,
+    placement_of,
     run_process,
     spawn_cluster,
     wait_formed,
@@ -123,7 +124,9 @@ async def assert_placed(
     for node_id, client in clients.items():
         held[node_id] = {d.name for d in await client.call("digest")}
         assert held[node_id] <= set(names), f"{node_id} holds {held[node_id] - set(names)}"
-    placement = Placement(live, r)
+    claims = {n: info.topology.claims or {} for n, info in infos.items()}
+    assert len({tuple(sorted(c.items())) for c in claims.values()}) == 1, f"claims: {claims}"
+    placement = Placement(live, r, claims[live[0]])  # (balance by bytes: claims move keys)
     wrong = {}
     for name in names:
         holders = {m for m, h in held.items() if name in h}
@@ -370,10 +373,10 @@ async def test_a_killed_node_loses_no_acknowledged_write_and_its_keys_are_copied
     names = [f"k{i:02d}" for i in range(40)]
     async with contextlib.AsyncExitStack() as stack:
         clients, routed, writers = await written(stack, nodes, names, 2)
-        await settled(clients, names)
+        infos = await settled(clients, names)
 
         # The victim: not the routed client's node; the primary of the most keys.
-        placement = Placement(clients, R)
+        placement = placement_of(next(iter(infos.values())).topology)
         primaries = [placement.primary(n, set(clients)) for n in names]
         victim = max(nodes[1:], key=lambda n: primaries.count(n.node_id))
         its_keys = [n for n, p in zip(names, primaries, strict=True) if p == victim.node_id]
