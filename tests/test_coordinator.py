@@ -546,6 +546,13 @@ async def test_a_join_and_a_drain_during_writes_lose_no_acknowledged_write(
         held = await members_in_etcd(etcd, prefix)
         assert leaving.node_id not in held  # (its lease revoked: gone at once)
         await until_agreed(clients)
+
+        async def said_left() -> None:  # (a planned leave: "left", not "failed")
+            tops = await topologies(clients)
+            seen = {n: {m.node_id: m.state for m in t.members} for n, t in tops.items()}
+            assert all(s.get(leaving.node_id) == "left" for s in seen.values()), seen
+
+        await eventually(said_left, timeout=FORM_TIMEOUT, interval=POLL)
         await asyncio.sleep(1.0)
         writers.stop.set()
         await asyncio.gather(*tasks)
@@ -1008,6 +1015,8 @@ async def test_a_node_whose_lease_expired_follows_the_members_again(
         else:
             a.signal(signal.SIGSTOP)
         lost = await until_agreed({"b": clients["b"], "c": clients["c"]}, {"b", "c"})
+        for t in (await topologies({"b": clients["b"], "c": clients["c"]})).values():
+            assert {m.node_id: m.state for m in t.members}["a"] == "failed"  # (not "left")
         await asyncio.sleep(3 * TTL)  # (A's calls keep timing out meanwhile)
         if fault == "stalled":
             to_etcd.heal()

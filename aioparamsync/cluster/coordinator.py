@@ -49,6 +49,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..placement import FAILED, LEFT
 from .etcdclient import client_class, credentials, refresh, watch_from
 from .records import Record
 
@@ -159,6 +160,9 @@ class EtcdCoordinator:
         self._config_key = f"{prefix}/config".encode()
         #: the members in etcd, by id
         self.members: dict[str, Record] = {}
+        #: ids whose record went with its state "left" (a planned leave, not a lease
+        #: lost): the view says they left, not that they failed, until they come back
+        self.left: set[str] = set()
         self._writing = asyncio.Lock()
         #: etcd's revision of the last change to the members seen
         self.revision = 0
@@ -185,6 +189,14 @@ class EtcdCoordinator:
     @property
     def address(self) -> str:
         return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    def state_of(self, node_id: str) -> str:
+        """A member's state as etcd has it: its record's; with none, "left" if its
+        record went after it said it left, else "failed" (its lease expired)."""
+        record = self.members.get(node_id)
+        if record is not None:
+            return record.state
+        return LEFT if node_id in self.left else FAILED
 
     # -- fencing ------------------------------------------------------------------
 
@@ -384,6 +396,7 @@ class EtcdCoordinator:
             if record is not None:
                 members[node_id] = record
         self.members = members
+        self.left -= members.keys()
         # The last change seen: the newest put here (a delete since is not seen, but
         # the watch, from here, replays it: every node ends at the same revision).
         newest = max((kv.mod_revision for kv in found), default=found.header.revision)
@@ -558,13 +571,16 @@ class EtcdCoordinator:
         kv = event.kv
         node_id = kv.key[len(self._members_prefix) :].decode(errors="replace")
         if event.kind == kinds.DELETE:
-            self.members.pop(node_id, None)
+            went = self.members.pop(node_id, None)
+            if went is not None and went.state == LEFT:
+                self.left.add(node_id)
         else:
             record = Record.decode(node_id, kv.value)
             if record is None:
                 self.members.pop(node_id, None)
             else:
                 self.members[node_id] = record
+                self.left.discard(node_id)
         self.revision = max(self.revision, kv.mod_revision)
         me = self.me
         mine = me is not None and node_id == me.node_id

@@ -372,8 +372,7 @@ class Cluster:
     def seen_state(self, link: PeerLink) -> str:
         """A member's state as this node sees it (see :mod:`.view`)."""
         if self.coordinator is not None:
-            record = self.coordinator.members.get(link.node_id)
-            return record.state if record is not None else FAILED
+            return self.coordinator.state_of(link.node_id)
         said = link.member_state or UP
         if said not in (UP, LEAVING):
             return said
@@ -394,8 +393,7 @@ class Cluster:
             return  # (etcd not read yet)
         states = {me: self.state}
         if coordinator is not None:  # (this node too, as etcd has it: one view for all)
-            record = coordinator.members.get(me)
-            states[me] = record.state if record is not None else FAILED
+            states[me] = coordinator.state_of(me)
         by_id = {}
         for link in self.links.values():
             if link.node_id and link.node_id != me and link.state != LinkState.REFUSED:
