@@ -99,7 +99,8 @@ class Follower:
         self.addresses = list(addresses)
         shown = ", ".join(a if isinstance(a, str) else f"{a[0]}:{a[1]}" for a in self.addresses)
         self.leader = shown
-        self._options = client_options
+        # (what is pulled is stored: never views of memory shared with the leader)
+        self._options = {"shared_memory": 0, **client_options}
         self._task: asyncio.Task[None] | None = None
         self._watcher: Watcher | None = None
         self._waiting_since: float | None = None  # (a change heard of and not merged)

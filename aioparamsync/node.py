@@ -101,6 +101,9 @@ class Node:
         unix_socket: also serve clients on this Unix socket path (colocated
             workers connect to ``unix:PATH``; no TLS there: who may connect is
             the file's permissions). Peers still link over TCP.
+        local_socket: without ``unix_socket`` and TLS, also listen on an abstract
+            Unix socket (Linux), where clients that reach the TCP port from this
+            host move to share memory with the node (``info().local_socket``).
         coordinator: ``etcd://HOST:PORT[,HOST:PORT...]``: the members, their
             states and the epoch live in etcd, and the node takes writes only
             while it holds its lease there (its TTL: ``failure_timeout``); see
@@ -155,6 +158,7 @@ class Node:
         peers_dns_interval: float = DNS_INTERVAL,
         resolve: Resolver | None = None,
         unix_socket: str | os.PathLike[str] | None = None,
+        local_socket: bool = True,
         coordinator: str | None = None,
         coordinator_prefix: str = DEFAULT_PREFIX,
         coordinator_tls: tuple[str, str | None, str | None] | None = None,
@@ -171,6 +175,7 @@ class Node:
             request_timeout=request_timeout,
             ssl=ssl,
             unix_path=os.fspath(unix_socket) if unix_socket is not None else None,
+            local_socket=local_socket,
         )
         self.seeds = parse_addresses(peers) if peers else []
         self._advertise = parse_address(advertise) if advertise is not None else None
@@ -346,6 +351,7 @@ class Node:
         self.service.starting = "starting"
         try:
             await self.server.start()
+            self.service.local_socket = self.server.local_socket
         except BaseException:
             if self.metrics is not None:
                 await self.metrics.close()

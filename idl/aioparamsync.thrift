@@ -651,6 +651,11 @@ struct NodeInfo {
     // Why this node takes no writes now (it cannot renew its lease on the
     // coordinator); unset while it takes them.
     16: optional string fenced,
+    // Where a client on this node's host may connect instead of its TCP port:
+    // "unix:PATH" (--unix-socket), or "unix:@NAME", an abstract Unix socket the
+    // node listens on unless told not to (--no-local-socket) or serving TLS. There
+    // it shares memory with the client (see SharedRegion).
+    17: optional string local_socket,
 }
 
 service ParameterSyncService {

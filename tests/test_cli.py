@@ -564,7 +564,8 @@ def test_help_lists_every_flag_and_exits_0() -> None:
         "--log-level", "--version",
         "--request-timeout", "--max-connections", "--max-names-per-request",
         "--max-params-per-update", "--max-name-bytes", "--tls-cert", "--tls-key", "--tls-ca",
-        "--metrics-port", "--peers-dns", "--peers-dns-interval", "--unix-socket", "--processes",
+        "--metrics-port", "--peers-dns", "--peers-dns-interval", "--unix-socket",
+        "--no-local-socket", "--processes",
         "--coordinator", "--coordinator-prefix", "--fold-threads",
     }  # fmt: skip
     declared = {s for a in build_parser()._actions for s in a.option_strings}

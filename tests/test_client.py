@@ -104,7 +104,8 @@ async def test_500_coroutines_share_one_client(node: Node) -> None:
 
 
 async def test_one_connection_pipelines_many_calls(node: Node) -> None:
-    async with ParameterClient(node.address, max_connections=1) as client:
+    # (shared_memory=0: on TCP, not moved to the node's Unix socket: one connection)
+    async with ParameterClient(node.address, max_connections=1, shared_memory=0) as client:
         results = await asyncio.gather(*(client.update_arrays({f"k{i}": [i]}) for i in range(200)))
         assert all(r == {f"k{i}": 1} for i, r in enumerate(results))
         assert len(client._connections) == 1
@@ -190,8 +191,9 @@ async def test_info_answers_what_the_readme_says(node: Node) -> None:
         "under_replicated",
     }  # fmt: skip
     assert {"requests", "errors", "bytes_in", "bytes_out", "updates_applied"} <= counters
-    # (route=False: the requests counted are these alone, no topology asked for)
-    async with ParameterClient(node.address, timeout=30, route=False) as client:
+    # (route=False: the requests counted are these alone, no topology asked for;
+    # shared_memory=0: nor the node's Unix socket)
+    async with ParameterClient(node.address, timeout=30, route=False, shared_memory=0) as client:
         first = await client.info()
         # Every counter is there from the start, at 0 until it counts.
         assert counters <= set(first.counters), counters - set(first.counters)
@@ -317,7 +319,8 @@ async def test_a_late_reply_is_dropped_not_given_to_the_next_call() -> None:
 
     async with (
         scripted_server(answer) as address,
-        ParameterClient(address, max_connections=1) as client,
+        # (shared_memory=0: no info call asking for a Unix socket among the pings)
+        ParameterClient(address, max_connections=1, shared_memory=0) as client,
     ):
         with pytest.raises(CallTimeout, match="ping"):
             await client.ping(timeout=0.1)

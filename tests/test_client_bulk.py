@@ -109,7 +109,7 @@ async def test_a_write_does_not_wait_behind_a_large_read(
     node, big = node_with_big
     async with (
         HoldingProxy(node.address, "down") as proxy,
-        ParameterClient(("127.0.0.1", proxy.port), timeout=None) as client,
+        ParameterClient(("127.0.0.1", proxy.port), timeout=None, shared_memory=0) as client,
     ):
         read = asyncio.ensure_future(client.get_arrays(["big"]))
         await asyncio.wait_for(proxy.holding.wait(), DEADLINE)  # its reply is under way, held
@@ -131,7 +131,7 @@ async def test_a_read_does_not_wait_behind_a_large_write(
     node, big = node_with_big
     async with (
         HoldingProxy(node.address, "up") as proxy,
-        ParameterClient(("127.0.0.1", proxy.port), timeout=None) as client,
+        ParameterClient(("127.0.0.1", proxy.port), timeout=None, shared_memory=0) as client,
     ):
         await client.get_arrays(["w"])  # the first connection, open
         write = asyncio.ensure_future(client.update_arrays({"big": big[::-1].copy()}))
@@ -156,7 +156,7 @@ async def test_a_write_sent_before_a_large_reply_starts_does_not_wait_for_it(
     node, big = node_with_big
     async with (
         HoldingProxy(node.address, "down", let_through=1024) as proxy,
-        ParameterClient(("127.0.0.1", proxy.port), timeout=None) as client,
+        ParameterClient(("127.0.0.1", proxy.port), timeout=None, shared_memory=0) as client,
     ):
         await client.get_arrays(["w"])  # the first connection, open (its small reply passes)
         read = asyncio.ensure_future(client.get_arrays(["big"]))

@@ -380,7 +380,8 @@ async def test_a_failing_observer_fails_nothing_else(caplog) -> None:
 async def test_each_call_is_observed_once(node: Node) -> None:
     seen: list[tuple[str, bool]] = []
     node.server.call_observer = lambda name, seconds, exc: seen.append((name, exc is None))
-    async with ParameterClient(node.address, route=False) as client:  # (no topology call)
+    # (no topology call; nor info and ping, asking for the node's Unix socket)
+    async with ParameterClient(node.address, route=False, shared_memory=0) as client:
         await client.update_arrays({"w": np.ones(4, np.float32)})
         await client.broadcast_update({"w": np.zeros(4, np.float32)})  # oneway, then a ping
         await client.get_arrays(["w"])

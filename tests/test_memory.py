@@ -161,6 +161,20 @@ def ours(garbage: list[Any], min_bytes: int) -> tuple[list[str], int]:
     return frames, large
 
 
+async def moved(client: Any) -> None:
+    """Until ``client`` is on its node's Unix socket (what it does on the node's host),
+    its TCP connections closed: the calls measured go as a client's calls go from then on.
+
+    (Calls made as it moves may leave a cycle behind, freed at the collector's next pass:
+    not measured here.)"""
+    from cluster_helpers import eventually
+
+    def there() -> None:
+        assert client.locals and not any(c.usable for c in client._retired), client.locals
+
+    await eventually(there, timeout=10, interval=0.01)
+
+
 @pytest.mark.parametrize("elements", [1 << 16, 3 << 20])  # (256 KiB; 12 MiB: in partitions)
 async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collector(
     elements: int,
@@ -177,6 +191,7 @@ async def test_a_refused_write_leaves_nothing_of_its_bytes_to_the_garbage_collec
     async with Node("127.0.0.1", 0) as node, ParameterClient(node.address) as client:
         await client.update_arrays({"w": np.zeros(elements, np.float32)}, rules=sgd(1))
         await client.update_arrays({"plain": np.zeros(elements, np.float32)})
+        await moved(client)
         bad = np.ones(elements, np.float32)
         bad[-1] = np.nan
         refused = [
@@ -249,6 +264,7 @@ async def test_refused_writes_through_a_cluster_leave_nothing_of_their_bytes_beh
             await client.update_arrays(
                 {n: np.zeros(elements, np.float32) for n in names}, rules=sgd(1), acks="all"
             )
+            await moved(client)
             refused = [
                 lambda: client.update_arrays(
                     {n: np.zeros((elements // 2, 2), np.float32) for n in names}

@@ -108,8 +108,9 @@ async def test_a_scrape_shows_calls_errors_bytes_and_the_store(cluster: LocalClu
     host, port = node.metrics_address
     assert host == LOOPBACK and port not in (0, node.port)
 
-    # (route=False: the messages counted are these alone, no topology asked for)
-    async with ParameterClient(node.address, timeout=15, route=False) as client:
+    # (route=False: the messages counted are these alone, no topology asked for;
+    # shared_memory=0: no info and ping asking for the node's Unix socket)
+    async with ParameterClient(node.address, timeout=15, route=False, shared_memory=0) as client:
         await client.update_arrays({"w": np.zeros((3, 4), np.float32)})  # push_parameters
         await client.update_arrays({"b": np.ones(5, np.float64)})
         await client.get_arrays(["w", "b"])  # pull_parameters

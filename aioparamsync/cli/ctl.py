@@ -313,6 +313,7 @@ async def topology(client: ParameterClient, args: argparse.Namespace) -> int:
             max_connections=1,
             ssl=client.ssl,
             route=False,
+            shared_memory=0,
         )
         try:
             return await other.info()
@@ -434,6 +435,7 @@ async def run(args: argparse.Namespace, ssl: ssl_module.SSLContext | None = None
         ssl=ssl,
         # (its node answers, passing on what it does not hold; export routes its reads)
         route=args.route,
+        shared_memory=0,  # (one command: its calls stay on the connection it opened)
     )
     try:
         return await COMMANDS[args.command](client, args)

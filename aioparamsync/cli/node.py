@@ -195,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         "file's permissions); a socket file left by a node that is gone is replaced",
     )
     parser.add_argument(
+        "--no-local-socket",
+        dest="local_socket",
+        action="store_false",
+        help="without --unix-socket or TLS a node also listens on an abstract Unix socket "
+        "(Linux), which clients reaching its TCP port from this host move to, to share "
+        "memory with it: this turns that off (clients on this host stay on TCP)",
+    )
+    parser.add_argument(
         "--processes",
         type=process_count,
         default=1,
@@ -482,6 +490,7 @@ async def serve(args: argparse.Namespace) -> int:
             acks=args.acks,
             drain_timeout=args.drain_timeout,
             unix_socket=args.unix_socket,
+            local_socket=args.local_socket,
             partition_bytes=args.partition_bytes,
             peers_dns=args.peers_dns,
             peers_dns_interval=args.peers_dns_interval,

@@ -34,7 +34,7 @@ from .gradients import GradientClient
 from .pool import ConnectionPool
 from .routing import ROUTED, Routes
 from .rows import TableClient
-from .shared import DEFAULT_SHARED_MEMORY_BYTES, lane_for, read_lent
+from .shared import DEFAULT_SHARED_MEMORY_BYTES, lane_for, may_share, read_lent
 from .updates import make_update, push_in_pieces
 from .watch import WATCH_WAIT, Watcher
 
@@ -87,9 +87,10 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
             where the cluster acknowledges a write once every live replica
             holds it, ``--acks all``; else ``"primary"``). See
             :mod:`.routing`.
-        shared_memory: with a node on this host (every address ``unix:PATH``),
-            the most memory (bytes) this client shares with it, so that tensors
-            cross by one copy, not through the socket (see :mod:`.shared`); 0: none.
+        shared_memory: with a node on this host, on its Unix socket (``unix:PATH``,
+            or the one a node reached over TCP names: see :mod:`.local`), the most
+            memory (bytes) this client shares with it, so that tensors cross by one
+            copy, not through the socket (see :mod:`.shared`); 0: none, and on TCP.
 
     Every timeout, here and per call, is None or a finite number of seconds
     above 0; anything else (0, a negative number, NaN, infinity, a bool) is a
@@ -141,6 +142,9 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         self._auto: Any = None  # an .auto.Auto (encoding="auto"), made when first asked for
         self._packs = False  # a node answered a read in blocks (see .gradients._packed)
         self._lane = lane_for(self.addresses, shared_memory)  # (None: no shared memory)
+        # (a node on this host reached over TCP: its Unix socket instead, and a lane there)
+        self.find_local = self._ask_local = self._lane is None and may_share(shared_memory)
+        self._shared_limit, self._local_lane = shared_memory, self._lane
         self._tables = {}
 
     @classmethod
@@ -163,8 +167,8 @@ class ParameterClient(GradientClient, TableClient, ConnectionPool):
         if self.routes is not None:
             await self.routes.close()
         await super().close()
-        if self._lane is not None:
-            self._lane.close()
+        if self._local_lane is not None:
+            self._local_lane.close()
 
     async def invoke(
         self, m: Any, /, *, timeout: float | EllipsisType | None = ..., **args: Any

@@ -125,6 +125,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.receiver = Receiver(max_frame_bytes, framed=True, limit_name=CLIENT_LIMIT)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
+        self.using = 0  # (calls waiting to send on it: see ConnectionPool._move_local)
         self._reads: set[int] = set()  # (the seqids of the reads among them)
         self._seqids = itertools.count(FIRST_SEQID - 1)  # (see FIRST_SEQID)
         # The first bytes received, until they show a framed Thrift reply

@@ -20,9 +20,10 @@ from ..errors import RequestError
 from ..values.arrays import to_parameter
 from ..values.packing import pack_arrays
 from ..wire import METHODS, Method, thrift
+from .shared import Lane
 
 if TYPE_CHECKING:
-    from .shared import Lane, Region
+    from .shared import Region
 
 __all__ = ["GradientClient"]
 
@@ -39,6 +40,9 @@ class GradientClient:
         _rules: dict[str, Any]
         _packs: bool
         _lane: Lane | None
+        _local_lane: Lane | None
+        _shared_limit: int
+        find_local: bool
         routes: Any
 
         async def invoke(
@@ -65,6 +69,14 @@ class GradientClient:
         if self._lane is not None:
             out["shared_memory"] = self._lane.stats()
         return out
+
+    def _on_connection(self, local: bool) -> None:
+        """(ConnectionPool's: a connection opened, on a node's Unix socket or not.) Found
+        by asking (``find_local``): shared memory while there, none over TCP."""
+        if self.find_local:
+            if local and self._local_lane is None:
+                self._local_lane = Lane(self._shared_limit)
+            self._lane = self._local_lane if local else None
 
     async def _auto_of(self) -> Any:
         if self._auto is None:

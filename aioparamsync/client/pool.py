@@ -30,7 +30,7 @@ import asyncio
 import functools
 import logging
 import ssl as ssl_module
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import EllipsisType
 from typing import Any, Self
 
@@ -46,6 +46,7 @@ from ..errors import (
 from ..wire import Method, method
 from .addresses import Address, check_seconds, parse_addresses, unix_path
 from .connection import _Connection
+from .local import PROBE_TIMEOUT, local_socket_of, on_this_host, open_unix
 
 __all__ = ["ConnectionPool"]
 
@@ -100,6 +101,15 @@ class ConnectionPool:
         self._holding: set[_Connection] = set()  # connections a held call is on
         self._closed = False
         self.connects = 0  # connections opened so far (a new one means a new session)
+        #: ask a node reached over TCP on this host for its Unix socket, and move there
+        #: (see .local); set by ParameterClient
+        self.find_local = False
+        #: the Unix socket a node of self.addresses named, by its index (see .local)
+        self.locals: dict[int, str] = {}
+        self._asked: set[int] = set()  # (the indexes of the nodes asked so far)
+        self._ask_local = False  # (ask at the next answer: find_local, and not asked)
+        self._asking: asyncio.Future[None] | None = None
+        self._retired: set[_Connection] = set()  # (TCP ones left for a local socket)
         #: bytes sent and received on every connection, framing included
         self.traffic: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0}
 
@@ -138,8 +148,10 @@ class ConnectionPool:
             # (a connection still being made: its socket is closed as the connect unwinds,
             # not left to finish after this, or never, if the loop ends first)
             connecting.cancel()
+        if self._asking is not None:
+            self._asking.cancel()
         connections, self._connections = self._connections, []
-        connections += [*self._spare, *self._holding]
+        connections += [*self._spare, *self._holding, *self._retired]
         self._spare.clear()
         for conn in connections:
             conn.close()
@@ -156,23 +168,18 @@ class ConnectionPool:
 
         The connection joins the pool, unless not ``pooled`` (a held call's).
         """
-        loop = asyncio.get_running_loop()
         failures: list[ConnectError | ConnectTimeout] = []
         for attempt in range(len(self.addresses)):
             index = (self._current + attempt) % len(self.addresses)
             host, port = self.addresses[index]
-            path = unix_path(host)
-            if path is not None:
+            if unix_path(host) is not None:
                 where = host
             else:
                 where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             factory = functools.partial(_Connection, self.max_frame_bytes, self.traffic, where)
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    if path is not None:
-                        _, conn = await loop.create_unix_connection(factory, path)
-                    else:
-                        _, conn = await loop.create_connection(factory, host, port, ssl=self.ssl)
+                    conn, local = await self._open(index, factory)
             except TimeoutError:
                 failures.append(
                     ConnectTimeout(f"no connection to {where} within {self.connect_timeout} s")
@@ -200,7 +207,88 @@ class ConnectionPool:
         if pooled:
             self._connections.append(conn)
         self.connects += 1
+        self._on_connection(local)
         return conn
+
+    async def _open(
+        self, index: int, factory: Callable[[], _Connection]
+    ) -> tuple[_Connection, bool]:
+        """A connection to the node of ``self.addresses[index]``, and whether it is on a
+        Unix socket: its own (``unix:PATH``), or the one it named (see :mod:`.local`)."""
+        loop = asyncio.get_running_loop()
+        host, port = self.addresses[index]
+        path = unix_path(host)
+        if path is not None:
+            return await open_unix(loop, factory, path), True
+        local = self.locals.get(index)
+        if local is not None:
+            try:
+                return await open_unix(loop, factory, local), True
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                # (the node restarted, or is gone: over TCP, and asked again)
+                log.info("%s:%d: unix:%s: %s; over TCP", host, port, local, exc)
+                del self.locals[index]
+                self._asked.discard(index)
+                self._ask_local = self.find_local
+        _, conn = await loop.create_connection(factory, host, port, ssl=self.ssl)
+        local = self.locals.get(index)
+        if local is None:
+            return conn, False
+        try:  # (named while this one opened: there instead)
+            moved = await open_unix(loop, factory, local)
+        except OSError:
+            return conn, False
+        conn.close()
+        return moved, True
+
+    def _ask(self, conn: _Connection) -> None:
+        """A call was answered on ``conn``: a node, perhaps on this host; ask it for its
+        Unix socket (once, in the background, on that connection: see :mod:`.local`)."""
+        self._ask_local = False
+        index = self._current
+        if index in self._asked or index in self.locals or self.ssl is not None:
+            return
+        if unix_path(self.addresses[index][0]) is not None or not on_this_host(conn):
+            return
+        self._asked.add(index)
+        self._asking = asyncio.ensure_future(self._move_local(conn, index))
+
+    async def _move_local(self, conn: _Connection, index: int) -> None:
+        """Where the node of ``conn`` names its Unix socket: new calls go there, and the
+        connections open now close once their calls are answered."""
+        loop = asyncio.get_running_loop()
+        where = conn.address
+
+        def opened(path: str) -> Any:
+            factory = functools.partial(
+                _Connection, self.max_frame_bytes, self.traffic, f"{where} (unix:{path})"
+            )
+            return open_unix(loop, factory, path)
+
+        timeout = min(PROBE_TIMEOUT, self.connect_timeout or PROBE_TIMEOUT)
+        found = await local_socket_of(conn, self.addresses[index][1], timeout, opened)
+        if found is None:
+            return
+        local, path = found
+        if self._closed or self._current != index:
+            local.close()
+            return
+        self.locals[index] = path
+        log.debug("%s: on this host, at unix:%s", where, path)
+        retired, self._connections = self._connections, [local]
+        retired += self._spare
+        self._spare.clear()
+        self.connects += 1
+        self._on_connection(True)
+        self._retired.update(retired)
+        while any(c.pending or c.using for c in retired):
+            busy = [f for c in retired for f in c.pending.values()]
+            await (asyncio.wait(busy) if busy else asyncio.sleep(0.01))
+        for old in retired:
+            old.close()  # (a call that got it from _acquire meanwhile opens another)
+
+    def _on_connection(self, local: bool) -> None:
+        """A connection was opened: to a node on this host's Unix socket (``local``) or not."""
 
     async def _call_held(self, m: Method, message: Any, when: float | None) -> Any:
         """Send a call the node holds on a connection of its own."""
@@ -232,18 +320,22 @@ class ConnectionPool:
                 conn.close()
 
     async def _acquire(self, write: bool = False) -> _Connection:
-        conn = self._acquire_now(write)
-        if conn is not None:
-            return conn
-        connecting = self._connecting
-        assert connecting is not None
-        try:
-            return await asyncio.shield(connecting)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if connecting.cancelled() and self._closed and not (task and task.cancelling()):
-                raise ClientClosedError("the client was closed") from None  # (by close())
-            raise
+        while True:
+            conn = self._acquire_now(write)
+            if conn is not None:
+                return conn
+            connecting = self._connecting
+            assert connecting is not None
+            try:
+                conn = await asyncio.shield(connecting)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if connecting.cancelled() and self._closed and not (task and task.cancelling()):
+                    raise ClientClosedError("the client was closed") from None  # (by close())
+                raise
+            if conn.usable or conn not in self._retired:
+                return conn
+            # (opened, then left for the node's Unix socket before this call was sent on it)
 
     def _acquire_now(self, write: bool = False) -> _Connection | None:
         """The connection to send on, or None to wait for ``_connecting``.
@@ -351,7 +443,11 @@ class ConnectionPool:
                         async with asyncio.timeout_at(when):
                             conn = await self._acquire(m.writes)
                     if oneway or conn._write_paused:
-                        result = await conn.call(m, message, when)
+                        conn.using += 1  # (not closed under it, left for a local socket)
+                        try:
+                            result = await conn.call(m, message, when)
+                        finally:
+                            conn.using -= 1
                         break
                     # conn.call's common case, without a coroutine of its own
                     seqid, future = conn.send(m, message, when)
@@ -362,6 +458,8 @@ class ConnectionPool:
                         # (an error the future holds has this frame in its traceback, and
                         # this frame the request: without this, a cycle kept its bytes)
                         del future
+                    if self._ask_local:
+                        self._ask(conn)
                     break
                 except ConnectionLostError:
                     if retries == 0 or self._closed:

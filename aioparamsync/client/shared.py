@@ -46,7 +46,7 @@ from ..values.sharedmem import (
 from ..wire import thrift
 from .addresses import unix_path
 
-__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "Lane", "Region", "lane_for", "read_lent"]
+__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "Lane", "Region", "lane_for", "may_share", "read_lent"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARED_MEMORY_BYTES = 1 << 30
 # A new segment holds at least this many bytes, and twice the region it is made for.
 MIN_SEGMENT_BYTES = 64 << 20
+# Reads answered in the message though lent room enough, after which a lane lends no more.
+DECLINES = 2
 # Reads whose answers' sizes a lane remembers (by the names read).
 _MAX_READS = 64
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -67,13 +69,22 @@ def lane_for(addresses: list[tuple[str, int]], limit: int) -> Lane | None:
     Raises:
         ValueError: ``limit`` is not a number of bytes (an int, 0 or more).
     """
-    if type(limit) is not int or limit < 0:
-        raise ValueError(f"shared_memory is a number of bytes, 0 or more, not {limit!r}")
-    if limit == 0 or not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+    if not may_share(limit) or not addresses:
         return None
-    if not addresses or any(unix_path(host) is None for host, _ in addresses):
+    if any(unix_path(host) is None for host, _ in addresses):
         return None
     return Lane(limit)
+
+
+def may_share(limit: int) -> bool:
+    """Whether a client may share memory: ``limit`` above 0, and this system able to.
+
+    Raises:
+        ValueError: ``limit`` is not a number of bytes (an int, 0 or more).
+    """
+    if type(limit) is not int or limit < 0:
+        raise ValueError(f"shared_memory is a number of bytes, 0 or more, not {limit!r}")
+    return limit > 0 and hasattr(os, "memfd_create") and hasattr(os, "posix_fallocate")
 
 
 class Segment:
@@ -147,6 +158,7 @@ class Lane:
         self.lent = 0  # bytes lent now
         self.shared_reads = self.shared_pushes = 0
         self.broken: str | None = None  # why no segment can be made (then none is)
+        self.declined = 0  # reads the node answered in the message, room lent (see _declined)
         self._reads: dict[Hashable, int] = {}
         # (an array's region comes back in the thread that lets go of its last view)
         self._lock = threading.Lock()
@@ -205,6 +217,21 @@ class Lane:
             self.lent -= region.size
             region.segment.give(region.offset, region.size)
 
+    def _declined(self) -> None:
+        """The node answered a read in the message where it had room in the region lent:
+        it does not map this client's memory (another user, or a node that cannot see this
+        process: another PID namespace). After ``DECLINES`` such answers, no more is lent,
+        and the segments go once nothing holds them."""
+        self.declined += 1
+        if self.declined == DECLINES:
+            log.info("the node answers in messages, not in shared memory: none is lent to it")
+            with self._lock:
+                if not self.lent:
+                    for segment in self.segments:
+                        segment.close()
+                    self.segments.clear()
+                    self.made = 0
+
     def keep(self, region: Region) -> None:
         """``region`` never lent again: its call failed, and the node may yet use it."""
         with self._lock:
@@ -217,6 +244,8 @@ class Lane:
         """The key of a read of ``names``, and a region for its answer (if its size is
         known: that of the last answer to such a read)."""
         key = tuple(names) if names is not None else None
+        if self.declined >= DECLINES:
+            return key, None
         size = self._reads.get(key)
         return key, (self.take(size) if size else None)
 
@@ -243,7 +272,9 @@ class Lane:
             ]
             if len(self._reads) >= _MAX_READS and key not in self._reads:
                 self._reads.pop(next(iter(self._reads)))
-            self._reads[key] = sum(sizes) + ALIGN * (len(sizes) + 1) if sizes else 0
+            needed = self._reads[key] = sum(sizes) + ALIGN * (len(sizes) + 1) if sizes else 0
+            if region is not None and 0 < needed <= region.size:
+                self._declined()  # (room enough, and answered in the message)
             if shared:
                 raise RemoteProtocolError("an answer in shared memory to a read that lent none")
             return

@@ -361,6 +361,7 @@ class PeerLink:
                 connect_timeout=PEER_CALL_TIMEOUT,
                 ssl=self.cluster.ssl,
                 route=False,
+                shared_memory=0,  # (peers link over TCP, never a local socket)
             )
         return self._proxy
 
@@ -440,6 +441,7 @@ class PeerLink:
                 max_connections=1,
                 ssl=self.cluster.ssl,
                 route=False,
+                shared_memory=0,  # (peers link over TCP, never a local socket)
             )
             try:
                 if self.state not in (LinkState.BACKOFF, LinkState.REFUSED):

@@ -161,6 +161,7 @@ class ParameterService:
         self.following: str | None = None
         #: more of info's counters: each answers some (a follower's lag)
         self.statistics_hooks: list[Callable[[], Mapping[str, int]]] = []
+        self.local_socket: str | None = None  # (info's: where clients on this host connect)
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,
@@ -533,6 +534,7 @@ class ParameterService:
             waiting=self.waiting.report(),
             topology=self._topology_now(),
             fast_path=fast_path(),
+            local_socket=self.local_socket,
         )
         cluster = self.cluster
         if cluster is not None:

@@ -31,9 +31,11 @@ import asyncio
 import collections
 import logging
 import os
+import secrets
 import socket
 import ssl as ssl_module
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -93,6 +95,11 @@ class ServerConfig:
     # Also listen on this Unix socket (colocated clients; without TLS: who may
     # connect is the file's permissions); None: TCP only.
     unix_path: str | None = None
+    # Without unix_path and TLS: listen on an abstract Unix socket of a random name
+    # too, which a client that reached the TCP port from this host moves to
+    # (``local_socket``: it shares memory there). An abstract socket is no file:
+    # nothing to remove, and seen only within this network namespace.
+    local_socket: bool = True
 
 
 # Where a closing connection's incoming bytes go (they are dropped).
@@ -395,6 +402,9 @@ class Server:
         self._budget_mark = 0
         self._server: asyncio.Server | None = None
         self._unix_server: asyncio.Server | None = None
+        #: where a client on this host may connect instead ("unix:PATH", "unix:@NAME"),
+        #: once started; None: nowhere
+        self.local_socket: str | None = None
         self._on_idle: Callable[[], None] | None = None
         # Told (method, seconds, error or None) as each call is settled (see metrics.py).
         self.call_observer: Callable[[str, float, BaseException | None], None] | None = None
@@ -420,14 +430,19 @@ class Server:
             backlog=1024,
             ssl=self.config.ssl,
         )
-        if self.config.unix_path is not None:
-            try:
+        config = self.config
+        try:
+            if config.unix_path is not None:
                 self._unix_server = await _listen_unix(
-                    lambda: ServerConnection(self), self.config.unix_path
+                    lambda: ServerConnection(self), config.unix_path
                 )
-            except BaseException:
-                self._server.close()
-                raise
+                self.local_socket = f"unix:{config.unix_path}"
+            elif config.local_socket and config.ssl is None and sys.platform == "linux":
+                self._unix_server, name = await _listen_abstract(lambda: ServerConnection(self))
+                self.local_socket = f"unix:@{name}"
+        except BaseException:
+            self._server.close()
+            raise
 
     def _register(self, conn: ServerConnection) -> bool:
         if self.stopping:
@@ -534,6 +549,22 @@ async def _listen_unix(factory: Callable[[], ServerConnection], path: str) -> as
         return await loop.create_unix_server(factory, path, backlog=1024)
     except OSError as exc:
         raise ListenError(f"cannot listen on unix:{path}: {exc}") from exc
+
+
+async def _listen_abstract(factory: Callable[[], ServerConnection]) -> tuple[asyncio.Server, str]:
+    """Listen on an abstract Unix socket of a random name (Linux); answer it and the name."""
+    name = f"aioparamsync-{os.getpid()}-{secrets.token_hex(8)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(1024)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(factory, sock=sock, backlog=1024)
+    except BaseException:
+        sock.close()
+        raise
+    return server, name
 
 
 def _remove_socket(path: str | None) -> None:
