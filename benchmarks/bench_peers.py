@@ -21,10 +21,11 @@ Systems:
   loop). Worker 0 creates the tensors once with ``update_arrays({...}, rules=sgd(lr))``
   (``sum_rule()`` for C); a step is ``await client.get_arrays(names)`` then
   ``await client.push_gradients({name: grad})``. The node folds each push (it makes a
-  new array per fold: a read never sees half a fold). ``--transport unix``: the node's
-  ``--unix-socket``, clients made with ``shared_memory=0``; ``shm``: the same socket with
-  the client's default, tensors through memory shared with the node
-  (``aioparamsync.client.shared``).
+  new array per fold: a read never sees half a fold). ``--transport tcp``: clients made
+  with ``shared_memory=0``, pinned to TCP; ``unix``: the node's ``--unix-socket``, clients
+  made with ``shared_memory=0``; ``shm``: clients as by default, given the node's TCP
+  address: they move to the node's own Unix socket (``aioparamsync.client.local``) and
+  tensors go through memory shared with the node (``aioparamsync.client.shared``).
 * ``redis``: ``redis-server --save "" --appendonly no`` on a free loopback port, redis-py's
   ``redis.asyncio`` (one client per worker, on the same loop as above). A step is one MGET
   of every key (bytes -> ``numpy.frombuffer``), the SGD step done by the worker itself
@@ -1075,11 +1076,16 @@ def transport_of(system: str, transport: str) -> tuple[str, str | None]:
         return "tensorpipe-defaults", (
             f"torch-rpc: {why}TensorPipe's defaults (shared memory between processes of one host)"
         )
-    if system == "aioparamsync" and transport != "tcp":
+    if system == "aioparamsync" and transport == "shm":
         return transport, (
-            "aioparamsync: the node's Unix socket, "
-            + ("with shared memory" if transport == "shm" else "without shared memory")
+            "aioparamsync: the client as it is by default, given the node's TCP address: "
+            "it moves to the node's Unix socket (found by asking) and shares memory there"
         )
+    if system == "aioparamsync" and transport == "unix":
+        return transport, "aioparamsync: the node's Unix socket, without shared memory"
+    if system == "aioparamsync":
+        return transport, "aioparamsync: pinned to TCP (shared_memory=0: no Unix socket)"
+
     if transport == "shm":
         return "tcp", f"{system}: no shared-memory transport; fell back to tcp"
     return transport, None
@@ -1134,8 +1140,10 @@ def session_aioparamsync(ctx: Context) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "aioparamsync", "--host", HOST, "--port", "0"]
         cmd += ["--log-level", "warning", *args.node_args]
-        if args.transport in ("unix", "shm"):
+        if args.transport == "unix":
             cmd += ["--unix-socket", str(Path(tmp) / "node.sock")]
+        # (shm: the workers are given its TCP address, as by default, and move to its own
+        # Unix socket, an abstract one, by themselves: see aioparamsync.client.local)
         node = Child("aioparamsync node", cmd, ctx.env)
         try:
             address = _listening(node, START_TIMEOUT)
@@ -1832,8 +1840,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guard", type=float,
                    help="C and D's deadline, a guard (default: 300 s)")  # fmt: skip
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
-                   help="tcp (default), unix (Unix sockets where a system has them), shm "
-                   "(aioparamsync's shared memory over its Unix socket, TensorPipe's "
+                   help="tcp (default; aioparamsync's clients pinned to it), unix (Unix "
+                   "sockets where a system has them), shm (aioparamsync's clients as by "
+                   "default: moved to the node's Unix socket, sharing memory; TensorPipe's "
                    "defaults; the others fall back to tcp)")  # fmt: skip
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the event loop of the async workers: aioparamsync, redis, grpc "
