@@ -229,6 +229,10 @@ class ServerConnection(CallDispatch, asyncio.BufferedProtocol):
         self.receiver.close()
         self.receiver.on_grant = None  # (a cycle through it kept the receiver's buffers)
         self._calls.clear()
+        # (the last write's future, done, held for the read-your-writes of a next call
+        # that will not come: its Call holds this connection, a cycle that kept the
+        # future's traceback, and the request's bytes in its frames, for the collector)
+        self._unapplied.clear()
         # Nobody is left to answer: stop the reads held for it (long polls,
         # barriers). A write is applied all the same.
         for held in list(self._held):
