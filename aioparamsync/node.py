@@ -174,7 +174,7 @@ class Node:
             max_connections=max_connections,
             request_timeout=request_timeout,
             ssl=ssl,
-            unix_path=os.fspath(unix_socket) if unix_socket is not None else None,
+            unix_path=os.path.abspath(unix_socket) if unix_socket is not None else None,
             local_socket=local_socket,
         )
         self.seeds = parse_addresses(peers) if peers else []

@@ -28,6 +28,7 @@ from cluster_helpers import NODE_COMMAND, NodeProcess, assert_, eventually, free
 from raw_helpers import slow_link
 
 from aioparamsync import Node, ParameterClient, sgd
+from aioparamsync.server import transport
 from aioparamsync.tls import client_context, server_context
 
 pytestmark = pytest.mark.skipif(
@@ -145,10 +146,13 @@ async def test_a_node_serving_tls_has_no_local_socket(tmp_path: Path) -> None:
         assert client.locals == {}
 
 
-async def test_a_node_with_a_unix_socket_file_names_it(tmp_path: Path) -> None:
+async def test_a_node_with_a_unix_socket_file_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # (given relative, named whole: clients run elsewhere)
     path = str(tmp_path / "ps.sock")
     async with (
-        started(unix_socket=path) as node,
+        started(unix_socket="ps.sock") as node,
         ParameterClient(node.address, timeout=CALL_TIMEOUT) as client,
     ):
         assert node.server.local_socket == f"unix:{path}"
@@ -254,3 +258,21 @@ async def test_a_node_that_cannot_see_the_client_is_lent_no_memory_after_two_rea
             assert (stats["segments"], stats["bytes"], stats["lent"]) == (0, 0, 0), stats
     finally:
         await proc.close()
+
+
+async def test_a_node_that_cannot_listen_on_a_local_socket_serves_over_tcp(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As in a sandbox that refuses Unix sockets: the node starts all the same, says so,
+    and names no socket; its clients stay on TCP."""
+
+    async def refused(factory: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(transport, "_listen_abstract", refused)
+    async with started() as node, ParameterClient(node.address, timeout=CALL_TIMEOUT) as client:
+        assert node.server.local_socket is None
+        assert "no local socket" in caplog.text
+        np.testing.assert_array_equal(await train(client, 2), np.full(1 << 18, -1.0))
+        await asyncio.sleep(0.2)
+        assert client.locals == {}
