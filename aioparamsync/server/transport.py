@@ -443,9 +443,7 @@ class Server:
                 self.local_socket = f"unix:{config.unix_path}"
             elif config.local_socket and config.ssl is None and sys.platform == "linux":
                 try:
-                    self._unix_server, name = await _listen_abstract(
-                        lambda: ServerConnection(self)
-                    )
+                    self._unix_server, name = await _listen_abstract(lambda: ServerConnection(self))
                     self.local_socket = f"unix:@{name}"
                 except OSError as exc:  # (a sandbox without Unix sockets: TCP alone)
                     log.warning("no local socket (clients on this host use TCP): %s", exc)
