@@ -48,17 +48,21 @@ async def open_unix(
     """Connect to the Unix socket ``path`` (``@NAME``: an abstract one)."""
     # (a Unix socket whose backlog is full refuses at once, EAGAIN, where TCP would send
     # its SYN again: a burst of connections tries again, within the caller's deadline)
-    for pause in (*BACKLOG_PAUSES, None):
+    for pause in BACKLOG_PAUSES:
         try:
-            if not path.startswith("@"):
-                _, conn = await loop.create_unix_connection(factory, path)
-                return conn
-            return await _open_abstract(loop, factory, path[1:])
+            return await _connect_unix(loop, factory, path)
         except BlockingIOError:
-            if pause is None:
-                raise
             await asyncio.sleep(pause)
-    raise AssertionError("not reached")
+    return await _connect_unix(loop, factory, path)
+
+
+async def _connect_unix(
+    loop: asyncio.AbstractEventLoop, factory: Callable[[], _Connection], path: str
+) -> _Connection:
+    if not path.startswith("@"):
+        _, conn = await loop.create_unix_connection(factory, path)
+        return conn
+    return await _open_abstract(loop, factory, path[1:])
 
 
 async def _open_abstract(

@@ -221,16 +221,13 @@ class Lane:
         """The node answered a read in the message where it had room in the region lent:
         it does not map this client's memory (another user, or a node that cannot see this
         process: another PID namespace). After ``DECLINES`` such answers, no more is lent,
-        and the segments go once nothing holds them."""
+        and the segments go (those arrays still hold, once they are gone)."""
         self.declined += 1
         if self.declined == DECLINES:
             log.info("the node answers in messages, not in shared memory: none is lent to it")
-            with self._lock:
-                if not self.lent:
-                    for segment in self.segments:
-                        segment.close()
-                    self.segments.clear()
-                    self.made = 0
+            self.close()  # (no segment is made after: take() answers None)
+            self.made = 0
+            self.broken = "the node does not map this client's memory"
 
     def keep(self, region: Region) -> None:
         """``region`` never lent again: its call failed, and the node may yet use it."""
@@ -244,8 +241,6 @@ class Lane:
         """The key of a read of ``names``, and a region for its answer (if its size is
         known: that of the last answer to such a read)."""
         key = tuple(names) if names is not None else None
-        if self.declined >= DECLINES:
-            return key, None
         size = self._reads.get(key)
         return key, (self.take(size) if size else None)
 

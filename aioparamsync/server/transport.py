@@ -563,8 +563,7 @@ async def _listen_abstract(factory: Callable[[], ServerConnection]) -> tuple[asy
     name = f"aioparamsync-{os.getpid()}-{secrets.token_hex(8)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind("\0" + name)
-        sock.listen(1024)
+        sock.bind("\0" + name)  # (create_unix_server listens on it)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         server = await loop.create_unix_server(factory, sock=sock, backlog=1024)
