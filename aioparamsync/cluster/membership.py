@@ -49,6 +49,7 @@ from .balance import DEFAULT_BALANCE_INTERVAL, Balancer
 from .fencing import Fencing
 from .links import BATCH_BYTES, BATCH_PARAMS, DEFAULT_REPAIR_INTERVAL, LinkState, PeerLink
 from .rebalance import Rebalancer
+from .recovered import Recovery
 from .replication import ACK_TIMEOUT, Replication
 from .reports import UNREACHABLE_WARNING, LinkReports
 from .transitions import Transitions
@@ -165,6 +166,7 @@ class Cluster:
         self.replication = Replication(self)
         self.transitions = Transitions(self)
         self.rebalancer = Rebalancer(self)
+        self.recovery = Recovery(self)
         self.balancer = Balancer(self, balance_interval)
         self.reports = LinkReports(self.links, unreachable_warning)
         if coordinator is not None:

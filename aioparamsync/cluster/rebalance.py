@@ -44,6 +44,7 @@ from ..placement import JOINING, LEAVING, LEFT
 from ..store.table import Entry, lww_key
 from ..wire import METHODS, thrift
 from .links import LinkState, PeerLink
+from .recovered import covers
 
 if TYPE_CHECKING:
     from .membership import Cluster
@@ -231,15 +232,16 @@ class Rebalancer:
         return held
 
     async def _held(self, client: Any, entries: list[Entry]) -> set[str]:
-        """The names of ``entries`` the peer holds at their version here, or newer."""
+        """The names of ``entries`` the peer holds at their version here, or newer (see
+        :func:`.recovered.covers`)."""
         held: set[str] = set()
-        step = self.cluster.batch_params
+        step, table = self.cluster.batch_params, self.cluster.store.table
         for i in range(0, len(entries), step):
             batch = entries[i : i + step]
             request = thrift.DigestRequest(names=[e.name for e in batch])
             digest = await client.invoke(METHODS.digest_for, request=request)
-            theirs = {d.name: lww_key(d) for d in digest}
-            held.update(e.name for e in batch if e.name in theirs and theirs[e.name] >= lww_key(e))
+            theirs = {d.name: d for d in digest}
+            held.update(e.name for e in batch if (d := theirs.get(e.name)) and covers(table, d, e))
         return held
 
     async def drain(self, timeout: float) -> int:

@@ -6,18 +6,18 @@ restarts empty), so links also repair: on every (re)connection, every
 the digest (name -> version, origin) of the keys this node is a replica of,
 by the placement it sends (the one it will have, while joining), and pulls
 whatever the peer has newer than this node. Every node does the same towards
-each of its peers, so every replica ends equal.
+each of its peers, so every replica ends equal. (A copy a node read from its
+data directory at start, written to by nothing since, does not win over a
+live one: see :mod:`.recovered`.)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..client.fetch import fetch
 from ..placement import LEAVING
-from ..store.table import lww_key
 from ..wire import METHODS, thrift
-from .batches import batches
+from .recovered import newer, pull
 
 if TYPE_CHECKING:
     from ..client.api import ParameterClient
@@ -41,28 +41,6 @@ async def repair(cluster: Cluster, client: ParameterClient, peer: str) -> int:
         claims=dict(placement.claims) or None,
     )
     digest = await client.invoke(METHODS.digest_for, request=request)
+    await cluster.recovery.yield_to(peer, digest)  # (copies from before a restart)
     table = cluster.store.table
-    wanted = []
-    for item in digest:
-        mine = table.entry(item.name)
-        if mine is None or lww_key(mine) < lww_key(item):
-            wanted.append(item)
-    pulled = 0
-    for batch in batches(wanted, cluster.batch_params, cluster.batch_bytes):
-        request = thrift.ParameterRequest(
-            param_names=[item.name for item in batch],
-            max_inline_bytes=cluster.inline_bytes,
-            as_stored=True,  # (what the peer stores: never passed on, see the IDL)
-        )
-        response = await client.invoke(METHODS.pull_parameters, request=request)
-        # A large parameter comes without its data: read it in pieces.
-        params = [
-            p
-            if p.total_bytes is None
-            else await fetch(client, p, cluster.piece_bytes, as_stored=True)
-            for p in response.params
-        ]
-        if params:
-            await cluster.store.update(params, response.timestamp, replicated=True)
-            pulled += len(params)
-    return pulled
+    return await pull(cluster, client, [item for item in digest if newer(table, item)])

@@ -203,20 +203,26 @@ class Transitions:
         """
         cluster = self.cluster
         settling = self.settling = asyncio.get_running_loop().create_future()
+        former = cluster.recovery.former_primaries()  # (by the view before it is up)
         try:
             cluster.set_state(UP)
             if await self.published() and cluster.coordinator is not None:
                 await cluster.caught_up(cluster.coordinator.written_revision)
-            await self._settle()
+            await self._settle(former)
         finally:
             self.settling = None
             settling.set_result(None)
 
-    async def _settle(self) -> None:
-        """Tell every member up what this node now is, and pull what they folded."""
+    async def _settle(self, former: Mapping[str, str]) -> None:
+        """Tell every member up what this node now is, and pull what they folded (and
+        wrote of the keys it read from its data directory: ``former``, see
+        :meth:`.recovered.Recovery.settle`)."""
         cluster = self.cluster
-        if any(link.state == LinkState.UP for link in cluster.links.values()):
+        up = {m: link for m, link in cluster.by_id.items() if link.state == LinkState.UP}
+        if up:
             await self.tell_all()
+        await cluster.recovery.settle(former, up)
+        if up:
             await self._pull_all()
             await cluster.rebalancer.other_rounds()
 
@@ -285,7 +291,7 @@ class Transitions:
                 "node %s claims %d keys (%d in all), at epoch %d",
                 cluster.me.node_id, len(taking), len(cluster.claims), epoch,
             )  # fmt: skip
-            await self._settle()
+            await self._settle({})
         finally:
             self.settling = None
             settling.set_result(None)

@@ -265,6 +265,7 @@ class DataDir(WriteAheadLog):
         found.records, found.torn_bytes = self._recover_log(start, table)
         if damaged:
             self._replace_damaged(damaged, table, found)
+        table.mark_recovered()  # (a cluster's live copies win over these: see cluster.recovered)
         return found
 
     def _replace_damaged(

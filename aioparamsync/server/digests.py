@@ -25,7 +25,10 @@ __all__ = ["bucket_digest", "digest", "digest_for"]
 def _entry(table: ParameterTable, name: str) -> Any:
     e = table.entry(name)
     assert e is not None
-    return thrift.DigestEntry(name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes)
+    recovered = True if table.recovered and table.recovered_entry(name) is not None else None
+    return thrift.DigestEntry(
+        name=e.name, version=e.version, origin=e.origin, nbytes=e.nbytes, recovered=recovered
+    )
 
 
 def digest(table: ParameterTable) -> list[Any]:

@@ -229,6 +229,8 @@ class ParameterTable:
         # What each parameter's rule keeps between gradient steps (this node's
         # own: optimizer state is not replicated).
         self._states: dict[str, rules.State] = {}
+        #: what was read from the data directory at start (name -> lww key; see recovered)
+        self.recovered: dict[str, tuple[int, str]] = {}
 
     @property
     def origin(self) -> str:
@@ -257,6 +259,35 @@ class ParameterTable:
 
     def entry(self, name: str) -> Entry | None:
         return self._entries.get(name)
+
+    def mark_recovered(self) -> None:
+        """Remember every entry held now as read from the data directory (see
+        :mod:`aioparamsync.cluster.recovered`, which yields such copies to live ones)."""
+        self.recovered = {name: lww_key(e) for name, e in self._entries.items()}
+
+    def recovered_entry(self, name: str) -> Entry | None:
+        """``name``'s entry while it is as read from the data directory at start, nothing
+        written to it since; else None (and the name is forgotten)."""
+        key = self.recovered.get(name)
+        if key is None:
+            return None
+        e = self._entries.get(name)
+        if e is not None and lww_key(e) == key:
+            return e
+        del self.recovered[name]
+        return None
+
+    def lift(self, floors: Mapping[str, int], timestamp: int) -> Applied:
+        """Raise each named parameter's version to its floor where it is lower, its
+        value, layout and rule kept (a write here: it replicates, and is logged, as any)."""
+        made = []
+        for name, floor in floors.items():
+            e = self._entries.get(name)
+            if e is not None and e.version < floor <= MAX_VERSION:
+                made.append(
+                    Entry(name, e.data, floor, e.dtype, e.shape, self.origin, e.rule, e.array)
+                )
+        return self._store(made, timestamp)
 
     def names(self) -> list[str]:
         return list(self._entries)

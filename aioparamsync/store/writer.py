@@ -34,7 +34,7 @@ INLINE_LOG_BYTES = 1024 * 1024
 
 
 # How a queued update is applied.
-_APPLY, _MERGE, _FOLD, _DROP = 0, 1, 2, 3
+_APPLY, _MERGE, _FOLD, _DROP, _LIFT = 0, 1, 2, 3, 4
 
 
 class Answer(asyncio.Future[Any]):
@@ -249,6 +249,10 @@ class ParameterStore:
         data directory, a snapshot follows, so the files hold what the node holds."""
         if not held:
             return 0
+        return await self._queued(dict(held), _DROP)
+
+    async def _queued(self, what: dict[str, Any], mode: int) -> Any:
+        """Queue a drop or a lift (waiting for room), and answer what it answers."""
         while len(self._queue) >= self.max_pending and not self._closed:
             if self._room is None:
                 self._room = asyncio.Event()
@@ -259,9 +263,17 @@ class ParameterStore:
         loop = self._loop = asyncio.get_running_loop()
         future = Answer(loop=loop)
         future.eager = None
-        self._queue.append((dict(held), 0, _DROP, future, None, None, None))  # type: ignore[arg-type]
+        self._queue.append((what, 0, mode, future, None, None, None))  # type: ignore[arg-type]
         self._wake()
         return await future
+
+    async def lift(self, floors: Mapping[str, int]) -> int:
+        """Raise the named parameters' versions to their floors (see
+        :meth:`ParameterTable.lift`), in order with the updates queued; answers how
+        many were lifted."""
+        if not floors:
+            return 0
+        return len((await self._queued(dict(floors), _LIFT)).entries)
 
     async def applied(self) -> None:
         """Wait until every update queued before this call is applied (a barrier).
@@ -392,7 +404,7 @@ class ParameterStore:
             params, timestamp, mode, future, then, call, check = item
             if future.cancelled():
                 continue  # its caller gave up before it was applied
-            if hold is not None and mode != _MERGE and mode != _DROP and not hold.admits(call):
+            if hold is not None and mode < _DROP and mode != _MERGE and not hold.admits(call):
                 hold.held.append(item)  # (after the cut: see .cuts)
                 continue
             try:
@@ -404,7 +416,9 @@ class ParameterStore:
                     continue
                 if check is not None:
                     check()
-                if mode == _APPLY:
+                if mode == _LIFT:
+                    applied = table.lift(params, timestamp)  # type: ignore[arg-type]
+                elif mode == _APPLY:
                     applied = table.apply(params, timestamp)
                 elif mode == _MERGE:
                     applied = table.merge(params, timestamp)

@@ -1,0 +1,204 @@
+"""A node restarted with its data: its copies from before yield to what was written since.
+
+A node with a data directory reads back at start what it held (its table
+marks those entries: :meth:`~aioparamsync.store.table.ParameterTable.recovered_entry`).
+The cluster went on without it meanwhile. Where no live replica of one of its
+keys was left (R=1, or every replica down), the key's next primary held no
+copy, and a write there made the key anew, from version 1. By last-writer-wins
+alone, the restarted node's copy, of a higher version, would win over that
+later write when the node came back: an acknowledged write lost. So a copy
+as recovered (nothing written to it since) does not win over a live one:
+
+- A node does not pull a peer's recovered copy over a live copy of its own
+  (:func:`newer`, in repair), and a hand-off does not take a recovered copy at
+  its target for its own live one (:func:`covers`, in rebalance).
+- The restarted node gives up its recovered copy of a key where the key's
+  primary, the member that took its writes meanwhile, holds a live copy of a
+  lower version: it drops its own and pulls the primary's
+  (:meth:`Recovery.yield_to`, in repair).
+- As it takes over as the primary of its keys (once the former primaries
+  stopped taking their writes), it asks each of those once more (a write may
+  have made a key there after its join pulled), then raises the versions of
+  the keys whose copies yielded above the versions it held, so that versions
+  keep growing for readers, and takes its copies of the keys it is primary of
+  now for live ones (:meth:`Recovery.settle`): a key no one wrote meanwhile is
+  back as it was.
+
+Two recovered copies (a cluster whose nodes all restarted) compare by
+last-writer-wins, as before: the later write wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..client.fetch import fetch
+from ..errors import ParamSyncError
+from ..store.table import Entry, ParameterTable, lww_key
+from ..wire import METHODS, thrift
+from .batches import batches
+
+if TYPE_CHECKING:
+    from ..client.api import ParameterClient
+    from .links import PeerLink
+    from .membership import Cluster
+
+__all__ = ["Recovery", "covers", "newer", "pull"]
+
+log = logging.getLogger(__name__)
+
+
+def newer(table: ParameterTable, item: Any) -> bool:
+    """Whether a peer's copy (a ``DigestEntry``) is to be pulled over this node's:
+    this node has none, or a lower one, unless the peer's is recovered and this
+    node's is live."""
+    mine = table.entry(item.name)
+    if mine is None:
+        return True
+    if lww_key(mine) >= lww_key(item):
+        return False
+    return not item.recovered or table.recovered_entry(item.name) is not None
+
+
+def covers(table: ParameterTable, theirs: Any, mine: Entry) -> bool:
+    """Whether a hand-off's target, holding ``theirs`` (a ``DigestEntry``), holds what
+    this node does of it (``mine``): the same or a newer version, not recovered
+    where this node's is live; or any live copy where this node's is recovered."""
+    if table.recovered and table.recovered_entry(mine.name) is not None:
+        return not theirs.recovered or lww_key(theirs) >= lww_key(mine)
+    return lww_key(theirs) >= lww_key(mine) and not theirs.recovered
+
+
+async def pull(cluster: Cluster, client: ParameterClient, items: Sequence[Any]) -> int:
+    """Pull the parameters named by ``items`` (a peer's digest) from ``client``'s node
+    and merge them here; answer how many came."""
+    pulled = 0
+    for batch in batches(list(items), cluster.batch_params, cluster.batch_bytes):
+        request = thrift.ParameterRequest(
+            param_names=[item.name for item in batch],
+            max_inline_bytes=cluster.inline_bytes,
+            as_stored=True,  # (what the peer stores: never passed on, see the IDL)
+        )
+        response = await client.invoke(METHODS.pull_parameters, request=request)
+        # A large parameter comes without its data: read it in pieces.
+        params = [
+            p
+            if p.total_bytes is None
+            else await fetch(client, p, cluster.piece_bytes, as_stored=True)
+            for p in response.params
+        ]
+        if params:
+            await cluster.store.update(params, response.timestamp, replicated=True)
+            pulled += len(params)
+    return pulled
+
+
+class Recovery:
+    """This node's recovered copies, as it meets the live cluster (see the module).
+
+    Args:
+        cluster: the cluster whose node this is.
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        #: names whose recovered copies yielded -> the version to raise them to
+        self.floors: dict[str, int] = {}
+        self.yielded = 0  # copies given up, in all
+
+    async def yield_to(self, peer: str, items: Sequence[Any], primaries: bool = True) -> int:
+        """Give up the recovered copies here that ``peer``'s (``items``, its digest)
+        supersede: live there, lower, and (``primaries``) ``peer`` their primary now.
+        Answers how many were dropped (the caller pulls the peer's)."""
+        cluster = self.cluster
+        table = cluster.store.table
+        if not table.recovered:
+            return 0
+        placement, live = cluster.placement, cluster.live
+        given: dict[str, tuple[int, str]] = {}
+        for item in items:
+            if item.recovered or (mine := table.recovered_entry(item.name)) is None:
+                continue
+            if lww_key(item) < lww_key(mine) and (
+                not primaries or placement.primary(item.name, live) == peer
+            ):
+                given[item.name] = lww_key(mine)
+        if not given:
+            return 0
+        dropped = await cluster.store.drop(given)
+        for name, (version, _) in given.items():
+            self.floors[name] = max(self.floors.get(name, 0), version + 1)
+        self.yielded += dropped
+        log.warning(
+            "%d keys read from the data directory were written anew at %s while this node "
+            "was away (e.g. %r): its copies are dropped and the newer writes pulled",
+            dropped,
+            peer,
+            next(iter(given)),
+        )
+        return dropped
+
+    def former_primaries(self) -> dict[str, str]:
+        """Before this node says it is up: each key recovered here that it will be the
+        primary of, and the member that is the key's primary now (if any)."""
+        cluster = self.cluster
+        table = cluster.store.table
+        if not table.recovered:
+            return {}
+        me = cluster.me.node_id
+        placement, live = cluster.placement, cluster.live
+        after = cluster.pending or placement
+        found = {}
+        for name in list(table.recovered):
+            if table.recovered_entry(name) is None or after.primary(name, live | {me}) != me:
+                continue
+            former = placement.primary(name, live)
+            if former is not None and former != me:
+                found[name] = former
+        return found
+
+    async def settle(self, former: Mapping[str, str], up: Mapping[str, PeerLink]) -> None:
+        """As this node takes over (the former primaries answered that they know): yield
+        to what they wrote meanwhile (each of ``former``'s members, asked through its
+        link in ``up``), raise the versions of the keys whose copies yielded, and take
+        its copies of the keys it is now primary of for live ones."""
+        cluster = self.cluster
+        by_peer: dict[str, list[str]] = {}
+        for name, peer in former.items():
+            by_peer.setdefault(peer, []).append(name)
+        asked = await asyncio.gather(
+            *(self._ask(up.get(peer), peer, names) for peer, names in by_peer.items())
+        )
+        table = cluster.store.table
+        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
+        floors, self.floors = self.floors, {}
+        mine = {n: v for n, v in floors.items() if placement.primary(n, live) == me}
+        if mine:
+            lifted = await cluster.store.lift(mine)
+            log.info("raised the versions of %d keys above those it held before", lifted)
+        for names, answered in zip(by_peer.values(), asked, strict=True):
+            for name in names if answered else ():
+                if placement.primary(name, live) == me:
+                    table.recovered.pop(name, None)  # (live now: the primary's copy)
+
+    async def _ask(self, link: PeerLink | None, peer: str, names: list[str]) -> bool:
+        """Yield to ``peer``'s live copies of ``names`` and pull them, through ``link``
+        (None: not up); answer whether ``peer`` answered."""
+        cluster = self.cluster
+        if link is None:
+            return False
+        client = link.proxy()
+        try:
+            for i in range(0, len(names), cluster.batch_params):
+                request = thrift.DigestRequest(names=names[i : i + cluster.batch_params])
+                digest = await client.invoke(METHODS.digest_for, request=request)
+                if await self.yield_to(peer, digest, primaries=False):
+                    table = cluster.store.table
+                    await pull(cluster, client, [d for d in digest if newer(table, d)])
+        except (ParamSyncError, OSError) as exc:
+            log.info("could not ask %s what it wrote while this node was away: %s", peer, exc)
+            return False
+        return True
