@@ -310,6 +310,9 @@ struct RowsRequest {
     // answers MOVED for rows of a bucket it does not hold; absent: it asks
     // the buckets' holders).
     4: optional i64 epoch,
+    // As ParameterRequest.shared: a region of the caller's shared memory the
+    // node may write the raw rows into (the answer's Rows.shared says so).
+    5: optional SharedRegion shared,
 }
 
 // Rows (a pull's answer, a push's gradients): one array of (count, dim)
@@ -325,6 +328,10 @@ struct Rows {
     4: required binary data,
     5: optional string encoding,
     6: optional binary scales,
+    // Set: the raw values are these of shared memory, not `data` (which is
+    // empty): in an answer, within the pull's RowsRequest.shared; in a push, a
+    // client's region (as Packed.shared), left as it is until it is answered.
+    7: optional SharedRegion shared,
 }
 
 // Row gradients for push_row_gradients: the gradients of repeated ids are

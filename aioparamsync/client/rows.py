@@ -33,6 +33,7 @@ from .routing import MAX_MOVES
 
 if TYPE_CHECKING:
     from .routing import Routes
+    from .shared import Lane
 
 __all__ = ["TableClient", "check_ids"]
 
@@ -80,6 +81,7 @@ class TableClient:
 
     routes: Routes | None
     _tables: dict[str, Any]  # name -> the IDL's Table, as created or read
+    _lane: Lane | None  # (shared memory with the node connected to: see .shared)
     if TYPE_CHECKING:
 
         async def invoke(self, m: Any, /, *, timeout: Any = ..., **args: Any) -> Any: ...
@@ -188,12 +190,26 @@ class TableClient:
             return np.empty((0, spec.dim), parse_dtype(spec.dtype))
         m = METHODS.pull_rows
 
+        itemsize = parse_dtype(spec.dtype).itemsize
+
         async def call(pool: Any, positions: np.ndarray | None, epoch: int | None) -> np.ndarray:
             sub_ids = ids if positions is None else ids[positions]
             request = thrift.RowsRequest(
                 table=table, ids=encode_ids(sub_ids), encoding=encoding, epoch=epoch
             )
-            answer = await pool(m, "request", request)
+            # (to the node connected to, epoch None: its answer may be in shared memory)
+            lane = self._lane if epoch is None and encoding is None else None
+            region = None if lane is None else lane.for_rows(len(sub_ids) * spec.dim * itemsize)
+            if region is not None:
+                request.shared = region.shared
+            try:
+                answer = await pool(m, "request", request)
+            except BaseException:
+                if region is not None and lane is not None:
+                    lane.keep(region)  # (the node may write it yet)
+                raise
+            if lane is not None:
+                lane.rows_answered(region, answer)
             return decode_rows(answer, count=len(sub_ids), dim=spec.dim)
 
         parts = await self._by_bucket(spec, ids, call, write=False, timeout=timeout)
@@ -289,16 +305,27 @@ class TableClient:
         async def call(pool: Any, positions: np.ndarray | None, epoch: int | None) -> Any:
             sub_ids = ids if positions is None else ids[positions]
             sub = grads if positions is None else take_rows(grads, positions)
+            # (to the node connected to, epoch None: in shared memory, where it maps it)
+            lane = self._lane if epoch is None and encoding is None else None
+            shared = None if lane is None else lane.for_row_push(sub)
             push = thrift.RowPush(
                 table=table,
                 ids=encode_ids(sub_ids),
-                grads=encode_rows(sub, encoding),
+                grads=encode_rows(sub, encoding) if shared is None else shared[0],
                 request_id=request_id,
                 epoch=epoch,
                 acks=acks,
                 assign=assign or None,
             )
-            return await pool(m, "push", push)
+            try:
+                result = await pool(m, "push", push)
+            except BaseException:
+                if shared is not None and lane is not None:
+                    lane.keep(shared[1])  # (the node may read it yet)
+                raise
+            if shared is not None and lane is not None:
+                lane.give(shared[1])
+            return result
 
         parts = await self._by_bucket(spec, ids, call, write=True, timeout=timeout)
         rows = sum(r.rows for _, r in parts)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RemoteProtocolError
+from ..values.rowwire import rows_in, shareable
 from ..values.sharedmem import (
     ALIGN,
     SHARED_MIN_BYTES,
@@ -320,6 +321,58 @@ class Lane:
         assert blocks is not None  # (the region was taken for them)
         self.shared_pushes += 1
         return blocks, rest, region
+
+    # -- rows ---------------------------------------------------------------------
+
+    def for_rows(self, nbytes: int) -> Region | None:
+        """A region for a pull's ``nbytes`` of raw rows (None: too few, or no room)."""
+        return self.take(nbytes) if nbytes >= SHARED_MIN_BYTES else None
+
+    def rows_answered(self, region: Region | None, rows: Any) -> None:
+        """Make ``rows`` (a pull's answer, the IDL's ``Rows``) a read-only view of
+        ``region`` where the node wrote them there (the region back to the lane once
+        the last array of it is gone); else ``region`` back.
+
+        Raises:
+            RemoteProtocolError: rows said to be in shared memory outside ``region``.
+        """
+        at = rows.shared
+        if region is None or at is None:
+            if region is not None:
+                self.give(region)
+                if rows.encoding is None:
+                    self._declined()  # (room enough, and answered in the message)
+            if at is not None:
+                raise RemoteProtocolError("rows answered in shared memory to a pull that lent none")
+            return
+        start = at.offset - region.offset
+        if at.segment != region.shared.segment or not 0 <= start <= start + at.size <= region.size:
+            self.give(region)
+            raise RemoteProtocolError(
+                f"rows in shared memory at {at.offset} ({at.size} bytes) of {at.segment!r}, "
+                f"outside the region lent ({region.size} bytes at {region.offset})"
+            )
+        holder = np.frombuffer(region.view().view, np.uint8)
+        holder.flags.writeable = False
+        weakref.finalize(holder, self.give, region)
+        rows.data, rows.shared = holder[start : start + at.size], None
+        self.shared_reads += 1
+
+    def for_row_push(self, rows: np.ndarray) -> tuple[Any, Region] | None:
+        """``rows`` (a ``(count, dim)`` float array) written into a region, as the IDL's
+        ``Rows`` naming it, and the region; None (send them in the message) until the
+        node has answered a read in shared memory, or for too few bytes, or no room."""
+        if not self.shared_reads or rows.nbytes < SHARED_MIN_BYTES or not shareable(rows.dtype):
+            return None
+        region = self.take(rows.nbytes)
+        if region is None:
+            return None
+        out = rows_in(region.view().view, rows)
+        out.shared = thrift.SharedRegion(
+            segment=region.shared.segment, offset=region.offset, size=rows.nbytes
+        )
+        self.shared_pushes += 1
+        return out, region
 
     def close(self) -> None:
         with self._lock:

@@ -46,7 +46,14 @@ from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import bucket_key
 from ..store.rows import RowTable, RowTables, table_spec
 from ..values.rowcopy import put_rows
-from ..values.rowwire import ROW_ENCODINGS, decode_ids, decode_rows, encode_ids, encode_rows
+from ..values.rowwire import (
+    ROW_ENCODINGS,
+    decode_ids,
+    decode_rows,
+    encode_ids,
+    encode_rows,
+    rows_out,
+)
 from ..wire import METHODS, Method, thrift
 from . import forward
 from .bucketmoves import PEER_TIMEOUT, BucketMoves
@@ -181,13 +188,13 @@ class RowService:
         ids = decode_ids(request.ids)
         table = self._table_now(request.table)
         if table is not None and (request.epoch is not None or not self._peers()):
-            return method.result(success=encode_rows(self._pull_held(table, ids), request.encoding))
+            return method.result(success=self._pull_held(table, ids, request))
         return asyncio.ensure_future(self._pull(method, request, ids))
 
     async def _pull(self, method: Method, request: Any, ids: np.ndarray) -> Any:
         table = await self._table(request.table)
         if request.epoch is not None or not self._peers():
-            return method.result(success=encode_rows(self._pull_held(table, ids), request.encoding))
+            return method.result(success=self._pull_held(table, ids, request))
         cluster = self.cluster
         assert cluster is not None
         positions_of: dict[str, np.ndarray] = {}
@@ -196,7 +203,7 @@ class RowService:
         parts = forward.cut(
             cluster, positions_of, what="the pull", held_here=True, shown=_bucket_shown
         )
-        out = np.empty((len(ids), table.spec.dim), table.spec.dtype)
+        out, answer = rows_out(request, len(ids), table.spec.dim, table.spec.dtype)
 
         def where(keys: list[str]) -> np.ndarray:
             return np.concatenate([positions_of[k] for k in keys])
@@ -223,12 +230,15 @@ class RowService:
                 await forward.pass_on(cluster, node, keys, send, here, what=what, idempotent=True)
 
         await asyncio.gather(*(part(node, keys) for node, keys in parts.items()))
-        return method.result(success=encode_rows(out, request.encoding))
+        return method.result(success=answer or encode_rows(out, request.encoding))
 
-    def _pull_held(self, table: RowTable, ids: np.ndarray) -> np.ndarray:
-        """The rows of ``ids``, all in buckets held here (else MOVED: see _check_held)."""
+    def _pull_held(self, table: RowTable, ids: np.ndarray, request: Any) -> Any:
+        """The rows of ``ids``, all in buckets held here (else MOVED: see _check_held),
+        as ``request`` asks them (``Rows``)."""
         self._check_held(table, ids, "does not hold")
-        return table.pull(ids)
+        out, answer = rows_out(request, len(ids), table.spec.dim, table.spec.dtype)
+        table.read_into(ids, out)
+        return answer or encode_rows(out, request.encoding)
 
     def _check_held(
         self, table: RowTable, ids: np.ndarray, what: str, primary: bool = False

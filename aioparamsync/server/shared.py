@@ -4,11 +4,12 @@
 A connection on the node's Unix socket whose peer is of the node's user
 (``SO_PEERCRED``) gets a :class:`SharingHandler` in front of the node's
 handler. Before a read or a push goes on, it maps the regions the call names:
-a read's (``ParameterRequest.shared``) becomes ``request.lent``, a
-:class:`SharedView` the read writes its answer into (one that cannot be
-mapped is not used: the answer is sent); a push's blocks' (``Packed.shared``)
-become their ``data``, views of the client's bytes (one that cannot be mapped
-refuses the push, BAD_REQUEST, before anything is folded). Any other
+a read's (``ParameterRequest.shared``, ``RowsRequest.shared``) becomes
+``request.lent``, a :class:`SharedView` the read writes its answer into (one
+that cannot be mapped is not used: the answer is sent); a push's blocks'
+(``Packed.shared``) and a row push's rows' (``Rows.shared``) become their
+``data``, views of the client's bytes (one that cannot be mapped refuses the
+push, BAD_REQUEST, before anything is folded). Any other
 connection has no such handler: a region it names is not used, or refused
 (:func:`aioparamsync.values.packing.gradients_of`).
 """
@@ -144,9 +145,19 @@ class SharingHandler:
                 if block.shared is not None:
                     block.data = self.segments.region(block.shared).view
                     block.shared = None
-        elif name in _READS:
+        elif name == "push_row_gradients":
+            push = args.push
+            grads = push.grads if push is not None else None
+            if grads is not None and grads.shared is not None:
+                grads.data = self.segments.region(grads.shared).view
+                grads.shared = None
+        elif name in _READS or name == "pull_rows":
             request = args.request
-            if request is not None and request.shared is not None and request.packed:
+            if (
+                request is not None
+                and request.shared is not None
+                and (name == "pull_rows" or request.packed)
+            ):
                 try:
                     request.lent = self.segments.region(request.shared)
                 except RequestError as exc:

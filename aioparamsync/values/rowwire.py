@@ -32,7 +32,10 @@ __all__ = [
     "decode_rows",
     "encode_ids",
     "encode_rows",
+    "rows_in",
     "rows_nbytes",
+    "rows_out",
+    "shareable",
 ]
 
 #: the encodings a block of rows may travel in (besides raw)
@@ -102,6 +105,42 @@ def encode_rows(rows: np.ndarray, encoding: str | None = None) -> Any:
     return out
 
 
+def shareable(dt: np.dtype) -> bool:
+    """Whether rows of ``dt`` are raw as they lie in memory (little-endian)."""
+    return sys.byteorder == "little" and dt.byteorder in "=<|"
+
+
+def rows_out(request: Any, count: int, dim: int, dtype: np.dtype) -> tuple[np.ndarray, Any]:
+    """Where a pull of ``count`` rows writes them: an array of its own, and None; or,
+    where ``request`` (a ``RowsRequest``) was lent a region that holds them raw
+    (``request.lent``, a :class:`~.sharedmem.SharedView`: see ``server.shared``), an
+    array in that region, and the answer that says so (``Rows.shared``)."""
+    lent = getattr(request, "lent", None)
+    nbytes = count * dim * dtype.itemsize
+    if (
+        lent is None
+        or request.encoding is not None
+        or not 0 < nbytes <= lent.view.nbytes
+        or not shareable(dtype)
+    ):
+        return np.empty((count, dim), dtype), None
+    out = np.frombuffer(lent.view, dtype, count * dim).reshape(count, dim)
+    shared = thrift.SharedRegion(
+        segment=lent.shared.segment, offset=lent.shared.offset, size=nbytes
+    )
+    return out, thrift.Rows(count=count, dim=dim, dtype=wire_dtype(dtype), data=b"", shared=shared)
+
+
+def rows_in(view: memoryview, rows: np.ndarray) -> Any:
+    """``rows`` (a ``(count, dim)`` float array of a little-endian dtype) written into
+    ``view`` (a region of shared memory, as large), as the IDL's ``Rows`` (``shared``
+    to be set by the caller; ``data`` empty)."""
+    count, dim = rows.shape
+    out = np.frombuffer(view, rows.dtype, count * dim).reshape(count, dim)
+    np.copyto(out, rows)
+    return thrift.Rows(count=count, dim=dim, dtype=wire_dtype(rows.dtype), data=b"")
+
+
 def rows_nbytes(count: int, dim: int, encoding: str | None, itemsize: int) -> int:
     """The bytes ``Rows`` of ``count`` x ``dim`` take in ``encoding`` (data and scales)."""
     n = count * dim
@@ -139,6 +178,8 @@ def decode_rows(rows: Any, *, count: int | None = None, dim: int | None = None) 
     dt = parse_dtype(rows.dtype)
     if not (dt.kind == "f" or is_bfloat16(dt)):
         raise _bad(f"rows are of a float dtype, not {rows.dtype!r}", ErrorCode.SHAPE_MISMATCH)
+    if rows.shared is not None:  # (a node that maps it sets data so: server.shared)
+        raise _bad("rows in shared memory reach only a node that maps the sender's memory")
     if rows.data is None:
         raise _bad("the rows' data is missing")
     n, d = rows.count, rows.dim
