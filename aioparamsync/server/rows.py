@@ -38,13 +38,14 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
 from ..placement import bucket_key
-from ..store.rows import RowTable, RowTables, table_spec
+from ..store.rows import RowTable, RowTables, counts_of, table_spec
 from ..values.rowcopy import put_rows
 from ..values.rowwire import (
     ROW_ENCODINGS,
@@ -354,7 +355,7 @@ class RowService:
                 acks = push.acks or cluster.acks
                 cluster.check_writable(keys if acks == "all" else [], acks)
         changed, created = (table.assign if push.assign else table.fold)(ids, grads, time.time())
-        folded = {b: len(c) for b, c in changed.items()}
+        folded = counts_of(changed)  # (grouped by bucket only to log or replicate them)
         self.tables.ledger.remember(push.request_id, table.spec.name, folded)
         if self.log is not None:  # (the changed rows copied only to go out)
             await self.log([table.delta(b, c, self._me) for b, c in changed.items()])
@@ -430,7 +431,7 @@ class RowService:
     # -- replication ------------------------------------------------------------------
 
     async def _replicate(
-        self, table: RowTable, changed: dict[int, np.ndarray], acks: str | None
+        self, table: RowTable, changed: Mapping[int, np.ndarray], acks: str | None
     ) -> None:
         """Offer each bucket's changed rows to the links of its other replicas (and of those
         to come, while members join or leave), as a parameter's update is offered; with

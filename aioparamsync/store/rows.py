@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +41,12 @@ from ..wire import thrift
 
 __all__ = [
     "DEFAULT_BUCKETS",
+    "Folded",
     "RowLedger",
     "RowTable",
     "RowTables",
     "TableSpec",
+    "counts_of",
     "table_spec",
 ]
 
@@ -166,6 +168,46 @@ def _grouped(buckets: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
             yield int(buckets[positions[0]]), positions
 
 
+class Folded(Mapping[int, np.ndarray]):
+    """The distinct ids a compiled fold folded (``ids``), by bucket (``owner``, each
+    id's), grouped only once asked: a node with no replica to send them to and no log
+    to write asks only their :meth:`counts`."""
+
+    def __init__(self, ids: np.ndarray, owner: np.ndarray) -> None:
+        self._ids, self._owner = ids, owner
+        self._counts: dict[int, int] | None = None
+        self._groups: dict[int, np.ndarray] | None = None
+
+    def counts(self) -> dict[int, int]:
+        """How many ids of each bucket were folded."""
+        if self._counts is None:
+            counts = np.bincount(self._owner)
+            buckets = np.flatnonzero(counts)
+            self._counts = dict(zip(buckets.tolist(), counts[buckets].tolist(), strict=True))
+        return self._counts
+
+    def _grouped(self) -> dict[int, np.ndarray]:
+        if self._groups is None:
+            self._groups = {b: self._ids[p] for b, p in _grouped(self._owner)}
+        return self._groups
+
+    def __getitem__(self, bucket: int) -> np.ndarray:
+        return self._grouped()[bucket]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._grouped())
+
+    def __len__(self) -> int:
+        return len(self.counts())
+
+
+def counts_of(changed: Mapping[int, np.ndarray]) -> dict[int, int]:
+    """How many ids of each bucket a fold or an assign changed (see :class:`Folded`)."""
+    if isinstance(changed, Folded):
+        return changed.counts()
+    return {bucket: len(ids) for bucket, ids in changed.items()}
+
+
 class RowTable:
     """One table on one node: its spec and a block for each bucket it holds rows of."""
 
@@ -245,7 +287,7 @@ class RowTable:
 
     def fold(
         self, ids: np.ndarray, grads: np.ndarray, now: float
-    ) -> tuple[dict[int, np.ndarray], int]:
+    ) -> tuple[Mapping[int, np.ndarray], int]:
         """Fold ``grads`` into the rows of ``ids`` (checked: see :meth:`check`).
 
         Answers the distinct ids folded, by bucket, and how many rows were made.
@@ -259,8 +301,8 @@ class RowTable:
             return self._by_block(ids, lambda block, i, at: block.fold(i, grads, now, at))
         # (the ids folded by bucket, in the order each block's fold answers them)
         folded, owner = held
-        changed = {bucket: folded[positions] for bucket, positions in _grouped(owner)}
-        for bucket in changed:
+        changed = Folded(folded, owner)
+        for bucket in changed.counts():
             self.blocks[bucket].make(folded[:0], now)  # (its clock: see RowBlock.make)
         return changed, self.rows - before
 
