@@ -479,7 +479,7 @@ def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
     (the compiled fold reads them by index, uncopied): the same rows, state and versions,
     bit for bit, as each block folding its own part gathered; with repeated ids, other
     dtypes or rules (which the compiled fold does not take) too."""
-    from aioparamsync.store.rows import RowTable, table_spec
+    from aioparamsync.store.rows import RowTable, counts_of, table_spec
 
     wire = thrift.Table(name="t", dim=7, dtype=dtype, buckets=16, rule=thrift.Rule(kind=rule))
     by_table, by_block = RowTable(table_spec(wire)), RowTable(table_spec(wire))
@@ -494,11 +494,16 @@ def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
             assert not grads.flags.aligned
         before = by_block.rows
         changed, created = by_table.fold(ids, grads, 10.0 + step)
+        buckets = []
         for bucket, positions in by_block.by_bucket(ids):
             block = by_block.block(bucket)
             assert block.fold(ids[positions], grads[positions], 10.0 + step).tolist() == (
                 changed[bucket].tolist()
             )
+            buckets.append(bucket)
+        assert list(changed) == buckets and len(changed) == len(buckets)
+        # (counted without grouping them: see store.rows.Folded)
+        assert counts_of(changed) == {b: len(changed[b]) for b in buckets}
         assert created == by_block.rows - before
     assert set(by_table.blocks) == set(by_block.blocks)
     for bucket, block in by_table.blocks.items():
