@@ -107,7 +107,6 @@ class Recovery:
         self.cluster = cluster
         #: names whose recovered copies yielded -> the version to raise them to
         self.floors: dict[str, int] = {}
-        self.yielded = 0  # copies given up, in all
 
     async def yield_to(self, peer: str, items: Sequence[Any], primaries: bool = True) -> int:
         """Give up the recovered copies here that ``peer``'s (``items``, its digest)
@@ -131,14 +130,14 @@ class Recovery:
         dropped = await cluster.store.drop(given)
         for name, (version, _) in given.items():
             self.floors[name] = max(self.floors.get(name, 0), version + 1)
-        self.yielded += dropped
-        log.warning(
-            "%d keys read from the data directory were written anew at %s while this node "
-            "was away (e.g. %r): its copies are dropped and the newer writes pulled",
-            dropped,
-            peer,
-            next(iter(given)),
-        )
+        if dropped:
+            log.warning(
+                "%d keys read from the data directory were written anew at %s while this "
+                "node was away (e.g. %r): its copies are dropped and the newer writes pulled",
+                dropped,
+                peer,
+                next(iter(given)),
+            )
         return dropped
 
     def former_primaries(self) -> dict[str, str]:
