@@ -1045,6 +1045,59 @@ async def test_a_node_whose_lease_expired_follows_the_members_again(
         assert len(states) == R * len(names)
 
 
+async def test_a_node_back_from_a_lost_lease_does_not_undo_keys_written_anew_meanwhile(
+    etcd: Etcd, procs: ProcessCluster
+) -> None:
+    """One copy of each key (R=1). While A is stopped past its lease, its keys are placed
+    on B and C, where no copy of them is: a write there makes them anew, from version 1.
+    A resumed registers anew: its copies, from before, yield to those writes (the keys hold
+    them, at versions above A's), and the keys no one wrote meanwhile are A's again, as
+    they were. (See aioparamsync.cluster.recovered.)"""
+    prefix = new_prefix()
+    async with contextlib.AsyncExitStack() as stack:
+        flags = coordinated(etcd.endpoint, prefix, "--replication-factor", "1")
+        nodes = [await procs.spawn(extra=[*flags, "--node-id", n]) for n in "abc"]
+        a = nodes[0]
+        clients = await open_clients(stack, nodes)
+        await until_agreed(clients)
+        names = [f"g{i:02d}" for i in range(30)]
+        for step in range(3):  # (each at version 3)
+            await clients["b"].update_arrays(numbered(names, step))
+        placement = placement_of(await clients["b"].topology())
+        its = [n for n in names if placement.primary(n, {"a", "b", "c"}) == "a"]
+        assert len(its) >= 2, f"A is the primary of {its} alone"
+        anew, untouched = its[: len(its) // 2], its[len(its) // 2 :]
+
+        a.signal(signal.SIGSTOP)
+        others = {"b": clients["b"], "c": clients["c"]}
+        await until_agreed(others, {"b", "c"})
+        await eventually(
+            lambda: clients["b"].update_arrays(numbered(anew, 100)),
+            timeout=FORM_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        made = await clients["b"].get_parameters(anew)
+        assert {p.version for p in made.params} == {1}  # (made anew: no copy was there)
+        a.signal(signal.SIGCONT)
+        await a.wait_stderr("lost its lease", timeout=FORM_TIMEOUT)
+        await until_one_view(clients)
+
+        async def as_expected() -> None:
+            for me, client in clients.items():
+                response = await client.get_parameters(names)
+                got = {
+                    p.name: (p.version, np.frombuffer(p.data, np.float32)[0])
+                    for p in response.params
+                }
+                for i, n in enumerate(anew):  # the later write, at a version above A's
+                    assert got[n][1] == 100 + i and got[n][0] > 3, (me, n, got[n])
+                for n in untouched:  # as A held it
+                    assert got[n] == (3, 2 + names.index(n)), (me, n, got[n])
+
+        await eventually(as_expected, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+
 async def test_members_claim_keys_through_their_records_and_lose_no_fold(etcd: Etcd) -> None:
     """Placement balanced by bytes under a coordinator: a member claims keys by writing
     them into its own record, so every node sees the claim at one revision (the epoch);

@@ -9,7 +9,8 @@ applied when a live replica of it cannot be reached from here
 is remembered (:attr:`Fencing.unconfirmed`), and dropped if this node loses
 its lease, before it registers anew, with what its outboxes still hold
 (writes that never reached those replicas): so none can win, by
-last-writer-wins, over a write the others acknowledged meanwhile.
+last-writer-wins, over a write the others acknowledged meanwhile; and
+what it keeps is held as copies from before (see :mod:`.recovered`).
 Replication from, and repairs with, a member not live in etcd are ignored
 for the same reason (:meth:`Fencing.trusted`).
 
@@ -135,7 +136,10 @@ class Fencing:
                     unconfirmed[name] = key
 
     async def forget_unconfirmed(self) -> None:
-        """Before registering anew: drop the writes applied here that no replica confirmed."""
+        """Before registering anew: drop the writes applied here that no replica confirmed,
+        and hold the rest as a restarted node holds what it read from its data directory:
+        copies from before the others placed its keys elsewhere, which yield to what they
+        wrote meanwhile (see :mod:`.recovered`)."""
         self.take_outboxes()  # (offered since: a send that failed)
         held, self.unconfirmed = self.unconfirmed, {}
         if held:
@@ -145,3 +149,4 @@ class Fencing:
                 "others' copies are pulled instead)",
                 dropped,
             )
+        self.cluster.store.table.mark_recovered()
