@@ -294,5 +294,6 @@ def test_a_recovered_copy_does_not_win_over_a_live_one() -> None:
     assert not covers(table, _item("old", 1, recovered=True), old)
     assert covers(table, _item("old", 14, recovered=True, origin="n"), old)
     assert covers(table, _item("live", 15, origin="n"), live)
+    assert covers(table, _item("live", 15, recovered=True, origin="n"), live)  # (one write)
     assert not covers(table, _item("live", 14), live)
     assert not covers(table, _item("live", 16, recovered=True), live)

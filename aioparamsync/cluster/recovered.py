@@ -65,11 +65,13 @@ def newer(table: ParameterTable, item: Any) -> bool:
 
 def covers(table: ParameterTable, theirs: Any, mine: Entry) -> bool:
     """Whether a hand-off's target, holding ``theirs`` (a ``DigestEntry``), holds what
-    this node does of it (``mine``): the same or a newer version, not recovered
+    this node does of it (``mine``): the same version; or a newer one, not recovered
     where this node's is live; or any live copy where this node's is recovered."""
+    if lww_key(theirs) == lww_key(mine):
+        return True  # (one write, whoever holds it as what)
     if table.recovered and table.recovered_entry(mine.name) is not None:
-        return not theirs.recovered or lww_key(theirs) >= lww_key(mine)
-    return lww_key(theirs) >= lww_key(mine) and not theirs.recovered
+        return not theirs.recovered or lww_key(theirs) > lww_key(mine)
+    return lww_key(theirs) > lww_key(mine) and not theirs.recovered
 
 
 async def pull(cluster: Cluster, client: ParameterClient, items: Sequence[Any]) -> int:
