@@ -14,8 +14,9 @@ as recovered (nothing written to it since) does not win over a live one:
   its target for its own live one (:func:`covers`, in rebalance).
 - The restarted node gives up its recovered copy of a key where the key's
   primary, the member that took its writes meanwhile, holds a live copy of a
-  lower version: it drops its own and pulls the primary's
-  (:meth:`Recovery.yield_to`, in repair).
+  lower version: the primary's replaces its own as it arrives
+  (:meth:`Recovery.pull`, in repair; its own is kept should the primary go
+  away meanwhile).
 - As it takes over as the primary of its keys (once the former primaries
   stopped taking their writes), it asks each of those once more (a write may
   have made a key there after its join pulled), then raises the versions of
@@ -74,10 +75,18 @@ def covers(table: ParameterTable, theirs: Any, mine: Entry) -> bool:
     return lww_key(theirs) > lww_key(mine) and not theirs.recovered
 
 
-async def pull(cluster: Cluster, client: ParameterClient, items: Sequence[Any]) -> int:
+async def pull(
+    cluster: Cluster,
+    client: ParameterClient,
+    items: Sequence[Any],
+    replacing: Mapping[str, tuple[int, str]] | None = None,
+) -> list[str]:
     """Pull the parameters named by ``items`` (a peer's digest) from ``client``'s node
-    and merge them here; answer how many came."""
-    pulled = 0
+    and merge them here; answer the names that came. Those of ``replacing`` (name ->
+    the ``lww_key`` of this node's copy) replace this node's copy, whatever their
+    versions: it is dropped as the peer's arrives (not before: a peer that goes away
+    meanwhile takes nothing with it), unless it changed meanwhile."""
+    came: list[str] = []
     for batch in batches(list(items), cluster.batch_params, cluster.batch_bytes):
         request = thrift.ParameterRequest(
             param_names=[item.name for item in batch],
@@ -93,9 +102,13 @@ async def pull(cluster: Cluster, client: ParameterClient, items: Sequence[Any]) 
             for p in response.params
         ]
         if params:
+            if replacing and (
+                gone := {p.name: replacing[p.name] for p in params if p.name in replacing}
+            ):
+                await cluster.store.drop(gone)
             await cluster.store.update(params, response.timestamp, replicated=True)
-            pulled += len(params)
-    return pulled
+            came += [p.name for p in params]
+    return came
 
 
 class Recovery:
@@ -110,37 +123,39 @@ class Recovery:
         #: names whose recovered copies yielded -> the version to raise them to
         self.floors: dict[str, int] = {}
 
-    async def yield_to(self, peer: str, items: Sequence[Any], primaries: bool = True) -> int:
-        """Give up the recovered copies here that ``peer``'s (``items``, its digest)
-        supersede: live there, lower, and (``primaries``) ``peer`` their primary now.
-        Answers how many were dropped (the caller pulls the peer's)."""
+    async def pull(
+        self, client: ParameterClient, peer: str, items: Sequence[Any], primaries: bool = True
+    ) -> int:
+        """Pull from ``peer`` (through ``client``) what its digest ``items`` holds newer
+        than this node (see :func:`newer`), and the copies that supersede the recovered
+        ones here: live there, lower, and (``primaries``) ``peer`` their primary now;
+        those replace this node's. Answers how many parameters came."""
         cluster = self.cluster
         table = cluster.store.table
-        if not table.recovered:
-            return 0
-        placement, live = cluster.placement, cluster.live
         given: dict[str, tuple[int, str]] = {}
-        for item in items:
-            if item.recovered or (mine := table.recovered_entry(item.name)) is None:
-                continue
-            if lww_key(item) < lww_key(mine) and (
-                not primaries or placement.primary(item.name, live) == peer
-            ):
-                given[item.name] = lww_key(mine)
-        if not given:
-            return 0
-        dropped = await cluster.store.drop(given)
-        for name, (version, _) in given.items():
-            self.floors[name] = max(self.floors.get(name, 0), version + 1)
-        if dropped:
+        if table.recovered:
+            placement, live = cluster.placement, cluster.live
+            for item in items:
+                if item.recovered or (mine := table.recovered_entry(item.name)) is None:
+                    continue
+                if lww_key(item) < lww_key(mine) and (
+                    not primaries or placement.primary(item.name, live) == peer
+                ):
+                    given[item.name] = lww_key(mine)
+        wanted = [item for item in items if item.name in given or newer(table, item)]
+        came = await pull(cluster, client, wanted, given)
+        yielded = [name for name in came if name in given]
+        for name in yielded:
+            self.floors[name] = max(self.floors.get(name, 0), given[name][0] + 1)
+        if yielded:
             log.warning(
                 "%d keys read from the data directory were written anew at %s while this "
-                "node was away (e.g. %r): its copies are dropped and the newer writes pulled",
-                dropped,
+                "node was away (e.g. %r): the newer writes replace its copies",
+                len(yielded),
                 peer,
-                next(iter(given)),
+                yielded[0],
             )
-        return dropped
+        return len(came)
 
     def former_primaries(self) -> dict[str, str]:
         """Before this node says it is up: each key recovered here that it will be the
@@ -196,9 +211,7 @@ class Recovery:
             for i in range(0, len(names), cluster.batch_params):
                 request = thrift.DigestRequest(names=names[i : i + cluster.batch_params])
                 digest = await client.invoke(METHODS.digest_for, request=request)
-                if await self.yield_to(peer, digest, primaries=False):
-                    table = cluster.store.table
-                    await pull(cluster, client, [d for d in digest if newer(table, d)])
+                await self.pull(client, peer, digest, primaries=False)
         except (ParamSyncError, OSError) as exc:
             log.info("could not ask %s what it wrote while this node was away: %s", peer, exc)
             return False

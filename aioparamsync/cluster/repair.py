@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from ..placement import LEAVING
 from ..wire import METHODS, thrift
-from .recovered import newer, pull
 
 if TYPE_CHECKING:
     from ..client.api import ParameterClient
@@ -41,6 +40,5 @@ async def repair(cluster: Cluster, client: ParameterClient, peer: str) -> int:
         claims=dict(placement.claims) or None,
     )
     digest = await client.invoke(METHODS.digest_for, request=request)
-    await cluster.recovery.yield_to(peer, digest)  # (copies from before a restart)
-    table = cluster.store.table
-    return await pull(cluster, client, [item for item in digest if newer(table, item)])
+    # (what it holds newer, and what supersedes copies from before a restart)
+    return await cluster.recovery.pull(client, peer, digest)
