@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ParamSyncError
-from ..placement import JOINING, LEAVING, LEFT
+from ..placement import JOINING, LEAVING, LEFT, UP
 from ..store.table import Entry, lww_key
 from ..wire import METHODS, thrift
 from .links import LinkState, PeerLink
@@ -180,7 +180,12 @@ class Rebalancer:
             for m in by_member
             if (link := cluster.by_id.get(m)) is not None and link.state == LinkState.UP
         }
-        self.stuck = sum(1 for e in surplus if not any(m in up for m in targets[e.name]))
+        # (stuck: no holder to come is up, or joining: a draining node waits for one
+        # that joins, whose link comes up, rather than leave with its keys)
+        coming = {m for m, s in cluster.view.states.items() if s in (JOINING, UP)}
+        self.stuck = sum(
+            1 for e in surplus if not any(m in up or m in coming for m in targets[e.name])
+        )
         results = await asyncio.gather(
             *(self._hand_to(link, by_member[m]) for m, link in up.items()),
             return_exceptions=True,
