@@ -274,23 +274,36 @@ class Lane:
             if shared:
                 raise RemoteProtocolError("an answer in shared memory to a read that lent none")
             return
-        start, end = region.offset, region.offset + region.size
-        for b in shared:
-            r = b.shared
-            within = start <= r.offset <= r.offset + r.size <= end
-            if r.segment != region.shared.segment or not within:
-                self.give(region)
-                raise RemoteProtocolError(
-                    f"a block in shared memory at {r.offset} ({r.size} bytes) of {r.segment!r}, "
-                    f"outside the region lent ({region.size} bytes at {start})"
-                )
-        holder = np.frombuffer(region.view().view, np.uint8)
-        holder.flags.writeable = False
-        weakref.finalize(holder, self.give, region)
+        holder = self._held_in(region, [b.shared for b in shared], "a block")
+        start = region.offset
         for b in shared:
             b.data = holder[b.shared.offset - start : b.shared.offset - start + b.shared.size]
             b.shared = None
         self.shared_reads += 1
+
+    def _held_in(self, region: Region, answered: list[Any], what: str) -> np.ndarray:
+        """A read-only array of ``region``'s bytes, which goes back to the lane once the
+        last array of it is gone; each of ``answered`` (``SharedRegion``s of an answer)
+        checked to lie within it.
+
+        Raises:
+            RemoteProtocolError: one does not (``region`` given back).
+        """
+        for r in answered:
+            start = r.offset - region.offset
+            if (
+                r.segment != region.shared.segment
+                or not 0 <= start <= start + r.size <= region.size
+            ):
+                self.give(region)
+                raise RemoteProtocolError(
+                    f"{what} in shared memory at {r.offset} ({r.size} bytes) of {r.segment!r}, "
+                    f"outside the region lent ({region.size} bytes at {region.offset})"
+                )
+        holder = np.frombuffer(region.view().view, np.uint8)
+        holder.flags.writeable = False
+        weakref.finalize(holder, self.give, region)
+        return holder
 
     # -- pushes -------------------------------------------------------------------
 
@@ -345,16 +358,8 @@ class Lane:
             if at is not None:
                 raise RemoteProtocolError("rows answered in shared memory to a pull that lent none")
             return
+        holder = self._held_in(region, [at], "rows")
         start = at.offset - region.offset
-        if at.segment != region.shared.segment or not 0 <= start <= start + at.size <= region.size:
-            self.give(region)
-            raise RemoteProtocolError(
-                f"rows in shared memory at {at.offset} ({at.size} bytes) of {at.segment!r}, "
-                f"outside the region lent ({region.size} bytes at {region.offset})"
-            )
-        holder = np.frombuffer(region.view().view, np.uint8)
-        holder.flags.writeable = False
-        weakref.finalize(holder, self.give, region)
         rows.data, rows.shared = holder[start : start + at.size], None
         self.shared_reads += 1
 
