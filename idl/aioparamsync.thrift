@@ -569,9 +569,10 @@ struct DigestEntry {
     2: required i32 version,
     3: required string origin,
     4: required i64 nbytes,
-    // The node holds it as it read it from its data directory at start, written
-    // to by nothing since: a copy from before its restart, which yields to a
-    // live one (see docs/cluster.md, "A node restarted with its data").
+    // The node holds it as it read it from its data directory at start (or
+    // kept it through a lost lease), written to by nothing since: a copy from
+    // before, which yields to a live one (see docs/cluster.md, "A node
+    // restarted with its data").
     5: optional bool recovered,
 }
 

@@ -229,7 +229,8 @@ class ParameterTable:
         # What each parameter's rule keeps between gradient steps (this node's
         # own: optimizer state is not replicated).
         self._states: dict[str, rules.State] = {}
-        #: what was read from the data directory at start (name -> lww key; see recovered)
+        #: copies from before: read from the data directory at start, or kept through a
+        #: lost lease (name -> lww key; see recovered_entry)
         self.recovered: dict[str, tuple[int, str]] = {}
 
     @property
@@ -261,12 +262,13 @@ class ParameterTable:
         return self._entries.get(name)
 
     def mark_recovered(self) -> None:
-        """Remember every entry held now as read from the data directory (see
+        """Remember every entry held now as a copy from before: read from the data
+        directory at start, or kept through a lost lease (see
         :mod:`aioparamsync.cluster.recovered`, which yields such copies to live ones)."""
         self.recovered = {name: lww_key(e) for name, e in self._entries.items()}
 
     def recovered_entry(self, name: str) -> Entry | None:
-        """``name``'s entry while it is as read from the data directory at start, nothing
+        """``name``'s entry while it is as :meth:`mark_recovered` found it, nothing
         written to it since; else None (and the name is forgotten)."""
         key = self.recovered.get(name)
         if key is None:
