@@ -26,7 +26,9 @@ as recovered (nothing written to it since) does not win over a live one:
   back as it was.
 
 Two recovered copies (a cluster whose nodes all restarted) compare by
-last-writer-wins, as before: the later write wins.
+last-writer-wins, as before: the later write wins. A node back from a lost
+lease (with a coordinator) holds what it kept the same way: the others placed
+its keys elsewhere meanwhile (see :meth:`.fencing.Fencing.forget_unconfirmed`).
 """
 
 from __future__ import annotations
