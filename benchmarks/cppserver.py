@@ -5,8 +5,9 @@
 and compiles it with the server (``g++ -O2 -std=c++17 ... -lthrift -lpthread``), against
 Debian's ``libthrift-dev``. The binary is cached in ``build/cpp-baseline/``, named by a hash
 of the source, the IDL and the versions of ``g++`` and ``thrift``: the next call only runs
-the two ``--version`` commands. ``python benchmarks/cppserver.py`` builds it and prints its
-path.
+the two ``--version`` commands. ``build(program="loadgen")`` builds the C++ load generator
+(``benchmarks/cpp/loadgen.cpp``, Thrift's own client) the same way.
+``python benchmarks/cppserver.py [loadgen]`` builds one and prints its path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "benchmarks" / "cpp" / "param_server.cpp"
+#: what build() builds: program name -> its source
+PROGRAMS = {"param_server": SOURCE, "loadgen": REPO / "benchmarks" / "cpp" / "loadgen.cpp"}
 IDL = REPO / "idl" / "ml_param_sync.thrift"
 CACHE = REPO / "build" / "cpp-baseline"
 NAME = "param_server"
@@ -70,21 +73,22 @@ def _check_headers(gxx: str) -> None:
                 )
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """The path of the built server (built now unless cached in ``out_dir``).
+def build(out_dir: Path | None = None, program: str = NAME) -> Path:
+    """The path of the built ``program`` (built now unless cached in ``out_dir``).
 
     Raises:
         CppBaselineUnavailable: ``g++``, ``thrift`` or the headers are missing, or the
             build failed (its output in the reason).
     """
+    source = PROGRAMS[program]
     out_dir = CACHE if out_dir is None else Path(out_dir)
     gxx, gxx_version = _tool("g++", "g++")
     thrift, thrift_version = _tool("thrift", "thrift-compiler")
     versions = f"{gxx_version}\0{thrift_version}".encode()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), IDL.read_bytes(), versions):
+    for part in (source.read_bytes(), IDL.read_bytes(), versions):
         key.update(hashlib.sha256(part).digest())
-    binary = out_dir / f"{NAME}-{key.hexdigest()[:16]}"
+    binary = out_dir / f"{program}-{key.hexdigest()[:16]}"
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
     _check_headers(gxx)
@@ -95,7 +99,7 @@ def build(out_dir: Path | None = None) -> Path:
         gen = Path(tmp)
         steps = [
             [thrift, "--gen", "cpp", "-out", str(gen), str(IDL)],
-            [gxx, "-O2", "-std=c++17", "-I", str(gen), "-o", str(gen / NAME), str(SOURCE),
+            [gxx, "-O2", "-std=c++17", "-I", str(gen), "-o", str(gen / program), str(source),
              str(gen / "ParameterSyncService.cpp"), str(gen / "ml_param_sync_types.cpp"),
              "-lthrift", "-lpthread"],
         ]  # fmt: skip
@@ -105,16 +109,20 @@ def build(out_dir: Path | None = None) -> Path:
                 raise CppBaselineUnavailable(
                     f"`{' '.join(cmd)}` failed ({done.returncode}):\n{done.stderr[-3000:]}"
                 )
-        os.replace(gen / NAME, binary)
-    for old in out_dir.glob(f"{NAME}-*"):  # builds of other sources or compilers
+        os.replace(gen / program, binary)
+    for old in out_dir.glob(f"{program}-*"):  # builds of other sources or compilers
         if old != binary:
             old.unlink(missing_ok=True)
     return binary
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    program = argv[0] if argv else NAME
+    if program not in PROGRAMS or len(argv) > 1:
+        print(f"usage: cppserver.py [{'|'.join(PROGRAMS)}]", file=sys.stderr)
+        return 2
     try:
-        print(build())
+        print(build(program=program))
     except CppBaselineUnavailable as exc:
         print(f"cppserver: {exc.reason}", file=sys.stderr)
         return 1
@@ -122,4 +130,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
