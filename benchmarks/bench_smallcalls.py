@@ -46,7 +46,7 @@ from bench_node import (
 )
 
 THIS = Path(__file__).resolve()
-VARIANTS = ("cpp", "node", "node-pure")
+VARIANTS = ("cpp", "node", "node-pure", "node-2proc")
 OPS = ("update", "get")
 LOADGEN_GRACE = 30.0  # seconds past its own run before a load generator counts as hung
 
