@@ -261,6 +261,11 @@ class ParameterTable:
     def entry(self, name: str) -> Entry | None:
         return self._entries.get(name)
 
+    @property
+    def by_name(self) -> Mapping[str, Entry]:
+        """Every entry by name, as held now (read only: the table makes every change)."""
+        return self._entries
+
     def mark_recovered(self) -> None:
         """Remember every entry held now as a copy from before: read from the data
         directory at start, or kept through a lost lease (see
