@@ -19,7 +19,7 @@ from thriftpy2.transport import TMemoryBuffer
 
 from aioparamsync import Node, ParameterClient, to_parameter
 from aioparamsync.errors import LocalProtocolError, RequestError
-from aioparamsync.store.writer import ParameterStore
+from aioparamsync.store.writer import NOT_NOW, ParameterStore
 from aioparamsync.wire import (
     MessageType,
     Protocol,
@@ -396,6 +396,36 @@ async def test_an_observer_that_is_also_a_done_callback_is_called_once_unless_it
     assert "observer" in caplog.text
     store.close()
     await writer
+
+
+async def test_an_update_is_applied_at_once_only_when_the_writer_would_apply_it_next() -> None:
+    store = ParameterStore()
+    fed: list[list[str]] = []
+    store.subscribe(lambda entries, replicated: fed.append([e.name for e in entries]))
+    p = thrift.Parameter(name="a", data=b"abcd")
+    assert store.apply_now([p], 1, lambda a: a) is NOT_NOW  # (no writer running)
+    writer = asyncio.create_task(store.run())
+    await asyncio.sleep(0)
+    applied = store.apply_now([p], 3, lambda a: ("told", a.entries[0].version, a.timestamp))
+    assert applied == ("told", 1, 3) and store.table.entry("a").version == 1
+    assert fed == [["a"]] and store.updates_applied == 1
+    # Behind a queued update, it waits its turn (and is applied after it).
+    queued = store.submit([thrift.Parameter(name="a", data=b"efgh")], 4)
+    assert store.apply_now([p], 5, lambda a: a) is NOT_NOW
+    assert (await queued).entries[0].version == 2
+    # A refused update raises, and nothing of it is applied.
+    bad = [thrift.Parameter(name="b", data=b"x"), thrift.Parameter(name="", data=b"x")]
+    with pytest.raises(RequestError):
+        store.apply_now(bad, 6, lambda a: a)
+    assert store.table.entry("b") is None and store.updates_refused == 1
+    # Nor while a cut holds the writes, nor once closed.
+    store.start_hold()
+    assert store.apply_now([p], 7, lambda a: a) is NOT_NOW
+    store.release()
+    store.close()
+    assert store.apply_now([p], 8, lambda a: a) is NOT_NOW
+    await writer
+    assert store.table.entry("a").version == 2
 
 
 async def test_a_failing_observer_fails_nothing_else(caplog) -> None:

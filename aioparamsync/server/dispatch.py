@@ -120,7 +120,7 @@ class CallDispatch(CallOrder):
         self._writes = server.handler.writes
         self._request_timeout = server.config.request_timeout
         self._held: set[asyncio.Future] = set()  # reads the handler holds (long polls)
-        # A small read's reply made whole in C, where the handler has it (see _fast).
+        # A small read's reply made whole in C, where the handler has it (see _dispatch).
         self._fast_read = getattr(server.handler, "fast_read", None)
 
     # -- requests -----------------------------------------------------------------
@@ -128,14 +128,19 @@ class CallDispatch(CallOrder):
     def _dispatch(self, frame: Frame) -> None:
         counters = self._counters
         counters["requests"] += 1
+        fast = self._fast_read
         if (
-            self._fast_read is not None
+            fast is not None
             and frame.framed
             and not self._calls
             and (not self._unapplied or self._pending_write(self._writes_sent) is None)
-            and self._fast(frame)
         ):
-            return
+            # A read owed first whose reply the handler makes whole (a small read, in C).
+            started = time.perf_counter() if self.server.call_observer is not None else 0.0
+            answered = fast(frame.payload)
+            if answered is not None:
+                self._fast_reply(answered, started)
+                return
         try:
             name, mtype, seqid, reader = decode_header(frame.payload, frame.protocol)
         except RemoteProtocolError as exc:
@@ -198,16 +203,11 @@ class CallDispatch(CallOrder):
         if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
             self._update_reading()
 
-    def _fast(self, frame: Frame) -> bool:
-        """Answer a read owed first whose reply the handler makes whole (its ``fast_read``:
-        a small read, in C); False where it does not, for the usual path."""
-        observe = self.server.call_observer
-        started = time.perf_counter() if observe is not None else 0.0
-        answered = self._fast_read(frame.payload)  # type: ignore[misc]
-        if answered is None:
-            return False
+    def _fast_reply(self, answered: tuple[bytes, bool], started: float) -> None:
+        """Send the reply the handler's ``fast_read`` made: (its bytes, framed; whether it
+        answers a ``pull_parameters``), as :meth:`_answer` sends one."""
         reply, pull = answered
-        if observe is not None:
+        if started and (observe := self.server.call_observer) is not None:
             name = "pull_parameters" if pull else "get_parameters"
             observe(name, time.perf_counter() - started, None)
         transport = self.transport
@@ -221,7 +221,6 @@ class CallDispatch(CallOrder):
             self._update_reading()
         if self._closing:
             self._maybe_finish()
-        return True
 
     def _answer(self, m: Method, seqid: int, frame: Frame, args: Any) -> None:
         """Call the handler for a read that is owed first; reply at once if it answers at once.

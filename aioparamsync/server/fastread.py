@@ -5,7 +5,7 @@ answered from its request's bytes to its reply's in one compiled call, the reply
 Python path (``ParameterService._pull``, then ``encode_message``) makes, byte for byte;
 any other read, and any read while the node is starting or has peers (a read may be
 routed elsewhere), is the Python path's. The connection calls it for a read that is owed
-nothing before it (see ``CallDispatch._fast``). ``tests/test_fast_read.py`` holds the two
+nothing before it (see ``CallDispatch._dispatch``). ``tests/test_fast_read.py`` holds the two
 paths equal.
 """
 
@@ -36,17 +36,14 @@ def rule_bytes(rule: Any) -> bytes:
     return b"".join(parts)
 
 
+def may_answer(service: ParameterService) -> bool:
+    """Whether ``service`` may answer a read so: it is up, and alone (nothing is routed)."""
+    return service.starting is None and service.router.alone()
+
+
 def fast_reader(service: ParameterService) -> FastRead | None:
-    """``service``'s fast read, or None where the compiled path is not built."""
+    """``service``'s fast read, or None where the compiled path is not built. (Compiled
+    whole: a call that is no read is told so in C, before any of this module's Python.)"""
     if _cread is None:
         return None
-    answer = _cread.answer_read
-
-    def fast_read(payload: Any) -> tuple[bytes, bool] | None:
-        if service.starting is not None or not service.router.alone():
-            return None
-        table = service.store.table
-        limit = table.limits.max_names_per_request
-        return answer(payload, table.by_name, table.timestamp, limit, rule_bytes)
-
-    return fast_read
+    return _cread.FastRead(service, may_answer, rule_bytes)

@@ -19,7 +19,7 @@ from .._version import __version__
 from ..errors import ErrorCode, RequestError
 from ..placement import barrier_key, manifest_key
 from ..store.table import Entry, lww_key
-from ..store.writer import ParameterStore
+from ..store.writer import NOT_NOW, ParameterStore
 from ..values.packing import packed_response, shared_response
 from ..values.partitions import DEFAULT_PARTITION_BYTES
 from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
@@ -467,9 +467,16 @@ class ParameterService:
             return _then(asyncio.ensure_future(shrunk), answer)
         if parts is None and (acks == "1" or router.alone()):
             checked = self.partitioned.checked(self.incoming(params))
-            return self.store.submit(
-                checked, timestamp, then=lambda a: answer(update_result(a)), call=update.call
-            )
+            store = self.store
+
+            def reply(applied: Any) -> Any:
+                return answer(update_result(applied))
+
+            if router.alone():  # (a cluster's primary sends what it applies on, by batches)
+                done = store.apply_now(checked, timestamp, reply, update.call)
+                if done is not NOT_NOW:
+                    return done
+            return store.submit(checked, timestamp, then=reply, call=update.call)
         return _then(asyncio.ensure_future(self.write_parts(update, params, parts, acks)), answer)
 
     async def write_parts(self, update: Any, params: Sequence[Any], parts: Any, acks: str) -> Any:

@@ -21,7 +21,7 @@ from ..errors import ErrorCode, RequestError, drop_tracebacks
 from .cuts import CallLog, Hold
 from .table import Applied, Entry, ParameterTable
 
-__all__ = ["Answer", "ParameterStore"]
+__all__ = ["NOT_NOW", "Answer", "ParameterStore"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ MAX_BATCH = 256
 # Batches larger than this are written to the log from a worker thread (bytes).
 INLINE_LOG_BYTES = 1024 * 1024
 
+
+#: what :meth:`ParameterStore.apply_now` answers where the update must wait its turn
+NOT_NOW: Any = object()
 
 # How a queued update is applied.
 _APPLY, _MERGE, _FOLD, _DROP, _LIFT = 0, 1, 2, 3, 4
@@ -236,6 +239,45 @@ class ParameterStore:
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
         return future
+
+    def apply_now(
+        self,
+        params: Sequence[Any],
+        timestamp: int,
+        then: Callable[[Applied], Any],
+        call: str | None = None,
+    ) -> Any:
+        """Apply an update at once, as the writer would next, and answer ``then(applied)``;
+        or :data:`NOT_NOW` where it must wait its turn: the writer is busy or has updates
+        queued, or keeps a log (a batch is logged before it is answered), or holds writes
+        for a cut. (One update the writer would apply alone, without a future, a pass of
+        the loop, nor a batch.)
+
+        Raises:
+            RequestError: the update may not be applied (nothing of it was).
+        """
+        wakeup = self._wakeup
+        if (
+            wakeup is None  # (the writer is not waiting for work)
+            or wakeup.done()
+            or self._queue
+            or self.data_dir is not None
+            or self.hold is not None
+            or self._closed
+            or self._failure is not None
+        ):
+            return NOT_NOW
+        try:
+            applied = self.table.apply(params, timestamp)
+        except Exception:
+            self.updates_refused += 1
+            raise
+        if call is not None:
+            self.calls.add(call, params)
+        self.batches += 1
+        self.updates_applied += 1
+        self._feed(applied.entries, False)
+        return then(applied)
 
     async def update(
         self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
@@ -473,13 +515,16 @@ class ParameterStore:
             if eager is not None and not _tell(future):
                 future.add_done_callback(eager)
         for kind, entries in zip((False, True), fed, strict=True):
-            if not entries:
-                continue
-            for callback in self._subscribers:
-                try:
-                    callback(entries, kind)
-                except Exception:  # one subscriber's bug must not stop the writer
-                    log.exception("store subscriber %r failed", callback)
+            if entries:
+                self._feed(entries, kind)
+
+    def _feed(self, entries: Sequence[Entry], replicated: bool) -> None:
+        """Hand entries just applied to the subscribers."""
+        for callback in self._subscribers:
+            try:
+                callback(entries, replicated)
+            except Exception:  # one subscriber's bug must not stop the writer
+                log.exception("store subscriber %r failed", callback)
 
     def _wake(self) -> None:
         """Wake the writer if it waits for work."""
