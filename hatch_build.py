@@ -16,8 +16,8 @@ What is compiled (with Cython, into C extensions):
   (the new entries of a push's compiled fold: ``aioparamsync.store.table``);
 * ``aioparamsync/values/_cpacking.pyx``: a push's blocks made gradients and a read's
   small tensors packed (the loops of ``aioparamsync.values.packing``);
-* ``aioparamsync/server/_cread.pyx``: a small read answered whole, from the request's
-  bytes to the reply's (``aioparamsync.server.fastread``);
+* ``aioparamsync/server/_csmall.pyx``: small calls (a read, a founding client's update)
+  answered whole, from the request's bytes to the reply's (``aioparamsync.server.smallcalls``);
 * the modules in ``COMPILED_MODULES``, compiled from their Python source as
   they are: the same code, without the interpreter's dispatch (an extension
   module is imported in place of the ``.py`` beside it). None today: measured,
@@ -84,7 +84,7 @@ CYTHON_MODULES = [
     "aioparamsync/_cblocks.pyx",
     "aioparamsync/store/_centry.pyx",
     "aioparamsync/values/_cpacking.pyx",
-    "aioparamsync/server/_cread.pyx",
+    "aioparamsync/server/_csmall.pyx",
 ]
 
 # Where extensions are kept between builds, under the project's root.

@@ -97,23 +97,44 @@ def polls_waiting(node: Node) -> int:
     return node.service.waiting.statistics()["long_polls_waiting"]
 
 
+def hold_writes(node: Node) -> None:
+    """Keep the client writes the node reads from now on unapplied (as a cut holds them),
+    until ``node.service.store.release()``: a read pipelined behind one waits for it. (An
+    update the writer would apply next, alone, it applies at once.)"""
+    node.service.store.start_hold()
+
+
+async def both_read(node: Node) -> None:
+    """Until the node has read the write and the poll (not applied: see hold_writes)."""
+    async with asyncio.timeout(TIMEOUT):
+        while node.server.counters["requests"] < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+    assert "w" not in node.table
+
+
 # ---------------------------------------------------------------------------
 # A read held only once the writes before it are applied
 
 
 async def test_a_long_poll_behind_a_write_ends_with_its_closed_connection(node: Node) -> None:
+    hold_writes(node)
     async with raw(node.address) as (_, writer):
         writer.write(a_write_then_a_long_poll())
         writer.close()  # at once: the poll is held after the node saw the EOF
+        await both_read(node)
+        node.service.store.release()
     # The poll is not held for a client that is gone, nor its connection kept.
     await wait_until(lambda: not node.server.connections and polls_waiting(node) == 0)
     assert "w" in node.table  # the write is applied all the same
 
 
 async def test_a_long_poll_behind_a_write_ends_at_the_callers_eof(node: Node) -> None:
+    hold_writes(node)
     async with raw(node.address) as (reader, writer):
         writer.write(a_write_then_a_long_poll())
         writer.write_eof()  # stops sending, still reads
+        await both_read(node)
+        node.service.store.release()
         replies = await read_to_eof(reader)  # both replies, then the node ends it
     assert [(name, seqid) for name, _, seqid, _ in replies] == [
         ("push_parameters", 1),
@@ -131,17 +152,15 @@ async def test_a_long_poll_behind_a_write_is_answered_at_shutdown() -> None:
     await node.start()
     stopping: asyncio.Task | None = None
     try:
+        hold_writes(node)
         async with raw(node.address) as (reader, writer):
             writer.write(a_write_then_a_long_poll())
-            async with asyncio.timeout(TIMEOUT):
-                # Not a moment longer (a sleep lets the store's writer run): the
-                # node has read both calls when the write is not applied yet.
-                while node.server.counters["requests"] < 2:  # noqa: ASYNC110
-                    await asyncio.sleep(0)
-            assert "w" not in node.table
+            await both_read(node)
             # So the poll is called, and held, only after close() ended the held reads.
             start = time.monotonic()
             stopping = asyncio.ensure_future(node.stop(grace=30.0))
+            await asyncio.sleep(0)  # (stop has begun)
+            node.service.store.release()  # (the write is applied now)
             # Both replies, then the node ends the connection (before the fix:
             # the push's reply only, then nothing for the whole grace).
             replies = await read_to_eof(reader)

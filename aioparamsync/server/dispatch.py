@@ -120,22 +120,23 @@ class CallDispatch(CallOrder):
         self._writes = server.handler.writes
         self._request_timeout = server.config.request_timeout
         self._held: set[asyncio.Future] = set()  # reads the handler holds (long polls)
-        # A small read's reply made whole in C, where the handler has it (see _dispatch).
-        self._fast_read = getattr(server.handler, "fast_read", None)
+        # Small calls answered whole in C, where the handler has them (see _dispatch).
+        self._fast_calls = getattr(server.handler, "fast_calls", None)
 
     # -- requests -----------------------------------------------------------------
 
     def _dispatch(self, frame: Frame) -> None:
         counters = self._counters
         counters["requests"] += 1
-        fast = self._fast_read
+        fast = self._fast_calls
         if (
             fast is not None
             and frame.framed
             and not self._calls
             and (not self._unapplied or self._pending_write(self._writes_sent) is None)
         ):
-            # A read owed first whose reply the handler makes whole (a small read, in C).
+            # A call owed nothing before it whose reply the handler makes whole (a small
+            # read or update, in C).
             started = time.perf_counter() if self.server.call_observer is not None else 0.0
             answered = fast(frame.payload)
             if answered is not None:
@@ -203,12 +204,11 @@ class CallDispatch(CallOrder):
         if len(calls) >= MAX_PIPELINE:  # (a dispatch can only pause reading)
             self._update_reading()
 
-    def _fast_reply(self, answered: tuple[bytes, bool], started: float) -> None:
-        """Send the reply the handler's ``fast_read`` made: (its bytes, framed; whether it
-        answers a ``pull_parameters``), as :meth:`_answer` sends one."""
-        reply, pull = answered
+    def _fast_reply(self, answered: tuple[bytes, str], started: float) -> None:
+        """Send the reply the handler's ``fast_calls`` made: (its bytes, framed; the
+        method's name), as :meth:`_answer` sends one."""
+        reply, name = answered
         if started and (observe := self.server.call_observer) is not None:
-            name = "pull_parameters" if pull else "get_parameters"
             observe(name, time.perf_counter() - started, None)
         transport = self.transport
         if transport is not None and not transport.is_closing():

@@ -27,12 +27,12 @@ from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .clusterview import ClusterView
 from .cuts import Cuts
 from .digests import bucket_digest, digest, digest_for
-from .fastread import fast_reader
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest, piece_of
 from .routing import Router
 from .rows import RowService
+from .smallcalls import fast_calls
 from .watches import Watches
 
 __all__ = ["ParameterService"]
@@ -163,8 +163,8 @@ class ParameterService:
         #: more of info's counters: each answers some (a follower's lag)
         self.statistics_hooks: list[Callable[[], Mapping[str, int]]] = []
         self.local_socket: str | None = None  # (info's: where clients on this host connect)
-        #: a small read's reply made in C, or None (see .fastread): the connections' to call
-        self.fast_read = fast_reader(self)
+        #: small calls answered in C, or None (see .smallcalls): the connections' to call
+        self.fast_calls = fast_calls(self)
         # Each method of the IDL's table and its handler, by the method's name.
         handlers: dict[Method, Callable[[Method, Any], Any]] = {
             METHODS.get_parameters: self._get_parameters,

@@ -266,6 +266,16 @@ class ParameterTable:
         """Every entry by name, as held now (read only: the table makes every change)."""
         return self._entries
 
+    @property
+    def holds_manifests(self) -> bool:
+        """Whether a parameter is held as partitions here (its manifest is)."""
+        return self._manifests > 0
+
+    def put(self, made: list[Entry], timestamp: int) -> Applied:
+        """Store entries made as :meth:`apply` makes them, checked as it checks them (a
+        founding client's small update, in C: see ``ParameterStore.applied_now``)."""
+        return self._store(made, timestamp)
+
     def mark_recovered(self) -> None:
         """Remember every entry held now as a copy from before: read from the data
         directory at start, or kept through a lost lease (see

@@ -256,16 +256,7 @@ class ParameterStore:
         Raises:
             RequestError: the update may not be applied (nothing of it was).
         """
-        wakeup = self._wakeup
-        if (
-            wakeup is None  # (the writer is not waiting for work)
-            or wakeup.done()
-            or self._queue
-            or self.data_dir is not None
-            or self.hold is not None
-            or self._closed
-            or self._failure is not None
-        ):
+        if not self.idle():
             return NOT_NOW
         try:
             applied = self.table.apply(params, timestamp)
@@ -274,10 +265,35 @@ class ParameterStore:
             raise
         if call is not None:
             self.calls.add(call, params)
+        return then(self._applied_now(applied))
+
+    def idle(self) -> bool:
+        """Whether an update would be applied next, alone (see :meth:`apply_now`): the
+        writer waits for work with none queued, keeps no log, holds no writes for a cut,
+        and takes updates."""
+        wakeup = self._wakeup
+        return (
+            wakeup is not None  # (the writer waits for work)
+            and not wakeup.done()
+            and not self._queue
+            and self.data_dir is None
+            and self.hold is None
+            and not self._closed
+            and self._failure is None
+        )
+
+    def applied_now(self, made: list[Entry], timestamp: int) -> Applied:
+        """Store ``made``, the entries of an update checked and made elsewhere as
+        :meth:`ParameterTable.apply` makes them (a founding client's small update, in C:
+        ``server/_csmall.pyx``), as :meth:`apply_now` does; only while :meth:`idle`."""
+        return self._applied_now(self.table.put(made, timestamp))
+
+    def _applied_now(self, applied: Applied) -> Applied:
         self.batches += 1
         self.updates_applied += 1
-        self._feed(applied.entries, False)
-        return then(applied)
+        if applied.entries:
+            self._feed(applied.entries, False)
+        return applied
 
     async def update(
         self, params: Sequence[Any], timestamp: int, *, replicated: bool = False
