@@ -281,3 +281,40 @@ def test_bench_push_refuses_bad_arguments() -> None:
         rc, _, stderr = run_bounded([sys.executable, str(PUSH), *bad], timeout=60)
         assert rc == 2, (bad, stderr)
         assert "error:" in stderr
+
+
+SMALLCALLS = BENCH.parent / "bench_smallcalls.py"
+
+
+def test_bench_smallcalls_drives_each_server_with_the_cpp_load_generator(tmp_path: Path) -> None:
+    """The C++ client against the C++ server and the node (compiled, and pure): real calls,
+    each get checked by the load generator, and the node divided by the C++ server."""
+    need_cpp_baseline()
+    out = tmp_path / "small.json"
+    cmd = [
+        sys.executable, str(SMALLCALLS), "--variants", "cpp,node,node-pure", "--sizes", "4KiB",
+        "--conns", "2", "--reps", "1", "--seconds", "0.2", "--warmup", "0.05",
+        "--json", str(out),
+    ]  # fmt: skip
+    rc, stdout, stderr = run_bounded(cmd, timeout=120)
+    assert rc == 0, f"exit {rc}\n{stdout}\n{stderr}"
+    runs = json.loads(out.read_text())
+    assert sorted(r["variant"] for r in runs) == ["cpp", "node", "node-pure"]
+    for run in runs:
+        for op in ("update", "get"):
+            phase = run[op]
+            assert phase["op"] == op and (phase["conns"], phase["size"]) == (2, 4096)
+            assert phase["calls"] > 0 and _positive(phase["calls_per_s"]), (run["variant"], op)
+            assert phase["p50_us"] <= phase["p99_us"]
+    assert "| / cpp (u/g) |" in stdout
+    assert [line.split("|")[3].strip() for line in stdout.splitlines() if "|   4KiB |" in line] == [
+        "cpp",
+        "node",
+        "node-pure",
+    ]
+
+
+def test_bench_smallcalls_refuses_bad_flags() -> None:
+    for flags in (["--variants", "nope"], ["--reps", "0"], ["--conns", "0"], ["--seconds", "-1"]):
+        rc, _, stderr = run_bounded([sys.executable, str(SMALLCALLS), *flags], timeout=60)
+        assert rc == 2, (flags, stderr)
