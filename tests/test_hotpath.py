@@ -365,39 +365,6 @@ async def test_the_writer_tells_an_answers_observer_before_its_done_callbacks() 
     await writer
 
 
-async def test_an_observer_that_is_also_a_done_callback_is_called_once_unless_it_fails(
-    caplog,
-) -> None:
-    # (as the server's Call is: told by the writer, and the loop's callback only as a
-    # fallback when telling raised)
-    store = ParameterStore()
-    writer = asyncio.create_task(store.run())
-    calls: list[str] = []
-
-    def observer(name: str, fails: bool) -> Any:
-        def observe(future: asyncio.Future) -> None:
-            calls.append(name)
-            if fails and calls.count(name) == 1:
-                raise ZeroDivisionError("the first time")
-
-        return observe
-
-    futures = []
-    for name, fails in (("quiet", False), ("failing", True)):
-        future = store.submit([thrift.Parameter(name=name, data=b"abcd")], 1)
-        future.eager = observe = observer(name, fails)
-        future.add_done_callback(observe)
-        futures.append(future)
-    await asyncio.gather(*futures)
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert calls.count("quiet") == 1
-    assert calls.count("failing") == 2  # told, raised; then the loop's callback
-    assert "observer" in caplog.text
-    store.close()
-    await writer
-
-
 async def test_an_update_is_applied_at_once_only_when_the_writer_would_apply_it_next() -> None:
     store = ParameterStore()
     fed: list[list[str]] = []

@@ -48,27 +48,22 @@ class Answer(asyncio.Future[Any]):
             the moment it answers it: one pass of the event loop before the
             loop runs the future's done callbacks. (The server sets it to
             write the reply in the writer's own step.) An exception it raises
-            is logged. Where it is also a done callback of the future, an update
-            applied calls it once, from the writer; the loop does so as well only
-            when that call raised.
+            is logged.
     """
 
     __slots__ = ("eager",)
     eager: Callable[[Answer], Any] | None
 
 
-def _tell(future: Answer) -> bool:
-    """Call the eager observer of a future just answered (see :class:`Answer`); False if
-    it raised."""
+def _tell(future: Answer) -> None:
+    """Call the eager observer of a future just answered (see :class:`Answer`)."""
     eager, future.eager = future.eager, None
     if eager is None:
-        return True
+        return
     try:
         eager(future)
     except Exception:  # the observer's bug must not stop the writer
         log.exception("the observer of an update's answer failed")
-        return False
-    return True
 
 
 def _fail(future: Answer, exc: BaseException) -> None:
@@ -514,10 +509,6 @@ class ParameterStore:
         for future, applied, then in done:
             if future.done():
                 continue
-            if (eager := future.eager) is not None:
-                # Told below, as it is answered: not by the loop too, a pass later
-                # (unless telling it fails).
-                future.remove_done_callback(eager)
             if then is None:
                 future.set_result(applied)
             else:
@@ -528,8 +519,8 @@ class ParameterStore:
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
-            if eager is not None and not _tell(future):
-                future.add_done_callback(eager)
+            if future.eager is not None:
+                _tell(future)
         for kind, entries in zip((False, True), fed, strict=True):
             if entries:
                 self._feed(entries, kind)
