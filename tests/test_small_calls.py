@@ -20,7 +20,15 @@ from thriftpy2.rpc import make_aio_client
 from aioparamsync import Node, ParameterClient, sgd
 from aioparamsync.errors import RequestError
 from aioparamsync.server import smallcalls
-from aioparamsync.wire import SEED_IDL_PATH, MessageType, encode_message, method, thrift
+from aioparamsync.wire import (
+    SEED_IDL_PATH,
+    MessageType,
+    decode_header,
+    encode_message,
+    method,
+    thrift,
+)
+from aioparamsync.wire.protocol import Protocol
 
 pytestmark = pytest.mark.skipif(smallcalls._csmall is None, reason="the compiled path is not built")
 
@@ -120,32 +128,50 @@ async def test_a_node_starting_or_in_a_cluster_leaves_reads_to_the_python_path(
     assert node.service.fast_calls(payload) is not None
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
+    update=st.booleans(),
     cut=st.integers(0, 200),
     flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
 )
-def test_no_bytes_make_it_fail_and_what_it_answers_is_what_python_answers(cut, flips) -> None:
+def test_no_bytes_make_it_fail_and_what_it_answers_is_what_python_answers(
+    update, cut, flips
+) -> None:
     async def main() -> None:
-        async with Node("127.0.0.1", 0) as node:
-            await _filled(node)
-            request = thrift.ParameterRequest(param_names=["w", "plain", "b"], min_version=1)
-            data = bytearray(_payload("pull_parameters", request, 11))
+        async with Node("127.0.0.1", 0) as node, Node("127.0.0.1", 0) as twin:
+            for n in (node, twin):
+                await _filled(n)
+                await _python_update(n, [thrift.Parameter(name="b0", data=b"")], 2**41, 1)
+            if update:
+                params = [
+                    thrift.Parameter(name="plain", data=b"0123456789", version=4),
+                    thrift.Parameter(name="new", data=b"abc"),
+                ]
+                data = bytearray(_update_payload(params, 2**41 + 5, 11))
+            else:
+                request = thrift.ParameterRequest(param_names=["w", "plain", "b"], min_version=1)
+                data = bytearray(_payload("pull_parameters", request, 11))
             for at, value in flips:
                 if at < len(data):
                     data[at] = value
             data = data[: len(data) - cut] if cut < len(data) else data[:0]
             fast = node.service.fast_calls(memoryview(bytes(data)))
             if fast is None:
+                assert _state(node) == _state(twin)  # (nothing applied)
                 return
             # Whatever it answered, the Python path answers the same bytes with.
-            from aioparamsync.wire import decode_header
-            from aioparamsync.wire.protocol import Protocol
-
             name, mtype, seqid, reader = decode_header(memoryview(bytes(data)), Protocol.BINARY)
             args = reader.read_body(method(name).args)
             assert mtype == MessageType.CALL
-            assert fast[0] == _python_reply(node, name, args.request, seqid)
+            if name == "update_parameters":
+                u = args.update
+                assert fast[0] == await _python_update(twin, u.params, u.timestamp, seqid)
+            else:
+                assert fast[0] == _python_reply(twin, name, args.request, seqid).replace(
+                    twin.service.store.table.origin.encode(),
+                    node.service.store.table.origin.encode(),
+                )
+            assert _state(node) == _state(twin)
 
     asyncio.run(main())
 

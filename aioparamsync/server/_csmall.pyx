@@ -121,7 +121,7 @@ cdef inline int _put_i64(Out* out, uint64_t u) except -1:
     return _put(out, b, 8)
 
 
-cdef inline int _field(Out* out, uint8_t kind, int fid) except -1:
+cdef inline int _put_field(Out* out, uint8_t kind, int fid) except -1:
     _put_u8(out, kind)
     _put_u8(out, <uint8_t>(fid >> 8))
     return _put_u8(out, <uint8_t>fid)
@@ -172,21 +172,21 @@ cdef bint _put_entry(Out* out, object entry, object encode_rule) except -1:
     try:
         if view.len >= _SMALL:
             return False
-        _field(out, T_STRING, 1)
+        _put_field(out, T_STRING, 1)
         if not _put_str(out, entry.name):
             return False
-        _field(out, T_STRING, 2)
+        _put_field(out, T_STRING, 2)
         _put_u32(out, <uint32_t>view.len)
         _put(out, view.buf, view.len)
     finally:
         PyBuffer_Release(&view)
     if not _exact_i64(entry.version, &x) or x < -2147483648 or x > 2147483647:
         return False
-    _field(out, T_I32, 3)
+    _put_field(out, T_I32, 3)
     _put_u32(out, <uint32_t>x)
     dtype = entry.dtype
     if dtype is not None:
-        _field(out, T_STRING, 4)
+        _put_field(out, T_STRING, 4)
         if not _put_str(out, dtype):
             return False
     shape = entry.shape
@@ -194,7 +194,7 @@ cdef bint _put_entry(Out* out, object entry, object encode_rule) except -1:
         if not PyTuple_CheckExact(shape):
             return False
         n = len(shape)
-        _field(out, T_LIST, 5)
+        _put_field(out, T_LIST, 5)
         _put_u8(out, T_I64)
         _put_u32(out, <uint32_t>n)
         for i in range(n):
@@ -203,16 +203,98 @@ cdef bint _put_entry(Out* out, object entry, object encode_rule) except -1:
             _put_i64(out, <uint64_t>x)
     origin = entry.origin
     if origin is not None:
-        _field(out, T_STRING, 6)
+        _put_field(out, T_STRING, 6)
         if not _put_str(out, origin):
             return False
     rule = entry.rule
     if rule is not None:
         encoded = encode_rule(rule)  # (the struct's fields and its STOP)
-        _field(out, T_STRUCT, 10)
+        _put_field(out, T_STRUCT, 10)
         _put(out, PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded))
     _put_u8(out, T_STOP)
     return True
+
+
+cdef inline int _out_init(Out* out, Py_ssize_t cap) except -1:
+    out.buf = <char*>malloc(cap)
+    if out.buf == NULL:
+        raise MemoryError()
+    out.size, out.cap = 0, cap
+    return 0
+
+
+cdef inline int _reply_begin(Out* out, const char* name, Py_ssize_t name_len,
+                             uint32_t seqid) except -1:
+    """A reply's header, after 4 bytes kept for its frame's length (see _framed)."""
+    _put_u32(out, 0)
+    _put_u32(out, _REPLY)
+    _put_u32(out, <uint32_t>name_len)
+    _put(out, name, name_len)
+    return _put_u32(out, seqid)
+
+
+# Reading a call. Each answers the position after what it read, or -1 where the message
+# is not one this module answers (it ends first, or holds another thing there).
+
+cdef inline Py_ssize_t _args_at(const uint8_t* p, Py_ssize_t n, Py_ssize_t pos,
+                                uint32_t* seqid) noexcept:
+    """After the method's name: the seqid, then the arguments' field 1, a struct."""
+    if n - pos < 4 + 3:
+        return -1
+    seqid[0] = _u32(p + pos)
+    pos += 4
+    if p[pos] != T_STRUCT or p[pos + 1] != 0 or p[pos + 2] != 1:
+        return -1
+    return pos + 3
+
+
+cdef inline Py_ssize_t _field_at(const uint8_t* p, Py_ssize_t n, Py_ssize_t pos,
+                                 uint8_t* kind, int* fid) noexcept:
+    """A field's header: its type (T_STOP: the struct ends) and id."""
+    if pos >= n:
+        return -1
+    kind[0] = p[pos]
+    if kind[0] == T_STOP:
+        return pos + 1
+    if n - pos < 3:
+        return -1
+    fid[0] = (p[pos + 1] << 8) | p[pos + 2]
+    return pos + 3
+
+
+cdef inline Py_ssize_t _list_at(const uint8_t* p, Py_ssize_t n, Py_ssize_t pos, uint8_t elem,
+                                Py_ssize_t most, Py_ssize_t least, Py_ssize_t* count) noexcept:
+    """A list's header: of ``elem`` elements, at most ``most`` (each ``least`` bytes or more)."""
+    if n - pos < 5 or p[pos] != elem:
+        return -1
+    count[0] = <Py_ssize_t>_u32(p + pos + 1)
+    pos += 5
+    if count[0] > most or count[0] > (n - pos) // least:
+        return -1
+    return pos
+
+
+cdef inline Py_ssize_t _string_at(const uint8_t* p, Py_ssize_t n, Py_ssize_t pos,
+                                  Py_ssize_t* length) noexcept:
+    """A string's or a binary's length; its bytes at the position answered."""
+    if n - pos < 4:
+        return -1
+    length[0] = <Py_ssize_t>_u32(p + pos)  # (a negative i32 is past the end too)
+    pos += 4
+    if length[0] > n - pos:
+        return -1
+    return pos
+
+
+cdef object _name(const uint8_t* p, Py_ssize_t length):
+    """The name of ``length`` bytes at ``p``; None where it holds NUL (a partition's or a
+    manifest's key) or is no UTF-8 (the Python path says what is wrong)."""
+    if memchr(p, 0, length) != NULL:
+        return None
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>p, length, NULL)
+    except UnicodeDecodeError:
+        return None
 
 
 cdef inline int _kind(object payload) except -1:
@@ -282,7 +364,7 @@ def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_n
     cdef const uint8_t* p
     cdef Py_ssize_t n, pos, name_len, count, i, length
     cdef uint8_t kind
-    cdef int fid
+    cdef int fid = 0
     cdef bint pull, seen_names = False, seen_min = False
     cdef int64_t min_version = 0, version, ts
     cdef uint32_t seqid
@@ -292,73 +374,42 @@ def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_n
     cdef set asked
     if not _exact_i64(timestamp, &ts):
         return None
+    kind = _kind(payload)
+    if kind != GET and kind != PULL:
+        return None
+    pull = kind == PULL
+    name_len = 15 if pull else 14
     PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
         n = view.len
-        # The header: a call, of one of the two reads, by name.
-        if n < 12 or _u32(p) != _CALL:
-            return None
-        name_len = <Py_ssize_t>_u32(p + 4)
-        if name_len == 14 and n >= 8 + 14 and memcmp(p + 8, _GET, 14) == 0:
-            pull = False
-        elif name_len == 15 and n >= 8 + 15 and memcmp(p + 8, _PULL, 15) == 0:
-            pull = True
-        else:
-            return None
-        pos = 8 + name_len
-        if n - pos < 4 + 3:
-            return None
-        seqid = _u32(p + pos)
-        pos += 4
-        # The arguments: field 1, the request, and nothing else.
-        if p[pos] != T_STRUCT or p[pos + 1] != 0 or p[pos + 2] != 1:
-            return None
-        pos += 3
-        while True:
-            if pos >= n:
-                return None
-            kind = p[pos]
-            if kind == T_STOP:
-                pos += 1
+        pos = _args_at(p, n, 8 + name_len, &seqid)
+        while pos >= 0:
+            pos = _field_at(p, n, pos, &kind, &fid)
+            if pos < 0 or kind == T_STOP:
                 break
-            if n - pos < 3:
-                return None
-            fid = (p[pos + 1] << 8) | p[pos + 2]
-            pos += 3
             if fid == 1 and kind == T_LIST and not seen_names:
                 seen_names = True
-                if n - pos < 5 or p[pos] != T_STRING:
-                    return None
-                count = <Py_ssize_t>_u32(p + pos + 1)
-                pos += 5
-                if count < 0 or count > max_names or count > (n - pos) // 4:
+                pos = _list_at(p, n, pos, T_STRING, max_names, 4, &count)
+                if pos < 0:
                     return None
                 names = []
                 for i in range(count):
-                    if n - pos < 4:
+                    pos = _string_at(p, n, pos, &length)
+                    if pos < 0:
                         return None
-                    length = <Py_ssize_t>_u32(p + pos)
-                    pos += 4
-                    if length < 0 or length > n - pos:
-                        return None
-                    if memchr(p + pos, 0, length) != NULL:
-                        return None  # (a partition's or a manifest's key)
-                    try:
-                        name = PyUnicode_DecodeUTF8(<const char*>(p + pos), length, NULL)
-                    except UnicodeDecodeError:
+                    name = _name(p + pos, length)
+                    if name is None:
                         return None
                     names.append(name)
                     pos += length
-            elif fid == 2 and kind == T_I32 and not seen_min:
+            elif fid == 2 and kind == T_I32 and not seen_min and n - pos >= 4:
                 seen_min = True
-                if n - pos < 4:
-                    return None
                 min_version = <int32_t>_u32(p + pos)
                 pos += 4
             else:
                 return None
-        if not seen_names or pos + 1 != n or p[pos] != T_STOP:
+        if pos < 0 or not seen_names or pos + 1 != n or p[pos] != T_STOP:
             return None
     finally:
         PyBuffer_Release(&view)
@@ -378,24 +429,17 @@ def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_n
             asked.add(name)
         found.append(entry)
 
-    out.buf = <char*>malloc(256 + 64 * len(found))
-    if out.buf == NULL:
-        raise MemoryError()
-    out.size, out.cap = 0, 256 + 64 * len(found)
+    _out_init(&out, 256 + 64 * len(found))
     try:
-        _put_u32(&out, 0)  # (the frame's length, at the end)
-        _put_u32(&out, _REPLY)
-        _put_u32(&out, <uint32_t>name_len)
-        _put(&out, _PULL if pull else _GET, name_len)
-        _put_u32(&out, seqid)
-        _field(&out, T_STRUCT, 0)  # success
-        _field(&out, T_LIST, 1)  # ParameterResponse.params
+        _reply_begin(&out, _PULL if pull else _GET, name_len, seqid)
+        _put_field(&out, T_STRUCT, 0)  # success
+        _put_field(&out, T_LIST, 1)  # ParameterResponse.params
         _put_u8(&out, T_STRUCT)
         _put_u32(&out, <uint32_t>len(found))
         for entry in found:
             if not _put_entry(&out, entry, encode_rule):
                 return None
-        _field(&out, T_I64, 2)  # ParameterResponse.timestamp
+        _put_field(&out, T_I64, 2)  # ParameterResponse.timestamp
         _put_i64(&out, <uint64_t>ts)
         _put_u8(&out, T_STOP)  # ParameterResponse
         _put_u8(&out, T_STOP)  # the result
@@ -414,6 +458,8 @@ def apply_update(object payload, object service, object make_entry):
     the method's name; or None, with nothing applied, for the Python path.
     ``make_entry``: makes a store's ``Entry``."""
     cdef Py_buffer view
+    if _kind(payload) != UPDATE:
+        return None
     PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
     try:
         return _apply_update(payload, service, make_entry, <const uint8_t*>view.buf, view.len)
@@ -427,7 +473,7 @@ cdef object _apply_update(object payload, object service, object make_entry,
     cdef Py_ssize_t pos, count, i, length, nbytes, whole_len, start
     cdef Py_ssize_t max_params, max_name_bytes, max_whole
     cdef uint8_t kind, inner
-    cdef int fid
+    cdef int fid = 0
     cdef int64_t ts = 0, given
     cdef uint32_t seqid
     cdef bint seen_params = False, seen_ts = False, has_name, has_data, has_version
@@ -444,64 +490,35 @@ cdef object _apply_update(object payload, object service, object make_entry,
     if type(whole) is not bytes:
         return None
     whole_len = PyBytes_GET_SIZE(whole)
-    pos = 8 + 17
-    if n - pos < 4 + 3:
-        return None
-    seqid = _u32(p + pos)
-    pos += 4
-    # The arguments: field 1, the update, and nothing else.
-    if p[pos] != T_STRUCT or p[pos + 1] != 0 or p[pos + 2] != 1:
-        return None
-    pos += 3
-    while True:
-        if pos >= n:
-            return None
-        kind = p[pos]
-        if kind == T_STOP:
-            pos += 1
+    pos = _args_at(p, n, 8 + 17, &seqid)
+    while pos >= 0:
+        pos = _field_at(p, n, pos, &kind, &fid)
+        if pos < 0 or kind == T_STOP:
             break
-        if n - pos < 3:
-            return None
-        fid = (p[pos + 1] << 8) | p[pos + 2]
-        pos += 3
         if fid == 1 and kind == T_LIST and not seen_params:
             seen_params = True
-            if n - pos < 5 or p[pos] != T_STRUCT:
-                return None
-            count = <Py_ssize_t>_u32(p + pos + 1)
-            pos += 5
-            if count < 0 or count > max_params or count > (n - pos) // 8:
+            pos = _list_at(p, n, pos, T_STRUCT, max_params, 8, &count)
+            if pos < 0:
                 return None
             found = []
             for i in range(count):
                 has_name = has_data = has_version = False
                 given = 0
                 while True:
-                    if pos >= n:
+                    pos = _field_at(p, n, pos, &inner, &fid)
+                    if pos < 0:
                         return None
-                    inner = p[pos]
                     if inner == T_STOP:
-                        pos += 1
                         break
-                    if n - pos < 7:
-                        return None
-                    fid = (p[pos + 1] << 8) | p[pos + 2]
-                    pos += 3
                     if inner == T_STRING and (fid == 1 or fid == 2):
-                        length = <Py_ssize_t>_u32(p + pos)
-                        pos += 4
-                        if length < 0 or length > n - pos:
+                        pos = _string_at(p, n, pos, &length)
+                        if pos < 0:
                             return None
                         if fid == 1:
                             if has_name or length == 0 or length > max_name_bytes:
                                 return None
-                            if memchr(p + pos, 0, length) != NULL:
-                                return None  # (a partition's or a manifest's key)
-                            try:
-                                name = PyUnicode_DecodeUTF8(
-                                    <const char*>(p + pos), length, NULL
-                                )
-                            except UnicodeDecodeError:
+                            name = _name(p + pos, length)
+                            if name is None:
                                 return None
                             has_name = True
                         else:
@@ -510,7 +527,7 @@ cdef object _apply_update(object payload, object service, object make_entry,
                             start, nbytes = pos, length
                             has_data = True
                         pos += length
-                    elif inner == T_I32 and fid == 3 and not has_version:
+                    elif inner == T_I32 and fid == 3 and not has_version and n - pos >= 4:
                         given = <int32_t>_u32(p + pos)
                         pos += 4
                         has_version = True
@@ -519,15 +536,13 @@ cdef object _apply_update(object payload, object service, object make_entry,
                 if not (has_name and has_data):
                     return None
                 found.append((name, start, nbytes, given))
-        elif fid == 2 and kind == T_I64 and not seen_ts:
-            if n - pos < 8:
-                return None
+        elif fid == 2 and kind == T_I64 and not seen_ts and n - pos >= 8:
             ts = <int64_t>((<uint64_t>_u32(p + pos) << 32) | _u32(p + pos + 4))
             pos += 8
             seen_ts = True
         else:
             return None
-    if not (seen_params and seen_ts) or pos + 1 != n or p[pos] != T_STOP:
+    if pos < 0 or not (seen_params and seen_ts) or pos + 1 != n or p[pos] != T_STOP:
         return None
 
     # What ParameterTable.check refuses (and apply does): none of it here.
@@ -562,16 +577,9 @@ cdef object _apply_update(object payload, object service, object make_entry,
         made.append(make_entry(name, data, version, dtype, shape, origin, rule))
     store.applied_now(made, ts)
 
-    out.buf = <char*>malloc(64)
-    if out.buf == NULL:
-        raise MemoryError()
-    out.size, out.cap = 0, 64
+    _out_init(&out, 64)
     try:
-        _put_u32(&out, 0)  # (the frame's length, at the end)
-        _put_u32(&out, _REPLY)
-        _put_u32(&out, 17)
-        _put(&out, _UPDATE, 17)
-        _put_u32(&out, seqid)
+        _reply_begin(&out, _UPDATE, 17, seqid)
         _put_u8(&out, T_STOP)  # the result: void
         return _framed(&out), "update_parameters"
     finally:
