@@ -8,12 +8,12 @@ cases, each equal byte for byte (and, for an update, entry for entry) to what th
 path makes of the same call and table; anything else answers None, and the Python path
 answers the call as always, with its errors and their messages:
 
-* a ``get_parameters`` or ``pull_parameters`` (:func:`answer_read`) whose request carries
+* a ``get_parameters`` or ``pull_parameters`` (``_answer_read``) whose request carries
   ``param_names`` and at most ``min_version``; every name held (no NUL in it: neither a
   partition nor a manifest), at that version or above, each value under
   ``ZERO_COPY_MIN_BYTES`` (the writer copies those too): the reply ``ParameterService._pull``
   then ``encode_message`` make;
-* a founding client's ``update_parameters`` (:func:`apply_update`): parameters of a name,
+* a founding client's ``update_parameters`` (``_apply_update``): parameters of a name,
   data and at most a version, and the update's timestamp; names the store takes (not
   reserved, not too long, none twice, no NUL), none stored as partitions, data that fits
   what is stored (plain bytes over an array: its size) and needs no cut: the entries
@@ -51,7 +51,6 @@ cdef uint32_t _REPLY = 0x80010002
 # Thrift's binary type codes
 cdef enum:
     T_STOP = 0
-    T_BOOL = 2
     T_I32 = 8
     T_I64 = 10
     T_STRING = 11
@@ -341,20 +340,21 @@ cdef class FastCalls:
         if kind == UPDATE:
             if not self.may_write(self.service):
                 return None
-            return apply_update(payload, self.service, self.make_entry)
+            return _apply_update(payload, self.service, self.make_entry)
         if not self.may_read(self.service):
             return None
         table = self.service.store.table
-        return answer_read(
-            payload, table.by_name, table.timestamp, table.limits.max_names_per_request,
-            self.encode_rule,
+        return _answer_read(
+            payload, kind == PULL, table.by_name, table.timestamp,
+            table.limits.max_names_per_request, self.encode_rule,
         )
 
 
-def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_names,
-                object encode_rule):
+cdef object _answer_read(object payload, bint pull, dict entries, object timestamp,
+                         Py_ssize_t max_names, object encode_rule):
     """The reply to the read in ``payload`` (a framed binary message, without its frame
-    header), framed, and the method's name; or None, for the Python path.
+    header; a ``pull_parameters`` or, not ``pull``, a ``get_parameters``: see _kind),
+    framed, and the method's name; or None, for the Python path.
 
     ``entries``: the table's, by name; ``timestamp``: the table's; ``max_names``: the most
     names one request may hold; ``encode_rule(rule)``: a rule's struct, written (its fields
@@ -365,7 +365,7 @@ def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_n
     cdef Py_ssize_t n, pos, name_len, count, i, length
     cdef uint8_t kind
     cdef int fid = 0
-    cdef bint pull, seen_names = False, seen_min = False
+    cdef bint seen_names = False, seen_min = False
     cdef int64_t min_version = 0, version, ts
     cdef uint32_t seqid
     cdef Out out
@@ -374,10 +374,6 @@ def answer_read(object payload, dict entries, object timestamp, Py_ssize_t max_n
     cdef set asked
     if not _exact_i64(timestamp, &ts):
         return None
-    kind = _kind(payload)
-    if kind != GET and kind != PULL:
-        return None
-    pull = kind == PULL
     name_len = 15 if pull else 14
     PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
     try:
@@ -452,24 +448,22 @@ cdef object _MAX_VERSION = 2**31 - 1
 cdef str _RESERVED = "__metadata__"
 
 
-def apply_update(object payload, object service, object make_entry):
+cdef object _apply_update(object payload, object service, object make_entry):
     """Apply the founding ``update_parameters`` in ``payload`` (a framed binary message,
-    without its frame header) to ``service``'s store, and answer its reply, framed, and
-    the method's name; or None, with nothing applied, for the Python path.
+    without its frame header: see _kind) to ``service``'s store, and answer its reply,
+    framed, and the method's name; or None, with nothing applied, for the Python path.
     ``make_entry``: makes a store's ``Entry``."""
     cdef Py_buffer view
-    if _kind(payload) != UPDATE:
-        return None
     PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
     try:
-        return _apply_update(payload, service, make_entry, <const uint8_t*>view.buf, view.len)
+        return _update_at(payload, service, make_entry, <const uint8_t*>view.buf, view.len)
     finally:
         PyBuffer_Release(&view)
 
 
-cdef object _apply_update(object payload, object service, object make_entry,
-                          const uint8_t* p, Py_ssize_t n):
-    """:func:`apply_update` of the message at ``p``, ``n`` bytes (``payload``'s, held)."""
+cdef object _update_at(object payload, object service, object make_entry,
+                       const uint8_t* p, Py_ssize_t n):
+    """:func:`_apply_update` of the message at ``p``, ``n`` bytes (``payload``'s, held)."""
     cdef Py_ssize_t pos, count, i, length, nbytes, whole_len, start
     cdef Py_ssize_t max_params, max_name_bytes, max_whole
     cdef uint8_t kind, inner

@@ -213,14 +213,8 @@ class CallDispatch(CallOrder):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             self._counters["bytes_out"] += len(reply)
-            if self._out is not None:  # corked: written at the end of this callback
-                self._out.append(reply)
-            else:
-                transport.write(reply)
-        if self._read_paused:  # (as after a flush)
-            self._update_reading()
-        if self._closing:
-            self._maybe_finish()
+            self._send([reply])
+        self._replied()
 
     def _answer(self, m: Method, seqid: int, frame: Frame, args: Any) -> None:
         """Call the handler for a read that is owed first; reply at once if it answers at once.
@@ -250,15 +244,8 @@ class CallDispatch(CallOrder):
             mtype, body = self._error_reply(m, error)
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            parts = self._encode(m.name, mtype, seqid, body, frame)
-            if self._out is not None:  # corked: written at the end of this callback
-                self._out += parts
-            else:
-                transport.writelines(parts)
-        if self._read_paused:  # (as after a flush)
-            self._update_reading()
-        if self._closing:
-            self._maybe_finish()
+            self._send(self._encode(m.name, mtype, seqid, body, frame))
+        self._replied()
 
     def _call_handler(self, call: Call, args: Any, write: bool) -> Any:
         try:

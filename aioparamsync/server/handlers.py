@@ -455,8 +455,9 @@ class ParameterService:
         if partitioned.partition_bytes and any(partitioned.large(p) for p in params):
             return _then(asyncio.ensure_future(partitioned.write(update, params, acks)), answer)
         router = self.router
+        alone = router.alone()
         parts = None
-        if not router.alone():
+        if not alone:
             names = list(dict.fromkeys(p.name for p in params))
             if update.epoch is not None:
                 router.check_routed(names)
@@ -465,14 +466,14 @@ class ParameterService:
         if shrinking := partitioned.shrinking(params):  # (stored as partitions here, now whole)
             shrunk = partitioned.shrink(update, params, parts, acks, shrinking)
             return _then(asyncio.ensure_future(shrunk), answer)
-        if parts is None and (acks == "1" or router.alone()):
+        if parts is None and (acks == "1" or alone):
             checked = self.partitioned.checked(self.incoming(params))
             store = self.store
 
             def reply(applied: Any) -> Any:
                 return answer(update_result(applied))
 
-            if router.alone():  # (a cluster's primary sends what it applies on, by batches)
+            if alone:  # (a cluster's primary sends what it applies on, by batches)
                 done = store.apply_now(checked, timestamp, reply, update.call)
                 if done is not NOT_NOW:
                     return done

@@ -134,11 +134,21 @@ class CallOrder:
             else:
                 out += parts
         if out is not None:
-            if self._out is not None:  # corked: written at the end of this callback
-                self._out += out
-            else:
-                transport.writelines(out)  # type: ignore[union-attr]
-        if self._read_paused:  # (a flush can only resume reading)
+            self._send(out)
+        self._replied()
+
+    def _send(self, parts: list[Any]) -> None:
+        """Write replies' buffers (the transport is open): now, or, corked, at the end of
+        this callback."""
+        if self._out is not None:
+            self._out += parts
+        else:
+            self.transport.writelines(parts)  # type: ignore[union-attr]
+
+    def _replied(self) -> None:
+        """After replies went out: read again if reading waited for them (replies can only
+        resume it), and end a closing connection that owes none."""
+        if self._read_paused:
             self._update_reading()
         if self._closing:
             self._maybe_finish()
