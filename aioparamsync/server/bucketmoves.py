@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import JOINING, bucket_key
+from ..placement import JOINING, LEAVING, bucket_key
 from ..store.rows import RowTable, table_spec
 from ..wire import METHODS, thrift
 
@@ -119,7 +119,11 @@ class BucketMoves:
                     continue
                 if self._handed.get(mark) != after:
                     if not holders or not all(self._up(h) for h in holders if h != me):
-                        continue  # (stuck: no holder to come is up to take it; kept here)
+                        # (kept here until every holder to come is up to take it: a
+                        # leaving node waits for one that joins, whose link comes up,
+                        # rather than go with the bucket; no holder at all: stuck)
+                        waiting += bool(holders) and cluster.state == LEAVING
+                        continue
                     if not await self._hand_off(table, bucket, holders):
                         waiting += 1
                         continue
