@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..placement import LEAVING
+from ..placement import LEAVING, LEFT
 from ..wire import METHODS, thrift
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ __all__ = ["repair"]
 async def repair(cluster: Cluster, client: ParameterClient, peer: str) -> int:
     """Pull from ``client``'s node (member ``peer``) what it holds newer than this node,
     of what this node holds; answer how many parameters were pulled."""
-    if cluster.state == LEAVING:
-        return 0  # it holds nothing any more: it hands off
+    if cluster.state in (LEAVING, LEFT):
+        return 0  # it holds nothing any more: it hands off, or has left
     if not cluster.fencing.trusted(peer):
         return 0  # (a member whose lease expired: what it holds may lose acknowledged writes)
     placement = cluster.pending or cluster.placement
