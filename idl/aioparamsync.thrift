@@ -544,6 +544,17 @@ struct DigestRequest {
     5: optional map<string, string> claims,
 }
 
+// Between members: raise keys' versions (see lift). A node back with its data
+// directory held copies of versions above those of the same keys written
+// anew while it was away; it yields to those later writes, and asks their
+// primary to raise their versions above the ones it held, so that no reader
+// sees a key's version go back (see docs/cluster.md, "A node restarted with
+// its data").
+struct LiftRequest {
+    // Key -> the version to raise it to (at least 1).
+    1: optional map<string, i32> floors,
+}
+
 // Stop nodes (so that a job's cluster ends with its workers).
 struct ShutdownRequest {
     // Every member this node knows too (default), or this node alone.
@@ -710,6 +721,11 @@ service ParameterSyncService {
     // The digest (see digest) of the keys the request selects.
     list<DigestEntry> digest_for(1: DigestRequest request)
         throws (1: ParameterError error),
+    // Between members: raise the versions of the keys this node is the
+    // primary of to their floors, where lower (a write: logged and
+    // replicated as any), and answer the digest of the keys named that it
+    // holds; the others it leaves as they are.
+    list<DigestEntry> lift(1: LiftRequest request) throws (1: ParameterError error),
     // A planned leave: the node hands every key it holds to its next
     // holders, answers how many it handed off, and exits.
     i64 drain(1: i32 wait_ms) throws (1: ParameterError error),

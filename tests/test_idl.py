@@ -102,12 +102,13 @@ def test_the_method_table_covers_the_idl_and_says_what_writes() -> None:
     writes = {m.name for m in METHODS if m.writes}
     assert writes == {
         "update_parameters", "push_parameters", "broadcast_update", "push_gradients", "drain",
-        "shutdown", "create_table", "push_row_gradients", "replicate_rows",
+        "shutdown", "create_table", "push_row_gradients", "replicate_rows", "lift",
     }  # fmt: skip
     # never retried behind the caller's back: the writes a second delivery would apply twice
-    # (a push by its request id, a table made twice and a row kept at its version are not)
+    # (a push by its request id, a table made twice, a row kept at its version and a
+    # version raised to its floor are not)
     assert {m.name for m in METHODS if not m.idempotent} == writes - {
-        "push_gradients", "create_table", "push_row_gradients", "replicate_rows",
+        "push_gradients", "create_table", "push_row_gradients", "replicate_rows", "lift",
     }  # fmt: skip
     assert {m.name: m.held for m in METHODS if m.held != "never"} == {
         "get_parameters": "wait_ms",

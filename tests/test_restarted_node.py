@@ -158,6 +158,71 @@ async def test_a_restarted_node_yields_its_copies_to_keys_written_anew_while_it_
         await eventually(as_expected, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
 
 
+async def test_keys_written_anew_keep_growing_where_a_member_that_joined_meanwhile_holds_them(
+    procs: ProcessCluster, tmp_path: Path
+) -> None:
+    """The restarted node is no longer the primary of some of its keys: a member that
+    joined while it was away ranks above it. Those keys' primary (not the restarted
+    node) holds them written anew at lower versions: it raises their versions above
+    the restarted node's old ones, so no reader sees a key's version go back."""
+    ports = [free_port() for _ in range(4)]
+    first = await start(procs, tmp_path, "n0", "1", ports[0], [])
+    rest = [await start(procs, tmp_path, f"n{i}", "1", ports[i], [first]) for i in (1, 2)]
+    nodes = [first, *rest]
+    victim = nodes[2]
+    names = [f"k{i:02d}" for i in range(90)]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, nodes)
+        await wait_formed(clients)
+        entry = clients[first.node_id]
+        for step in range(1, WRITES + 1):
+            await write_all(entry, {n: step for n in names})
+        placement = placement_of((await entry.info()).topology)
+        its = [n for n in names if placement.primary(n, set(clients)) == victim.node_id]
+
+        await victim.kill()
+        survivors = {m: c for m, c in clients.items() if m != victim.node_id}
+        await until_seen_as(survivors, victim.node_id, "failed")
+        await eventually(
+            lambda: write_all(entry, {n: 100 + i for i, n in enumerate(its)}),
+            timeout=SETTLE_TIMEOUT,
+            interval=POLL,
+            retry_on=RETRY,
+        )
+        made = await read(entry, its)
+        assert {v for v, _ in made.values()} == {1}, made
+        joined = await start(procs, tmp_path, "n3", "1", ports[3], [first])
+        survivors[joined.node_id] = clients[joined.node_id] = await stack.enter_async_context(
+            joined.client()
+        )
+        await until_seen_as(survivors, joined.node_id, "up")
+
+        async def handed_off() -> None:  # (to the member that joined: each key held once)
+            counts = [(await c.info()).parameter_count for c in survivors.values()]
+            assert sum(counts) == len(names), counts
+
+        await eventually(handed_off, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+        back = await start(procs, tmp_path, "n2", "1", ports[2], [first])
+        clients[back.node_id] = await stack.enter_async_context(back.client())
+        await wait_formed(clients)
+        placement = placement_of((await entry.info()).topology)
+        moved = [n for n in its if placement.primary(n, set(clients)) == joined.node_id]
+        assert moved, f"no key of {victim.node_id} went to {joined.node_id}: {its}"
+
+        async def as_expected() -> None:
+            for me, client in clients.items():
+                got = await read(client, names)
+                for i, n in enumerate(its):  # the later write, at a version above the old
+                    assert got[n][1] == 100 + i and got[n][0] > WRITES, (me, n, got[n])
+                others = [n for n in names if n not in its]
+                assert all(got[n] == (WRITES, WRITES) for n in others), (me, got)
+            counts = [(await c.info()).parameter_count for c in clients.values()]
+            assert sum(counts) == len(names), f"{counts}: a key held twice, or not at all"
+
+        await eventually(as_expected, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
+
+
 async def test_nodes_all_restarted_keep_the_later_writes_of_the_last_one_down(
     procs: ProcessCluster, tmp_path: Path
 ) -> None:

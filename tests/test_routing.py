@@ -271,6 +271,60 @@ async def test_digest_for_refuses_a_node_outside_its_members(sharded: list[Node]
             await client.call("digest_for", request=None)
 
 
+async def test_lift_raises_the_keys_a_node_is_the_primary_of_and_replicates_them(
+    sharded: list[Node],
+) -> None:
+    nodes = sharded
+    by_id = {n.node_id: n for n in nodes}
+    async with ParameterClient(nodes[0].address, timeout=10) as client:
+        await client.update_arrays(arrays())
+        live = {n.node_id for n in nodes}
+        placement = nodes[0].cluster.placement
+        name = NAMES[0]
+        primary = by_id[placement.primary(name, live)]
+        other = next(n for n in nodes if n is not primary)
+        before = primary.table.entry(name)
+        assert before is not None and before.version == 1
+        async with ParameterClient(other.address, timeout=10, route=False) as there:
+            # Not its primary: left as it is (its answer says so).
+            digest = await there.call("lift", request=thrift.LiftRequest(floors={name: 7}))
+            assert [(d.name, d.version) for d in digest if d.name == name] in ([], [(name, 1)])
+        async with ParameterClient(primary.address, timeout=10, route=False) as there:
+            floors = {name: 7, NAMES[1]: 1, "nowhere": 3}
+            digest = await there.call("lift", request=thrift.LiftRequest(floors=floors))
+        answered = {d.name: d.version for d in digest}
+        assert answered[name] == 7 and "nowhere" not in answered
+        after = primary.table.entry(name)
+        assert after is not None and after.version == 7
+        assert after.origin == primary.table.origin  # (the primary's own write)
+        assert np.array_equal(after.array, before.array)  # (its value kept)
+
+        def replicated() -> None:
+            for node in nodes:
+                if name in node.table:
+                    assert node.table.entry(name).version == 7, node.node_id  # type: ignore[union-attr]
+
+        await eventually(replicated)
+        got = await client.get_parameters([name])
+        assert got.params[0].version == 7
+        # A floor at or below the version: nothing changes.
+        async with ParameterClient(primary.address, timeout=10, route=False) as there:
+            digest = await there.call("lift", request=thrift.LiftRequest(floors={name: 3}))
+        assert [d.version for d in digest] == [7]
+
+
+async def test_lift_refuses_what_does_not_hold_together(sharded: list[Node]) -> None:
+    async with ParameterClient(sharded[0].address, timeout=10, route=False) as client:
+        for request in (None, thrift.LiftRequest(), thrift.LiftRequest(floors={"p0": 0})):
+            with pytest.raises(RequestError) as info:
+                await client.call("lift", request=request)
+            assert info.value.code == ErrorCode.BAD_REQUEST, request
+        many = {f"k{i}": 2 for i in range(100_001)}
+        with pytest.raises(RequestError) as info:
+            await client.call("lift", request=thrift.LiftRequest(floors=many))
+        assert info.value.code == ErrorCode.LIMIT_EXCEEDED
+
+
 async def test_the_topology_names_every_member_its_state_and_r(sharded: list[Node]) -> None:
     async with ParameterClient(sharded[0].address, timeout=10) as client:
         topology = await client.topology()

@@ -227,27 +227,36 @@ class Rebalancer:
     async def _hand_to(self, link: PeerLink, entries: list[Entry]) -> set[str]:
         """Make sure ``link``'s member holds ``entries`` (or newer): answer the names it does."""
         client = link.proxy()
-        held = await self._held(client, entries)
-        lacking = [e for e in entries if e.name not in held]
+        held, later = await self._held(client, entries)
+        lacking = [e for e in entries if e.name not in held and e.name not in later]
         if lacking:
             link.offer(lacking)
             if not await link.confirm():
                 return held
-            held |= await self._held(client, lacking)
+            held |= (await self._held(client, lacking))[0]
         return held
 
-    async def _held(self, client: Any, entries: list[Entry]) -> set[str]:
+    async def _held(self, client: Any, entries: list[Entry]) -> tuple[set[str], set[str]]:
         """The names of ``entries`` the peer holds at their version here, or newer (see
-        :func:`.recovered.covers`)."""
+        :func:`.recovered.covers`); and those not to offer it now: copies from before a
+        restart that its later writes cover at lower versions, which the keys' primaries
+        did not raise above them yet (see :meth:`.recovered.Recovery.lift_at_primaries`)."""
         held: set[str] = set()
+        later: set[str] = set()
         step, table = self.cluster.batch_params, self.cluster.store.table
         for i in range(0, len(entries), step):
             batch = entries[i : i + step]
             request = thrift.DigestRequest(names=[e.name for e in batch])
             digest = await client.invoke(METHODS.digest_for, request=request)
             theirs = {d.name: d for d in digest}
-            held.update(e.name for e in batch if (d := theirs.get(e.name)) and covers(table, d, e))
-        return held
+            covered = [e for e in batch if (d := theirs.get(e.name)) and covers(table, d, e)]
+            if below := {
+                e.name: e.version + 1 for e in covered if lww_key(theirs[e.name]) < lww_key(e)
+            }:
+                raised = await self.cluster.recovery.lift_at_primaries(below)
+                later.update(name for name in below if name not in raised)
+            held.update(e.name for e in covered if e.name not in later)
+        return held, later
 
     async def drain(self, timeout: float) -> int:
         """Hand off every key (the node is leaving): rounds until none is left, or ``timeout``.

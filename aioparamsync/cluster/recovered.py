@@ -14,16 +14,20 @@ as recovered (nothing written to it since) does not win over a live one:
   its target for its own live one (:func:`covers`, in rebalance).
 - The restarted node gives up its recovered copy of a key where the key's
   primary, the member that took its writes meanwhile, holds a live copy of a
-  lower version: the primary's replaces its own as it arrives
-  (:meth:`Recovery.pull`, in repair; its own is kept should the primary go
-  away meanwhile).
+  lower version: it asks the primary to raise the key's version above its own
+  first (the IDL's ``lift``: a write of the primary's, in order with the
+  others), then the primary's copy replaces its own as a later write
+  (:meth:`Recovery.pull`, in repair; its own is kept until then, should the
+  primary go away meanwhile). So versions keep growing for readers. A copy it
+  hands off (it holds the key no more) goes the same way: it drops it once the
+  key's primary raised the key above it (:meth:`Recovery.lift_at_primaries`).
 - As it takes over as the primary of its keys (once the former primaries
   stopped taking their writes), it asks each of those once more (a write may
-  have made a key there after its join pulled), then raises the versions of
-  the keys whose copies yielded above the versions it held, so that versions
-  keep growing for readers, and takes its copies of the keys it is primary of
-  now for live ones (:meth:`Recovery.settle`): a key no one wrote meanwhile is
-  back as it was.
+  have made a key there after its join pulled; their copies replace its own
+  as they are), then raises the versions of the keys whose copies yielded
+  above the versions it held (asking their primary where that is another
+  member now), and takes its copies of the keys it is primary of now for live
+  ones (:meth:`Recovery.settle`): a key no one wrote meanwhile is back as it was.
 
 Two recovered copies (a cluster whose nodes all restarted) compare by
 last-writer-wins, as before: the later write wins. A node back from a lost
@@ -40,9 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..client.fetch import fetch
 from ..errors import ParamSyncError
+from ..placement import UP
 from ..store.table import Entry, ParameterTable, lww_key
 from ..wire import METHODS, thrift
 from .batches import batches
+from .links import LinkState
 
 if TYPE_CHECKING:
     from ..client.api import ParameterClient
@@ -75,6 +81,15 @@ def covers(table: ParameterTable, theirs: Any, mine: Entry) -> bool:
     if table.recovered and table.recovered_entry(mine.name) is not None:
         return not theirs.recovered or lww_key(theirs) > lww_key(mine)
     return lww_key(theirs) > lww_key(mine) and not theirs.recovered
+
+
+def _at_floors(digest: Sequence[Any], floors: Mapping[str, int]) -> list[Any]:
+    """The entries of ``digest`` (live) at their floors or above."""
+    return [
+        item
+        for item in digest
+        if not item.recovered and item.name in floors and item.version >= floors[item.name]
+    ]
 
 
 async def pull(
@@ -144,6 +159,20 @@ class Recovery:
                     not primaries or placement.primary(item.name, live) == peer
                 ):
                     given[item.name] = lww_key(mine)
+        if given and primaries:
+            # (``peer`` raises them above this node's copies first: they come as later
+            # writes, which replace these by last-writer-wins; those it did not raise
+            # replace these as they are, and are raised later: see lift_floors)
+            floors = {name: key[0] + 1 for name, key in given.items()}
+            try:
+                raised = _at_floors(await self._lifted(client, floors), floors)
+            except (ParamSyncError, OSError) as exc:
+                log.info("%s raised no versions: %s", peer, exc)
+                raised = []
+            if raised:
+                names = {item.name for item in raised}
+                given = {n: key for n, key in given.items() if n not in names}
+                items = [item for item in items if item.name not in names] + raised
         wanted = [item for item in items if item.name in given or newer(table, item)]
         came = await pull(cluster, client, wanted, given)
         yielded = [name for name in came if name in given]
@@ -157,6 +186,8 @@ class Recovery:
                 peer,
                 yielded[0],
             )
+        if self.floors and cluster.state == UP and cluster.settling is None:
+            await self.lift_floors()  # (once it settled: until then, its settle does)
         return len(came)
 
     def former_primaries(self) -> dict[str, str]:
@@ -192,15 +223,67 @@ class Recovery:
         )
         table = cluster.store.table
         me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
-        floors, self.floors = self.floors, {}
-        mine = {n: v for n, v in floors.items() if placement.primary(n, live) == me}
-        if mine:
-            lifted = await cluster.store.lift(mine)
-            log.info("raised the versions of %d keys above those it held before", lifted)
+        await self.lift_floors()
         for names, answered in zip(by_peer.values(), asked, strict=True):
             for name in names if answered else ():
                 if placement.primary(name, live) == me:
                     table.recovered.pop(name, None)  # (live now: the primary's copy)
+
+    async def lift_floors(self) -> None:
+        """Have the keys whose copies yielded here raised above the versions this node
+        held (:attr:`floors`), by their primaries; those not raised now (their primary
+        not up, or not their primary by its own view) are asked again at the next
+        repair."""
+        floors = dict(self.floors)
+        raised = await self.lift_at_primaries(floors)
+        for name in raised:
+            if self.floors.get(name) == floors[name]:
+                del self.floors[name]
+        if raised:
+            log.info("the versions of %d keys raised above those this node held", len(raised))
+
+    async def lift_at_primaries(self, floors: Mapping[str, int]) -> set[str]:
+        """Have each key of ``floors`` raised to its floor by its primary (by this node's
+        view; this node's own, here); answer the names raised, or that their primary
+        does not hold (nothing to raise). A primary not up, or that does not answer,
+        raises nothing."""
+        cluster = self.cluster
+        table = cluster.store.table
+        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
+        by_primary: dict[str | None, dict[str, int]] = {}
+        for name, floor in floors.items():
+            by_primary.setdefault(placement.primary(name, live), {})[name] = floor
+        raised: set[str] = set()
+        for primary, part in by_primary.items():
+            if primary == me:
+                await cluster.store.lift(part)
+                raised.update(
+                    n for n in part if (e := table.entry(n)) is None or e.version >= part[n]
+                )
+                continue
+            link = cluster.by_id.get(primary) if primary is not None else None
+            if link is None or link.state != LinkState.UP:
+                continue
+            try:
+                digest = await self._lifted(link.proxy(), part)
+            except (ParamSyncError, OSError) as exc:
+                log.info("%s raised no versions: %s", primary, exc)
+                continue
+            held = {item.name for item in digest}
+            raised.update(item.name for item in _at_floors(digest, part))
+            raised.update(name for name in part if name not in held)
+        return raised
+
+    async def _lifted(self, client: ParameterClient, floors: Mapping[str, int]) -> list[Any]:
+        """Ask ``client``'s node to raise the keys of ``floors`` to their floors (the
+        IDL's ``lift``: it does where it is their primary); answer its digest of them."""
+        step = self.cluster.batch_params
+        items = list(floors.items())
+        digest = []
+        for i in range(0, len(items), step):
+            request = thrift.LiftRequest(floors=dict(items[i : i + step]))
+            digest += await client.invoke(METHODS.lift, request=request)
+        return digest
 
     async def _ask(self, link: PeerLink | None, peer: str, names: list[str]) -> bool:
         """Yield to ``peer``'s live copies of ``names`` and pull them, through ``link``

@@ -4,22 +4,27 @@ A peer compares a digest with what it holds and pulls what is newer (see
 :mod:`aioparamsync.cluster.repair`); ``digest_for`` answers only the keys a
 given member holds by a given placement (the one it will have, while it
 joins), or only the names asked for (a hand-off checking what its target has).
+``lift`` raises keys' versions at their primary, then answers their digest (a
+node back with its data asks it: see :mod:`aioparamsync.cluster.recovered`).
 ``digest`` may also answer the buckets of embedding tables held here, with the
 bytes of their rows: placement balanced by bytes counts them with the keys.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, RequestError
-from ..placement import Placement, bucket_key
+from ..placement import LIVE, Placement, bucket_key
 from ..store.rows import RowTables
 from ..store.table import ParameterTable
 from ..store.writer import ParameterStore
 from ..wire import thrift
 
-__all__ = ["bucket_digest", "digest", "digest_for"]
+if TYPE_CHECKING:
+    from .clusterview import ClusterView
+
+__all__ = ["bucket_digest", "digest", "digest_for", "lift"]
 
 
 def _entry(table: ParameterTable, name: str) -> Any:
@@ -77,3 +82,34 @@ def digest_for(store: ParameterStore, request: Any) -> list[Any]:
         placement = Placement(request.members, r, request.claims)
         names = [n for n in names if placement.holds(request.for_node, n)]
     return [_entry(table, n) for n in names]
+
+
+async def lift(store: ParameterStore, cluster: ClusterView | None, request: Any) -> list[Any]:
+    """Raise the versions of the keys named in ``request`` (the IDL's ``LiftRequest``)
+    that this node is the primary of (every key, alone) to their floors, where lower,
+    then answer the digest of those it holds: the caller sees which reached their floor.
+    A node neither up nor leaving (a leaving one is still its keys' primary), fenced,
+    or not their primary (by its own view) leaves them as they are; while it takes
+    over as a primary, the lift waits until it has.
+
+    Raises:
+        RequestError: (BAD_REQUEST) no floors, or a floor below 1; (LIMIT_EXCEEDED)
+            too many keys.
+    """
+    floors = request.floors if request is not None else None
+    if floors is None:
+        raise RequestError(ErrorCode.BAD_REQUEST, "lift: the floors are missing")
+    names = list(floors)
+    store.read(names)  # (checks the request's size)
+    if any(floor < 1 for floor in floors.values()):
+        raise RequestError(ErrorCode.BAD_REQUEST, "lift: a floor must be at least 1")
+    mine = dict(floors)
+    if cluster is not None:
+        if cluster.settling is not None:
+            await cluster.settling
+        me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
+        if cluster.state not in LIVE or cluster.fenced() is not None:
+            mine = {}
+        mine = {n: f for n, f in mine.items() if placement.primary(n, live) == me}
+    await store.lift(mine)
+    return digest_for(store, thrift.DigestRequest(names=names))

@@ -26,7 +26,7 @@ from ..values.pieces import MAX_UPLOAD_BYTES, Uploads
 from ..wire import DEFAULT_MAX_FRAME_BYTES, METHODS, Method, thrift
 from .clusterview import ClusterView
 from .cuts import Cuts
-from .digests import bucket_digest, digest, digest_for
+from .digests import bucket_digest, digest, digest_for, lift
 from .gradients import GradientPushes, decode_parameter, update_result
 from .holds import Waiting
 from .partitioned import Partitioned, check_names, inline_limit, is_manifest, piece_of
@@ -182,6 +182,7 @@ class ParameterService:
             METHODS.digest: self._digest,
             METHODS.topology: self._topology,
             METHODS.digest_for: self._digest_for,
+            METHODS.lift: self._lift,
             METHODS.drain: self._drain,
             METHODS.shutdown: self._shutdown,
             **self.rows.handlers(),
@@ -575,6 +576,10 @@ class ParameterService:
 
     def _digest_for(self, method: Method, args: Any) -> Any:
         return method.result(success=digest_for(self.store, args.request))
+
+    def _lift(self, method: Method, args: Any) -> asyncio.Future:
+        lifted = lift(self.store, self.cluster, args.request)
+        return _then(asyncio.ensure_future(lifted), lambda d: method.result(success=d))
 
     def _drain(self, method: Method, args: Any) -> asyncio.Future:
         if self.on_drain is None:

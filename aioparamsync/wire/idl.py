@@ -82,6 +82,7 @@ _TRAITS: dict[str, dict[str, Any]] = {
     "create_table": {"writes": True},  # the same table again is no change
     "push_row_gradients": {"writes": True},  # idempotent by its request id
     "replicate_rows": {"writes": True},  # a row kept at its version once
+    "lift": {"writes": True},  # raised once: a version at its floor stays
 }
 
 
@@ -130,6 +131,7 @@ class Methods:
     watch: Method
     topology: Method
     digest_for: Method
+    lift: Method
     drain: Method
     shutdown: Method
     create_table: Method
