@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 import numpy as np
 import pytest
 from cluster_helpers import (
+    LocalCluster,
     ProcessCluster,
     eventually,
     placement_of,
@@ -23,7 +24,7 @@ from cluster_helpers import (
     wait_formed,
 )
 
-from aioparamsync import ParameterClient, sgd
+from aioparamsync import ErrorCode, ParameterClient, sgd
 from aioparamsync.errors import CallTimeout, NetworkError, RequestError
 from aioparamsync.placement import bucket_key, bucket_of
 
@@ -198,3 +199,49 @@ async def test_a_node_killed_and_restarted_keeps_every_acknowledged_push(
         await wait_formed(clients)
         await wait_placed(clients, len(IDS))
         await assert_rows_everywhere(clients.values(), -pushes * np.ones((len(IDS), DIM)))
+
+
+async def test_a_leaving_node_takes_no_rows_handed_to_it_but_its_primaries_replication() -> None:
+    """A member whose view is behind may take a leaving node for a bucket's holder still
+    and hand the bucket to it, after the leaving node handed it on: were it taken, both
+    would drop it. A leaving node refuses rows handed to it (nothing kept), and keeps
+    those the bucket's primary replicates to it (it serves them until it has gone)."""
+    from aioparamsync.placement import LEAVING
+    from aioparamsync.values.rowwire import encode_ids
+    from aioparamsync.wire import METHODS
+
+    local = LocalCluster(replication_factor=1)
+    try:
+        a = await local.start()
+        b = await local.start(peers=[a])
+
+        def formed() -> None:
+            for node in (a, b):
+                assert node.cluster.state == "up" and len(node.cluster.live) == 2
+
+        await eventually(formed)
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.create_table("emb", 4, rule=sgd(1.0), buckets=BUCKETS)
+            await client.push_row_gradients("emb", IDS, np.ones((len(IDS), 4), np.float32))
+        table_a = a.service.rows.tables.tables["emb"]
+        table_b = b.service.rows.tables.tables["emb"]
+        placement, live = b.cluster.placement, b.cluster.live
+        primary = {k: placement.primary(bucket_key("emb", k), live) for k in range(BUCKETS)}
+        at_a = next(k for k in range(BUCKETS) if primary[k] == a.node_id and k in table_a.blocks)
+        at_b = next(k for k in range(BUCKETS) if primary[k] == b.node_id and k in table_b.blocks)
+        before = bytes(table_b.delta(at_b, None, b.node_id).rows)
+        b.cluster.set_state(LEAVING)
+        # Rows of a bucket b is the primary of, handed to it by a (newer: kept, if taken).
+        handed = table_b.delta(at_b, None, a.node_id)
+        handed.versions = encode_ids(np.frombuffer(handed.versions, "<i8") + 5)
+        handed.rows = np.full(len(handed.rows) // 4, 42.0, "<f4").tobytes()
+        async with ParameterClient(b.address, timeout=10, route=False) as there:
+            with pytest.raises(RequestError) as info:
+                await there.invoke(METHODS.replicate_rows, deltas=[handed])
+            assert info.value.code == ErrorCode.UNAVAILABLE and "leaving" in info.value.message
+            assert bytes(table_b.delta(at_b, None, b.node_id).rows) == before
+            replicated = table_a.delta(at_a, None, a.node_id)  # (from its primary: kept)
+            kept = await there.invoke(METHODS.replicate_rows, deltas=[replicated])
+        assert kept == len(table_a.blocks[at_a]) == len(table_b.blocks[at_a])
+    finally:
+        await local.close()

@@ -115,7 +115,10 @@ class BucketMoves:
                     continue
                 self._synced.pop(mark, None)
                 self._as_of.pop(mark, None)
-                if bucket not in table.blocks:
+                if bucket not in table.blocks or cluster.state == JOINING:
+                    # (a joining node hands nothing on, as for parameters: by a view
+                    # that may be behind, it could hand a bucket a leaving member
+                    # just handed to it back to that member, and both drop it)
                     continue
                 if self._handed.get(mark) != after:
                     if not holders or not all(self._up(h) for h in holders if h != me):

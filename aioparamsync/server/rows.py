@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode, ParamSyncError, RequestError
-from ..placement import bucket_key
+from ..placement import LEAVING, LEFT, bucket_key
 from ..store.rows import RowTable, RowTables, counts_of, table_spec
 from ..values.rowcopy import put_rows
 from ..values.rowwire import (
@@ -474,6 +474,7 @@ class RowService:
         deltas = args.deltas
         if not deltas or any(d is None or d.table is None for d in deltas):
             raise RequestError(ErrorCode.BAD_REQUEST, "the deltas are missing, or their table")
+        self._check_leaving(deltas)
         outcome = self.merge(deltas)
         if isinstance(outcome, int):
             return method.result(success=outcome)
@@ -483,6 +484,25 @@ class RowService:
             return method.result(success=await merged)
 
         return asyncio.ensure_future(logged())
+
+    def _check_leaving(self, deltas: list[Any]) -> None:
+        """Refuse (UNAVAILABLE) rows handed to this node while it leaves: it holds no
+        bucket to come, and what it hands on it has handed on already. (A member whose
+        view is behind takes it for a holder still; it keeps the bucket until it sees
+        where the bucket goes.) Rows its buckets' primaries replicate to it are kept:
+        it serves them until it has gone."""
+        cluster = self.cluster
+        if cluster is None or cluster.state not in (LEAVING, LEFT):
+            return
+        placement, live = cluster.placement, cluster.live
+        for delta in deltas:
+            key = bucket_key(delta.table.name, delta.bucket)
+            if placement.primary(key, live) != delta.from_peer:
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    f"node {self._me} is leaving: it takes no rows handed to it "
+                    f"(bucket {delta.bucket} of table {delta.table.name!r}); nothing was kept",
+                )
 
     def merge(self, deltas: list[Any]) -> int | asyncio.Future[int]:
         """Keep the rows of ``deltas`` newer than those held (making their tables);
