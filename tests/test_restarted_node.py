@@ -95,6 +95,30 @@ async def until_seen_as(clients: Mapping[str, ParameterClient], node_id: str, st
     await eventually(check, timeout=SETTLE_TIMEOUT, interval=POLL, retry_on=RETRY)
 
 
+async def kill_and_write_anew(
+    victim: NodeProcess,
+    clients: Mapping[str, ParameterClient],
+    entry: ParameterClient,
+    names: Sequence[str],
+) -> dict[str, ParameterClient]:
+    """Kill ``victim`` (the primary of ``names``, R=1), wait until the others see it failed,
+    then write ``names`` through ``entry`` (the i-th: 100 + i). Its keys are placed on the
+    others now, where no copy of them is: the write makes them anew, at version 1. Answers
+    the survivors' clients."""
+    await victim.kill()
+    survivors = {m: c for m, c in clients.items() if m != victim.node_id}
+    await until_seen_as(survivors, victim.node_id, "failed")
+    await eventually(
+        lambda: write_all(entry, {n: 100 + i for i, n in enumerate(names)}),
+        timeout=SETTLE_TIMEOUT,
+        interval=POLL,
+        retry_on=RETRY,
+    )
+    made = await read(entry, names)
+    assert {v for v, _ in made.values()} == {1}, made
+    return survivors
+
+
 async def test_a_restarted_node_yields_its_copies_to_keys_written_anew_while_it_was_away(
     procs: ProcessCluster, tmp_path: Path
 ) -> None:
@@ -116,19 +140,7 @@ async def test_a_restarted_node_yields_its_copies_to_keys_written_anew_while_it_
         assert len(its) >= 2, f"the victim is the primary of {its} alone"
         anew, untouched = its[: len(its) // 2], its[len(its) // 2 :]
 
-        await victim.kill()
-        survivors = {m: c for m, c in clients.items() if m != victim.node_id}
-        await until_seen_as(survivors, victim.node_id, "failed")
-        # Its keys are placed on the others now, where no copy of them is: a write
-        # makes them anew, from version 1.
-        await eventually(
-            lambda: write_all(entry, {n: 100 + i for i, n in enumerate(anew)}),
-            timeout=SETTLE_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
-        made = await read(entry, anew)
-        assert {v for v, _ in made.values()} == {1}, made
+        await kill_and_write_anew(victim, clients, entry, anew)
 
         back = await start(procs, tmp_path, "n2", "1", ports[2], [first])
         assert back.node_id == victim.node_id
@@ -180,17 +192,7 @@ async def test_keys_written_anew_keep_growing_where_a_member_that_joined_meanwhi
         placement = placement_of((await entry.info()).topology)
         its = [n for n in names if placement.primary(n, set(clients)) == victim.node_id]
 
-        await victim.kill()
-        survivors = {m: c for m, c in clients.items() if m != victim.node_id}
-        await until_seen_as(survivors, victim.node_id, "failed")
-        await eventually(
-            lambda: write_all(entry, {n: 100 + i for i, n in enumerate(its)}),
-            timeout=SETTLE_TIMEOUT,
-            interval=POLL,
-            retry_on=RETRY,
-        )
-        made = await read(entry, its)
-        assert {v for v, _ in made.values()} == {1}, made
+        survivors = await kill_and_write_anew(victim, clients, entry, its)
         joined = await start(procs, tmp_path, "n3", "1", ports[3], [first])
         survivors[joined.node_id] = clients[joined.node_id] = await stack.enter_async_context(
             joined.client()
