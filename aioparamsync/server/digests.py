@@ -103,13 +103,12 @@ async def lift(store: ParameterStore, cluster: ClusterView | None, request: Any)
     store.read(names)  # (checks the request's size)
     if any(floor < 1 for floor in floors.values()):
         raise RequestError(ErrorCode.BAD_REQUEST, "lift: a floor must be at least 1")
-    mine = dict(floors)
+    mine = floors
     if cluster is not None:
         if cluster.settling is not None:
             await cluster.settling
         me, placement, live = cluster.me.node_id, cluster.placement, cluster.live
-        if cluster.state not in LIVE or cluster.fenced() is not None:
-            mine = {}
-        mine = {n: f for n, f in mine.items() if placement.primary(n, live) == me}
+        may = cluster.state in LIVE and cluster.fenced() is None
+        mine = {n: f for n, f in floors.items() if may and placement.primary(n, live) == me}
     await store.lift(mine)
     return digest_for(store, thrift.DigestRequest(names=names))
