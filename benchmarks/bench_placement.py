@@ -48,6 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aioparamsync.cluster.balance import GAIN as BALANCE_GAIN
 from aioparamsync.cluster.balance import SLACK as BALANCE_SLACK
 from aioparamsync.placement import Placement, partition_key, replicas
 
@@ -136,7 +137,9 @@ def within(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a[:, :, None] == b[:, None, :]).any(axis=2)
 
 
-def balance_rounds(sizes: np.ndarray, primary: np.ndarray, n: int, slack: float) -> int:
+def balance_rounds(
+    sizes: np.ndarray, primary: np.ndarray, n: int, slack: float, gain: float
+) -> int:
     """Rounds of every member (in index order) claiming as ``plan`` does, until none
     claims (``aioparamsync.cluster.balance``; vectorized here): ``primary`` (each key's
     primary, an index < ``n``) is changed in place; answers how many keys were claimed."""
@@ -149,14 +152,18 @@ def balance_rounds(sizes: np.ndarray, primary: np.ndarray, n: int, slack: float)
             low, high = mean * (1 - slack), mean * (1 + slack)
             if load[me] >= mean or (load[me] >= low and (load < low).any()):
                 continue
-            top = mean * (1 + 2 * slack)
-            over = (load > top) | ((load > mean) & (load[me] < low))
-            candidates = np.flatnonzero(over[primary] & (primary != me))
+            top, even, least = mean * (1 + 2 * slack), mean * (1 + gain), mean * gain
+            candidates = np.flatnonzero((load > mean)[primary] & (primary != me))
             order = candidates[np.lexsort((candidates, -sizes[candidates]))]
             for key in order.tolist():
                 size, donor = sizes[key], primary[key]
+                if load[donor] - size < low:
+                    continue
                 gives = load[donor] > top or (load[donor] > mean and load[me] < low)
-                if gives and load[me] + size <= high and load[donor] - size >= low:
+                evens = load[me] < mean < even < load[donor] and (
+                    load[me] + size <= load[donor] - least
+                )
+                if (gives and load[me] + size <= high) or evens:
                     primary[key] = me
                     load[me] += size
                     load[donor] -= size
@@ -244,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                 # Balanced by bytes (claims): rounds until stable, then a join and
                 # rounds again; what moved is measured against the joiner's share.
                 before = b[:, 0].copy()
-                claims = balance_rounds(sizes, before, n, BALANCE_SLACK)
+                claims = balance_rounds(sizes, before, n, BALANCE_SLACK, BALANCE_GAIN)
                 balanced = np.bincount(before, weights=sizes, minlength=n)[:n]
                 claimed = before != b[:, 0]
                 after = np.where(claimed, before, j[:, 0])  # (claims keep their claimer)
-                balance_rounds(sizes, after, n + 1, BALANCE_SLACK)
+                balance_rounds(sizes, after, n + 1, BALANCE_SLACK, BALANCE_GAIN)
                 moved = after != before
                 stray_moves = moved & (after != joined)
                 rebalanced = np.bincount(after, weights=sizes, minlength=n + 1)
@@ -307,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if balanced_rows:
         print()
         print(
-            f"Balanced by bytes (claims, R=1 primaries; slack {BALANCE_SLACK:g}): rounds until "
+            f"Balanced by bytes (claims, R=1 primaries; slack {BALANCE_SLACK:g}, gain "
+            f"{BALANCE_GAIN:g}): rounds until "
             "none claims, then a join, and rounds again"
         )
         head = "    N | hashed max/mean | balanced max/mean  claims | after a join: max/mean"

@@ -14,14 +14,23 @@ or claiming, no epoch change in the round), runs a round:
    mean by more than twice ``SLACK`` (or above the mean at all, when this
    member is below it by more than ``SLACK``), largest first, each one only if it leaves
    this member at most ``SLACK`` above the mean and the member it comes from
-   at most ``SLACK`` below (so no move makes another one needed back);
+   at most ``SLACK`` below (so no move makes another one needed back); and,
+   while it is below the mean, any key that *evens it out* with a member more
+   than ``GAIN`` above the mean: the fuller of the two ends lower by ``GAIN`` of
+   the mean at least, the member it comes from not below the slack (each such
+   move lowers the sum of the loads' squares by a bounded amount, and none takes
+   a member below the slack, so rounds end);
 4. it claims them (:meth:`.Transitions.claim`: pulled first, then its own;
    nothing moves but toward the claimer, and a key moves as at a join).
 
 Only members below the mean act, each for itself, so a round moves bytes
 toward those that have too few, and about their shortfall: few large keys and
 many small ones alike come within ``SLACK`` of the mean (a key larger than the
-slack moves whole, or not at all). Claims of keys no longer held anywhere
+slack moves whole, or not at all), and then as near it as whole keys allow: the
+fullest member ends within ``GAIN`` of the mean, or none of its keys evens it
+out with a member below the mean. (With 4 MiB keys, each 8% of a member's share,
+``SLACK`` alone left a model's fullest member 8% above the mean.) Claims of keys
+no longer held anywhere
 are dropped at the next claim. A member joining takes its rendezvous share,
 then claims the rest of its share. Claims are only this member's word, told
 with its state: one that restarts claims nothing until its next round.
@@ -51,7 +60,7 @@ from .links import LinkState
 if TYPE_CHECKING:
     from .membership import Cluster
 
-__all__ = ["DEFAULT_BALANCE_INTERVAL", "MAX_CLAIMS", "SLACK", "Balancer", "plan"]
+__all__ = ["DEFAULT_BALANCE_INTERVAL", "GAIN", "MAX_CLAIMS", "SLACK", "Balancer", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BALANCE_INTERVAL = 10.0
 # How far from the mean a member's load may be (a fraction of it).
 SLACK = 0.05
+# Within twice the slack, how much a move must lower the fuller of the two members
+# (a fraction of the mean; see the module, step 3).
+GAIN = 0.02
 # The most keys a member claims.
 MAX_CLAIMS = 10_000
 # The most keys a round looks at (past it, no round: the digests would be too large).
@@ -87,19 +99,31 @@ def plan(
     if load[me] >= low and any(load[m] < low for m in members):
         return []  # (the members short by more than the slack take first: after a join, it)
 
+    even = mean * (1 + GAIN)
+    least = mean * GAIN
+
     def gives(donor: str) -> bool:
         # (a member above twice the slack gives to any below the mean; one above the
         # mean only to one below the slack: a join's smaller mean moves few keys)
         return load[donor] > over or (load[donor] > mean and load[me] < low)
 
+    def takes(size: int, donor: str) -> bool:
+        if load[donor] - size < low:
+            return False
+        if gives(donor) and load[me] + size <= high:
+            return True
+        # (or, below the mean still, it evens the two out: it ends `least` below the
+        # donor's load before at least, which lowers the sum of the loads' squares)
+        return load[me] < mean < even < load[donor] and load[me] + size <= load[donor] - least
+
     candidates = sorted(
-        (k for k, owner in primary_of.items() if owner != me and gives(owner)),
+        (k for k, owner in primary_of.items() if owner != me and load[owner] > mean),
         key=lambda k: (-sizes[k], k),
     )
     chosen = []
     for key in candidates:
         size, donor = sizes[key], primary_of[key]
-        if gives(donor) and load[me] + size <= high and load[donor] - size >= low:
+        if takes(size, donor):
             chosen.append(key)
             load[me] += size
             load[donor] -= size
