@@ -542,6 +542,11 @@ struct DigestRequest {
     4: optional list<string> names,
     // With for_node: the claims placement counts (see Topology.claims).
     5: optional map<string, string> claims,
+    // A hand-off asks (the caller drops the keys answered): only the keys the
+    // node will hold by its own view, now or in the pending placement; none
+    // while it leaves or has left. A caller whose view is behind takes it for
+    // a holder it no longer is.
+    6: optional bool handing,
 }
 
 // Between members: raise keys' versions (see lift). A node back with its data

@@ -271,6 +271,46 @@ async def test_digest_for_refuses_a_node_outside_its_members(sharded: list[Node]
             await client.call("digest_for", request=None)
 
 
+async def test_a_hand_off_is_answered_only_the_keys_the_node_will_hold() -> None:
+    """A member whose view is behind may hand a key to a node that no longer holds it
+    (it is leaving, and handed the key on already; a claim took it): were it answered
+    that the node holds the key, both would drop it. Asked by a hand-off, a node answers
+    only the keys it will hold by its own view, and none while it leaves; asked by
+    anything else, every key named that it holds."""
+    from aioparamsync.placement import LEAVING
+    from aioparamsync.values.arrays import to_parameter
+
+    cluster = LocalCluster(repair_interval=60.0, replication_factor=1)  # (no rounds)
+    try:
+        a = await cluster.start()
+        b = await cluster.start(peers=[a])
+        await cluster.formed([a, b])
+        live = {a.node_id, b.node_id}
+        name = next(n for n in NAMES if a.cluster.placement.primary(n, live) == a.node_id)
+        async with ParameterClient(a.address, timeout=10) as client:
+            await client.update_arrays({name: np.ones(4, np.float32)})
+        # b keeps a copy too (as a node keeps a key until its new holders confirm it)
+        copy = to_parameter(name, np.ones(4, np.float32), version=1)
+        copy.origin = a.table.entry(name).origin
+        await b.store.update([copy], b.store.timestamp, replicated=True)
+
+        async def answered(node: Node, handing: bool | None) -> list[tuple[str, int]]:
+            request = thrift.DigestRequest(names=[name, "nowhere"], handing=handing)
+            async with ParameterClient(node.address, timeout=10, route=False) as there:
+                digest = await there.call("digest_for", request=request)
+            return [(d.name, d.version) for d in digest]
+
+        assert await answered(a, True) == [(name, 1)]  # (its primary)
+        for handing in (None, False):
+            assert await answered(b, handing) == [(name, 1)]
+        assert await answered(b, True) == []  # (no replica of it, by its view)
+        a.cluster.set_state(LEAVING)
+        assert await answered(a, True) == []
+        assert await answered(a, None) == [(name, 1)]
+    finally:
+        await cluster.close()
+
+
 async def test_lift_raises_the_keys_a_node_is_the_primary_of_and_replicates_them(
     sharded: list[Node],
 ) -> None:

@@ -246,7 +246,7 @@ class Rebalancer:
         step, table = self.cluster.batch_params, self.cluster.store.table
         for i in range(0, len(entries), step):
             batch = entries[i : i + step]
-            request = thrift.DigestRequest(names=[e.name for e in batch])
+            request = thrift.DigestRequest(names=[e.name for e in batch], handing=True)
             digest = await client.invoke(METHODS.digest_for, request=request)
             theirs = {d.name: d for d in digest}
             covered = [e for e in batch if (d := theirs.get(e.name)) and covers(table, d, e)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ErrorCode, RequestError
-from ..placement import LIVE, Placement, bucket_key
+from ..placement import LEAVING, LEFT, LIVE, Placement, bucket_key
 from ..store.rows import RowTables
 from ..store.table import ParameterTable
 from ..store.writer import ParameterStore
@@ -57,9 +57,19 @@ def bucket_digest(tables: RowTables) -> list[Any]:
     ]
 
 
-def digest_for(store: ParameterStore, request: Any) -> list[Any]:
+def digest_for(
+    store: ParameterStore, request: Any, cluster: ClusterView | None = None
+) -> list[Any]:
     """The keys ``request`` asks of (the IDL's ``DigestRequest``): those named, or
     those its ``for_node`` holds by its ``members`` and ``replication_factor``.
+
+    Asked by a hand-off (``handing``: the caller drops what this answers), of those
+    only the keys this node will hold by its own view (``cluster``), and none while
+    it leaves or has left. A caller whose view is behind may take this node for a
+    holder it no longer is: a leaving node that handed a key on already, or one a
+    claim took the key from. Were the key answered, the caller would drop it too,
+    and it would be gone once this node drops or leaves with its own copy; not
+    answered, the caller keeps it until its view shows where the key goes.
 
     Raises:
         RequestError: (BAD_REQUEST) a request that is missing or does not hold together,
@@ -81,6 +91,10 @@ def digest_for(store: ParameterStore, request: Any) -> list[Any]:
             raise RequestError(ErrorCode.BAD_REQUEST, "replication_factor must not be negative")
         placement = Placement(request.members, r, request.claims)
         names = [n for n in names if placement.holds(request.for_node, n)]
+    if request.handing and cluster is not None:
+        if cluster.state in (LEAVING, LEFT):
+            return []
+        names = [n for n in names if cluster.holds_here(n)]
     return [_entry(table, n) for n in names]
 
 

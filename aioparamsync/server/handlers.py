@@ -575,7 +575,7 @@ class ParameterService:
         return method.result(success=self._topology_now())
 
     def _digest_for(self, method: Method, args: Any) -> Any:
-        return method.result(success=digest_for(self.store, args.request))
+        return method.result(success=digest_for(self.store, args.request, self.cluster))
 
     def _lift(self, method: Method, args: Any) -> asyncio.Future:
         lifted = lift(self.store, self.cluster, args.request)
