@@ -513,6 +513,34 @@ def test_a_tables_fold_where_the_gradients_lie_is_the_blocks_own(
             assert values.tobytes() == theirs[name].tobytes(), (bucket, name)
 
 
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_a_large_push_found_and_folded_in_parts_is_the_blocks_own(rule: str) -> None:
+    """A push of 2 MiB or more is found (each id's bucket and slot) and folded in parts
+    on two cores at once: the same rows, state and versions as each block's fold."""
+    from aioparamsync.store.rows import RowTable, table_spec
+    from aioparamsync.values import parallel
+
+    wire = thrift.Table(name="t", dim=16, buckets=16, rule=thrift.Rule(kind=rule, lr=0.1))
+    by_table, by_block = RowTable(table_spec(wire)), RowTable(table_spec(wire))
+    rng = np.random.default_rng(7)
+    ids = rng.choice(2**40, 40_000, replace=False).astype(np.int64)  # (2.56 MB of rows)
+    old = parallel.set_threads(2)
+    try:
+        for step in range(3):  # (made, then found: in the index, from either part)
+            grads = rng.standard_normal((len(ids), 16)).astype(np.float32)
+            by_table.fold(ids, grads, 1.0 + step)
+            for bucket, positions in by_block.by_bucket(ids):
+                by_block.block(bucket).fold(ids[positions], grads[positions], 1.0 + step)
+            ids = rng.permutation(ids)
+    finally:
+        parallel.set_threads(old)
+    assert set(by_table.blocks) == set(by_block.blocks)
+    for bucket, block in by_table.blocks.items():
+        mine, theirs = block.export(), by_block.blocks[bucket].export()
+        for name, values in mine.items():
+            assert values.tobytes() == theirs[name].tobytes(), (bucket, name)
+
+
 class _Counted:
     """A compiled module whose ``fold_held`` calls are counted."""
 

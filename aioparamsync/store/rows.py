@@ -366,7 +366,12 @@ class RowTable:
         held = np.array([0 if a is None else min(map(len, a[1:])) for a in layouts], np.int64)
         index = [None if a is None else a[0] for a in layouts]
         slot_ids = [None if a is None else a[1] for a in layouts]
-        _crows.locate(index, slot_ids, held, ids, slots, owner)
+        locate = _crows.locate
+
+        def walk(p: slice) -> None:  # (each id found alone: parts on several cores at once)
+            locate(index, slot_ids, held, ids[p], slots[p], owner[p])
+
+        in_parts(walk, len(ids), self.spec.dtype.itemsize * self.spec.dim)
         return layouts
 
     def assign(
