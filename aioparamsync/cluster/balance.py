@@ -16,10 +16,10 @@ or claiming, no epoch change in the round), runs a round:
    this member at most ``SLACK`` above the mean and the member it comes from
    at most ``SLACK`` below (so no move makes another one needed back); and,
    while it is below the mean, any key that *evens it out* with a member more
-   than ``GAIN`` above the mean: the fuller of the two ends lower by ``GAIN`` of
-   the mean at least, the member it comes from not below the slack (each such
-   move lowers the sum of the loads' squares by a bounded amount, and none takes
-   a member below the slack, so rounds end);
+   than ``GAIN`` above the mean: this member ends ``GAIN`` of the mean below that
+   member's load before at least, and that member not below the slack (each such
+   move lowers the sum of the loads' squares, and none takes a member below the
+   slack, so rounds end);
 4. it claims them (:meth:`.Transitions.claim`: pulled first, then its own;
    nothing moves but toward the claimer, and a key moves as at a join).
 
@@ -68,8 +68,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BALANCE_INTERVAL = 10.0
 # How far from the mean a member's load may be (a fraction of it).
 SLACK = 0.05
-# Within twice the slack, how much a move must lower the fuller of the two members
-# (a fraction of the mean; see the module, step 3).
+# How far above the mean a member may stay before one below the mean evens the two
+# out, and how far below its load before the taker ends at least (a fraction of the
+# mean; see the module, step 3).
 GAIN = 0.02
 # The most keys a member claims.
 MAX_CLAIMS = 10_000
