@@ -151,6 +151,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"seconds of workload per run (default {options.DEFAULT_DURATION:g}); env "
         f"{options.ENV['duration']}",
     )
+    group.addoption(
+        "--chaos-log-level",
+        metavar="LEVEL",
+        help=f"the nodes' log level, one of {', '.join(options.LOG_LEVELS)} (default "
+        f"{options.LOG_LEVELS[0]}; a failed run keeps every node's log); env "
+        f"{options.ENV['log_level']}",
+    )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -322,6 +322,41 @@ def test_the_options_refuse_what_is_not_a_seed_a_count_or_a_duration(
         options.seeds_to_run(seed, seeds, duration, env, (1,))
 
 
+def test_the_nodes_log_level_is_the_options_else_its_variables_else_warning() -> None:
+    assert options.log_level(None, {}) == "warning"
+    assert options.log_level("INFO", {}) == "info"
+    env = {"AIOPARAMSYNC_CHAOS_LOG_LEVEL": " debug "}
+    assert options.log_level(None, env) == "debug"
+    assert options.log_level("error", env) == "error"  # (the option wins)
+    with pytest.raises(ValueError, match="a log level is one of warning, info, debug, error"):
+        options.log_level("loud", {})
+    with pytest.raises(ValueError, match="AIOPARAMSYNC_CHAOS_LOG_LEVEL: a log level"):
+        options.log_level(None, {"AIOPARAMSYNC_CHAOS_LOG_LEVEL": ""})
+
+
+@pytest.mark.chaos
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_failed_run_keeps_every_nodes_whole_log_at_the_level_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real node processes, a short run of CI's first seed, judged failed here: every
+    node's log (at info) is kept in the run's directory, one file a node process."""
+    from chaos import run as chaos_run
+
+    monkeypatch.setattr(chaos_run, "check", lambda plan, history, final: ["judged failed"])
+    result = await chaos_run.run_seed(CI_SEEDS[0], 0.5, tmp_path, log_level="info")
+    assert result.violations == ["judged failed"]
+    logs = _kept_logs(tmp_path)
+    assert len(logs) >= result.plan.nodes, list(logs)
+    for path, text in logs.items():
+        assert " INFO aioparamsync." in text, path
+
+
+def _kept_logs(directory: Path) -> dict[str, str]:
+    """The nodes' logs a run kept in ``directory``, by file name."""
+    return {p.name: p.read_text() for p in sorted(directory.glob("node-*.log"))}
+
+
 def test_the_replay_command_names_the_seed_and_a_duration_not_the_default() -> None:
     assert options.replay_command(12, 6.0, {}) == (
         "python -m pytest tests/test_randomized_cluster.py --chaos-seed 12"
@@ -360,3 +395,5 @@ def test_a_session_told_a_bad_seed_or_duration_stops_naming_it() -> None:
     assert rc != 0 and "chaos: a seed is a whole number >= 0, not 'abc'" in out, out
     rc, out = _collect(env={"AIOPARAMSYNC_CHAOS_DURATION": "forever"})
     assert rc != 0 and "AIOPARAMSYNC_CHAOS_DURATION: a duration is seconds" in out, out
+    rc, out = _collect("--chaos-log-level", "loud")
+    assert rc != 0 and "chaos: a log level is one of warning, info" in out, out

@@ -8,7 +8,8 @@ A failure shows the seed, one line of what the run did, the violations, the end 
 node's log, and the command that runs that seed again.
 
 A session runs the fixed seeds below (about 3 minutes on 2 cores), or the seeds the options
-say (``--chaos-seed S``, ``--chaos-seeds N``, ``--chaos-duration D``; see
+say (``--chaos-seed S``, ``--chaos-seeds N``, ``--chaos-duration D``, ``--chaos-log-level
+L``; see
 ``tests/chaos/options.py``). They are marked ``chaos``: ``-m "not chaos"`` leaves them out.
 The nodes run in their own processes; this test's loop runs the clients and the proxies, so
 it runs on one loop (asyncio's own).
@@ -45,6 +46,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             os.environ,
             CI_SEEDS,
         )
+        options.log_level(config.getoption("--chaos-log-level"), os.environ)  # (checked)
     except ValueError as exc:
         raise pytest.UsageError(f"chaos: {exc}") from None
     # (each run's bound: the setup, the workload, the heal's settling, and the ops' tail)
@@ -57,9 +59,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.mark.chaos
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_a_randomized_run_violates_nothing(
-    chaos_seed: int, chaos_duration: float, tmp_path: Path
+    chaos_seed: int, chaos_duration: float, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    result = await run_seed(chaos_seed, chaos_duration, tmp_path)
+    level = options.log_level(request.config.getoption("--chaos-log-level"), os.environ)
+    result = await run_seed(chaos_seed, chaos_duration, tmp_path, log_level=level)
     report = result.report()
     options.REPORTS.append(report)
     print(report)
@@ -70,7 +73,8 @@ async def test_a_randomized_run_violates_nothing(
         (tmp_path / "violations.txt").write_text(verdict)  # (kept with the history)
         pytest.fail(
             f"{verdict}history: {tmp_path / 'history.json'}, violations: "
-            f"{tmp_path / 'violations.txt'} (pytest's --basetemp DIR keeps them)\n"
+            f"{tmp_path / 'violations.txt'}, the nodes' logs: {tmp_path / 'node-*.log'} "
+            f"(pytest's --basetemp DIR keeps them)\n"
             f"replay: {options.replay_command(chaos_seed, chaos_duration, os.environ)}",
             pytrace=False,
         )

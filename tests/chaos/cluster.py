@@ -93,9 +93,10 @@ class Slot:
 class ChaosCluster:
     """The nodes of one run (see the module); :meth:`close` stops everything it started."""
 
-    def __init__(self, plan: Plan, tmp: Path) -> None:
+    def __init__(self, plan: Plan, tmp: Path, log_level: str = "warning") -> None:
         self.plan = plan
         self.tmp = tmp
+        self.log_level = log_level  # (every node's --log-level)
         self.procs = ProcessCluster(REPAIR_INTERVAL, str(plan.replication))
         self.slots: list[Slot] = []
         self.etcd: Etcd | None = None
@@ -134,7 +135,7 @@ class ChaosCluster:
             "--drain-timeout",
             str(DRAIN_TIMEOUT),
             "--log-level",
-            "warning",
+            self.log_level,
             "--balance-interval",
             str(BALANCE_INTERVAL),
         ]
@@ -222,6 +223,17 @@ class ChaosCluster:
 
     def show_logs(self, tail: int = 40) -> None:
         self.procs.show_logs(tail)
+
+    def save_logs(self, into: Path) -> list[Path]:
+        """Every node process's whole log so far into ``into``, one file each
+        (``node-<n>-<its port>.log``, in the order they started: a restart is another)."""
+        saved = []
+        for n, node in enumerate(self.procs.started):
+            port = (node.node_id or "unknown").rpartition(":")[2]
+            path = into / f"node-{n}-{port}.log"
+            path.write_text("".join(node.stderr_lines))
+            saved.append(path)
+        return saved
 
     async def close(self) -> None:
         await self.procs.close()

@@ -4,9 +4,11 @@ Theory of operation. ``--chaos-seed S`` (``AIOPARAMSYNC_CHAOS_SEED``) runs seed 
 replay of a failure. ``--chaos-seeds N`` (``AIOPARAMSYNC_CHAOS_SEEDS``) runs N seeds from S on
 (S, S+1, ...), or from a seed drawn now (printed) when no S is given: a longer search.
 ``--chaos-duration D`` (``AIOPARAMSYNC_CHAOS_DURATION``) gives each run D seconds of workload
-(the plan depends on it: a replay gives the same D). Given neither a seed nor a count, a
-session runs the fixed seeds CI runs. An option wins over its variable; a value that is not
-what it should be stops the session with a message naming it.
+(the plan depends on it: a replay gives the same D). ``--chaos-log-level L``
+(``AIOPARAMSYNC_CHAOS_LOG_LEVEL``) is the nodes' ``--log-level`` (warning unless told; info
+for a hunt: a failed run keeps every node's whole log beside its history). Given neither a
+seed nor a count, a session runs the fixed seeds CI runs. An option wins over its variable;
+a value that is not what it should be stops the session with a message naming it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from collections.abc import Mapping, Sequence
 __all__ = [
     "DEFAULT_DURATION",
     "MAX_DURATION",
+    "LOG_LEVELS",
     "MAX_SEEDS",
     "REPORTS",
+    "log_level",
     "parse_count",
     "parse_duration",
+    "parse_log_level",
     "parse_seed",
     "replay_command",
     "seeds_to_run",
@@ -34,7 +39,10 @@ ENV = {
     "seed": "AIOPARAMSYNC_CHAOS_SEED",
     "seeds": "AIOPARAMSYNC_CHAOS_SEEDS",
     "duration": "AIOPARAMSYNC_CHAOS_DURATION",
+    "log_level": "AIOPARAMSYNC_CHAOS_LOG_LEVEL",
 }
+#: the nodes' log levels (``aioparamsync-node --log-level``), the default first
+LOG_LEVELS = ("warning", "info", "debug", "error")
 #: one report line per run of this session (conftest prints them at its end)
 REPORTS: list[str] = []
 
@@ -84,6 +92,28 @@ def parse_duration(text: str) -> float:
             f"a duration is seconds above 0 and at most {MAX_DURATION:g}, not {text!r}"
         )
     return seconds
+
+
+def parse_log_level(text: str) -> str:
+    """A node's log level: one of ``LOG_LEVELS``, in any case.
+
+    Raises:
+        ValueError: anything else.
+    """
+    level = text.strip().lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"a log level is one of {', '.join(LOG_LEVELS)}, not {text!r}")
+    return level
+
+
+def log_level(option: str | None, env: Mapping[str, str]) -> str:
+    """The nodes' log level: the option's, else its variable's, else warning.
+
+    Raises:
+        ValueError: an option or variable that is not a log level (named).
+    """
+    level = _given(option, env, "log_level", parse_log_level)
+    return LOG_LEVELS[0] if level is None else str(level)
 
 
 def _given(option: str | None, env: Mapping[str, str], what: str, parse: object) -> object:

@@ -68,11 +68,12 @@ def _row_rule(kind: str) -> Any:
     return {"sgd": sgd, "adagrad": adagrad, "adam": adam}[kind](lr)
 
 
-async def run_seed(seed: int, duration: float, tmp: Path) -> Result:
-    """Run seed ``seed`` for ``duration`` seconds of workload, in directory ``tmp``."""
+async def run_seed(seed: int, duration: float, tmp: Path, log_level: str = "warning") -> Result:
+    """Run seed ``seed`` for ``duration`` seconds of workload, in directory ``tmp``, the
+    nodes logging at ``log_level`` (a failed run keeps their logs there: ``node-*.log``)."""
     plan = make_plan(seed, duration)
     print(f"seed {seed}: {plan.summary()}")
-    cluster = ChaosCluster(plan, tmp)
+    cluster = ChaosCluster(plan, tmp, log_level)
     history = History()
     failed = True
     try:
@@ -100,6 +101,7 @@ async def run_seed(seed: int, duration: float, tmp: Path) -> Result:
     finally:
         if failed:
             cluster.show_logs()
+            cluster.save_logs(tmp)
         await cluster.close()
 
 
