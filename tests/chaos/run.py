@@ -101,7 +101,8 @@ async def run_seed(seed: int, duration: float, tmp: Path, log_level: str = "warn
     finally:
         if failed:
             cluster.show_logs()
-            cluster.save_logs(tmp)
+            with contextlib.suppress(OSError):  # (not in place of the run's own error)
+                cluster.save_logs(tmp)
         await cluster.close()
 
 
