@@ -214,12 +214,7 @@ async def test_a_leaving_node_takes_no_rows_handed_to_it_but_its_primaries_repli
     try:
         a = await local.start()
         b = await local.start(peers=[a])
-
-        def formed() -> None:
-            for node in (a, b):
-                assert node.cluster.state == "up" and len(node.cluster.live) == 2
-
-        await eventually(formed)
+        await local.formed([a, b])
         async with ParameterClient(a.address, timeout=10) as client:
             await client.create_table("emb", 4, rule=sgd(1.0), buckets=BUCKETS)
             await client.push_row_gradients("emb", IDS, np.ones((len(IDS), 4), np.float32))
